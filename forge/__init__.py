@@ -1,0 +1,3 @@
+"""forge: inheritable templates to resumable PyTorch training jobs."""
+
+__version__ = "0.1.0"
