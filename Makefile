@@ -1,0 +1,43 @@
+# Quick start: `make demo` trains the default project, `make test` runs the tests.
+# Both create .venv if it is missing and install forge with its dependencies first.
+
+VENV ?= .venv
+PY := $(VENV)/bin/python
+FORGE := $(VENV)/bin/forge
+STAMP := $(VENV)/.forge-installed
+PROJECT := projects/tiny_lm
+
+# On a machine without an NVIDIA GPU, install the CPU build of torch first; with a GPU,
+# pip's default (CUDA) build is used. Override with `make TORCH_SPEC=... setup`.
+HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1 && echo yes)
+ifeq ($(HAS_GPU),yes)
+TORCH_SPEC ?= torch
+else
+TORCH_SPEC ?= torch==2.13.0
+endif
+
+.PHONY: setup demo test test-all bench lint clean-demo
+
+setup: $(STAMP)
+
+$(STAMP): pyproject.toml
+	@test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install --quiet "$(TORCH_SPEC)"
+	$(PY) -m pip install --quiet -e ".[dev]"
+	@touch $(STAMP)
+
+demo: $(STAMP)
+	@bash scripts/demo.sh $(PROJECT)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+test-all: $(STAMP)
+	$(PY) -m pytest -q -m ""
+
+bench: $(STAMP)
+	$(PY) bench/run.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .

@@ -1,0 +1,265 @@
+"""Run directories: ``<project>/output/<config>/run_NNN/`` and their ``run.json`` record.
+
+A run holds the rendered config exactly as trained (``config.yaml``), a ``run.json`` record
+(number, config, overrides, host, versions, status, checkpoint history, best), the metrics
+log, TensorBoard events and the checkpoints. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+RUN_PATTERN = re.compile(r"^run_(\d{3,})$")
+STATUSES = ("created", "running", "completed", "failed", "interrupted")
+VERSIONED_PACKAGES = (
+    "forge",
+    "torch",
+    "transformers",
+    "accelerate",
+    "torchdata",
+    "tokenizers",
+    "safetensors",
+    "peft",
+)
+
+
+class RunError(Exception):
+    """A run directory is missing or cannot be used; the message says which and why."""
+
+
+def now_iso() -> str:
+    return _dt.datetime.now().astimezone().isoformat(timespec="seconds")
+
+
+def config_output_dir(output_root: Path, config_name: str) -> Path:
+    """``output/<config>`` for a config name such as ``train.yaml`` or ``sub/x.yaml``."""
+    stem = config_name[:-5] if config_name.endswith(".yaml") else config_name
+    return output_root / stem
+
+
+def run_number(run_dir: Path) -> int | None:
+    match = RUN_PATTERN.match(Path(run_dir).name)
+    return int(match.group(1)) if match else None
+
+
+def list_run_dirs(config_dir: Path) -> list[Path]:
+    """Runs of one config, oldest first."""
+    if not config_dir.is_dir():
+        return []
+    runs = [p for p in config_dir.iterdir() if p.is_dir() and run_number(p) is not None]
+    return sorted(runs, key=lambda p: run_number(p) or 0)
+
+
+def all_run_dirs(output_root: Path) -> list[Path]:
+    """Every run of a project (any config), by creation time, oldest first."""
+    if not output_root.is_dir():
+        return []
+    found = [p.parent for p in output_root.rglob("run_*/run.json") if run_number(p.parent)]
+    return sorted(found, key=lambda p: (RunRecord.load(p).data.get("created", ""), str(p)))
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON next to ``path`` and rename it into place, so readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def package_versions() -> dict[str, str]:
+    from importlib import metadata
+
+    versions = {"python": sys.version.split()[0]}
+    for name in VERSIONED_PACKAGES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue
+    return versions
+
+
+def git_commit(directory: Path) -> str | None:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=directory,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        )
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if out.returncode != 0:
+        return None
+    commit = out.stdout.strip()
+    dirty = subprocess.run(
+        ["git", "status", "--porcelain", "--untracked-files=no"],
+        cwd=directory,
+        capture_output=True,
+        text=True,
+        timeout=5,
+    )
+    return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
+
+
+@dataclass
+class RunRecord:
+    """The ``run.json`` of one run; every write is atomic."""
+
+    run_dir: Path
+    data: dict[str, Any]
+
+    @property
+    def path(self) -> Path:
+        return self.run_dir / "run.json"
+
+    @classmethod
+    def load(cls, run_dir: Path) -> RunRecord:
+        path = Path(run_dir) / "run.json"
+        try:
+            data = json.loads(path.read_text())
+        except FileNotFoundError as err:
+            raise RunError(f"{path}: missing; {run_dir} is not a forge run directory") from err
+        except json.JSONDecodeError as err:
+            raise RunError(f"{path}: not valid JSON ({err})") from err
+        return cls(Path(run_dir), data)
+
+    def save(self) -> None:
+        write_json_atomic(self.path, self.data)
+
+    def update(self, **fields: Any) -> None:
+        self.data.update(fields)
+        self.data["updated"] = now_iso()
+        self.save()
+
+    def set_status(self, status: str, **fields: Any) -> None:
+        assert status in STATUSES, status
+        self.update(status=status, **fields)
+
+    def add_checkpoint(
+        self, path: Path, step: int, metrics: dict[str, Any], best: dict[str, Any] | None
+    ) -> None:
+        entry = {
+            "step": step,
+            "path": os.path.relpath(path, self.run_dir),
+            "metrics": metrics,
+            "saved": now_iso(),
+        }
+        history = [c for c in self.data.get("checkpoints", []) if c.get("step") != step]
+        history.append(entry)
+        self.data["checkpoints"] = sorted(history, key=lambda c: c["step"])
+        self.data["step"] = step
+        if best:
+            self.data["best"] = best
+        self.update()
+
+
+def create_run(
+    config_dir: Path,
+    *,
+    config_name: str,
+    config_text: str,
+    project_root: Path,
+    overrides: list[str],
+    variables: dict[str, Any],
+    nproc: int,
+) -> Path:
+    """Create the next ``run_NNN`` under ``config_dir`` with its config and record.
+
+    Numbers are claimed with an exclusive ``mkdir``, so two launches at once get two runs.
+    """
+    config_dir.mkdir(parents=True, exist_ok=True)
+    existing = [run_number(p) or 0 for p in list_run_dirs(config_dir)]
+    number = max(existing, default=0) + 1
+    while True:
+        run_dir = config_dir / f"run_{number:03d}"
+        try:
+            run_dir.mkdir()
+            break
+        except FileExistsError:
+            number += 1
+    (run_dir / "config.yaml").write_text(config_text)
+    record = RunRecord(
+        run_dir,
+        {
+            "run": number,
+            "config": config_name,
+            "project": str(project_root),
+            "overrides": list(overrides),
+            "variables": {k: _jsonable(v) for k, v in variables.items()},
+            "created": now_iso(),
+            "updated": now_iso(),
+            "host": socket.gethostname(),
+            "command": sys.argv,
+            "git_commit": git_commit(project_root),
+            "versions": package_versions(),
+            "world_size": nproc,
+            "status": "created",
+            "step": 0,
+            "checkpoints": [],
+            "best": None,
+            "resumes": [],
+        },
+    )
+    record.save()
+    return run_dir
+
+
+def _jsonable(value: Any) -> Any:
+    try:
+        json.dumps(value)
+        return value
+    except TypeError:
+        return str(value)
+
+
+def find_run(
+    output_root: Path,
+    *,
+    number: int | None = None,
+    run_dir: Path | None = None,
+    config_name: str | None = None,
+) -> Path:
+    """The run to resume: an explicit dir, run ``number`` (of ``config_name`` if given), or
+    the newest run of the project."""
+    if run_dir is not None:
+        run_dir = Path(run_dir).resolve()
+        if not (run_dir / "run.json").is_file():
+            raise RunError(f"{run_dir} is not a forge run directory (no run.json)")
+        return run_dir
+    if config_name is not None:
+        candidates = list_run_dirs(config_output_dir(output_root, config_name))
+    else:
+        candidates = all_run_dirs(output_root)
+    if number is not None:
+        matching = [p for p in candidates if run_number(p) == number]
+        if not matching:
+            names = ", ".join(str(p.relative_to(output_root)) for p in candidates) or "none"
+            raise RunError(f"no run number {number} under {output_root} (runs: {names})")
+        if len(matching) > 1:
+            names = ", ".join(str(p.relative_to(output_root)) for p in matching)
+            raise RunError(
+                f"run number {number} exists for several configs ({names}); "
+                "add --config NAME or use --run-dir DIR"
+            )
+        return matching[0]
+    if not candidates:
+        raise RunError(f"no runs under {output_root}; start one with `forge train CONFIG`")
+    return candidates[-1]

@@ -1,0 +1,116 @@
+"""What every training process runs: rebuild the trainer from a run's saved config and train.
+
+``forge train`` renders and checks the config, creates the run directory and then runs
+:func:`run_worker` in-process (one process) or under torchrun (``--nproc`` > 1), where each
+rank calls it. The trainer never sees YAML: it is built from the ``trainer`` target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from pathlib import Path
+from typing import Any
+
+from forge.config import ConfigError, Problem, Project, parse_config
+from forge.runs import RunRecord, now_iso
+
+logger = logging.getLogger(__name__)
+
+TRAINER_TARGET = "trainer"
+
+
+def dist_env() -> tuple[int, int, int]:
+    """(rank, world_size, local_rank) as torchrun sets them; (0, 1, 0) otherwise."""
+    return (
+        int(os.environ.get("RANK", "0")),
+        int(os.environ.get("WORLD_SIZE", "1")),
+        int(os.environ.get("LOCAL_RANK", "0")),
+    )
+
+
+def build_variables(run_dir: Path, project: Project, config_name: str) -> dict[str, Any]:
+    """The values ``!var`` nodes may ask for at build time."""
+    rank, world_size, local_rank = dist_env()
+    return {
+        "run_dir": str(run_dir),
+        "project_dir": str(project.root),
+        "output_root": str(project.output_dir),
+        "config_name": config_name,
+        "rank": rank,
+        "world_size": world_size,
+        "local_rank": local_rank,
+    }
+
+
+def load_run_config(run_dir: Path, project: Project, allow: list[str] = ()):
+    """Parse and check a run's ``config.yaml``; ConfigError lists every problem."""
+    path = run_dir / "config.yaml"
+    cfg = parse_config(path.read_text(), project=project, allow=list(allow), origin=str(path))
+    problems = cfg.check()
+    if problems:
+        raise ConfigError(problems)
+    if TRAINER_TARGET not in cfg.targets:
+        message = (
+            f"no '{TRAINER_TARGET}' target; a training config defines `trainer:` "
+            "(extend 'base.yaml' and fill its trainer block)"
+        )
+        raise ConfigError([Problem(message=message, file=str(path), line=None, key_path=None)])
+    return cfg
+
+
+def make_run_record_callback(record: RunRecord):
+    """A trainer callback that keeps ``run.json`` current at every checkpoint."""
+    from forge.train import TrainerCallback
+
+    class RunRecordCallback(TrainerCallback):
+        def on_save(self, args, state, control, checkpoint_path=None, metrics=None, **kwargs):
+            best = None
+            if state.best_checkpoint is not None:
+                best = {
+                    "checkpoint": os.path.relpath(state.best_checkpoint, record.run_dir),
+                    "metric": args.metric_for_best_model,
+                    "value": state.best_metric,
+                }
+            record.add_checkpoint(Path(checkpoint_path), state.global_step, metrics or {}, best)
+
+    return RunRecordCallback()
+
+
+def run_worker(
+    run_dir: Path,
+    project: Project,
+    *,
+    resume_from: str | bool | None = None,
+    allow: list[str] = (),
+) -> int:
+    """Build the trainer from ``run_dir/config.yaml`` and train; returns the exit code."""
+    from forge.train import TrainingInterrupted
+
+    run_dir = Path(run_dir)
+    rank, world_size, _ = dist_env()
+    record = RunRecord.load(run_dir)
+    cfg = load_run_config(run_dir, project, allow)
+    variables = build_variables(run_dir, project, record.data.get("config", "config"))
+    trainer = cfg.build(TRAINER_TARGET, variables)
+    if rank == 0:
+        trainer.add_callback(make_run_record_callback(record))
+        record.set_status("running", world_size=world_size, started=now_iso())
+    try:
+        trainer.train(resume_from_checkpoint=resume_from)
+    except TrainingInterrupted as stop:
+        if rank == 0:
+            record = RunRecord.load(run_dir)
+            record.set_status("interrupted", signal=signal.Signals(stop.signum).name)
+        return 128 + int(stop.signum)
+    except BaseException as err:
+        if rank == 0:
+            record = RunRecord.load(run_dir)
+            status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
+            record.set_status(status, error=f"{type(err).__name__}: {err}")
+        raise
+    if rank == 0:
+        record = RunRecord.load(run_dir)
+        record.set_status("completed", finished=now_iso(), step=trainer.state.global_step)
+    return 0
