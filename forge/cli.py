@@ -97,7 +97,9 @@ def _load(args: argparse.Namespace, project: Project, *, check: bool = True):
 def _table(rows: list[list[str]], header: list[str]) -> str:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in cells]
+    lines = [
+        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in cells
+    ]
     return "\n".join(lines)
 
 
@@ -192,7 +194,6 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from forge.checkpoint import find_latest_checkpoint, validate_checkpoint
     from forge.config import parse_config
     from forge.runs import RunRecord, find_run, now_iso
 
@@ -204,13 +205,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
         run_dir=Path(args.run_dir) if args.run_dir else None,
         config_name=config,
     )
+    from forge.checkpoint import find_latest_checkpoint, validate_checkpoint
+
     if args.from_checkpoint:
         checkpoint = Path(args.from_checkpoint).resolve()
         problems = validate_checkpoint(checkpoint)
         if problems:
-            raise RuntimeFailure(
-                f"cannot resume from {checkpoint}:\n  " + "\n  ".join(problems)
-            )
+            raise RuntimeFailure(f"cannot resume from {checkpoint}:\n  " + "\n  ".join(problems))
     else:
         checkpoint = find_latest_checkpoint(run_dir / "checkpoints")
         if checkpoint is None:
@@ -473,7 +474,9 @@ def _sub(subparsers, name: str, help_text: str, func) -> argparse.ArgumentParser
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.set_defaults(func=func)
-    parser.add_argument("-v", "--verbose", action="store_true", help="show tracebacks and debug logs")
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="show tracebacks and debug logs"
+    )
     return parser
 
 
@@ -488,11 +491,29 @@ def _add_project(parser: argparse.ArgumentParser) -> None:
 
 def _add_config_inputs(parser: argparse.ArgumentParser, *, config: bool = True) -> None:
     if config:
-        parser.add_argument("config", nargs="?", metavar="CONFIG", help="config name (default: meta.yaml's default_config)")
+        parser.add_argument(
+            "config",
+            nargs="?",
+            metavar="CONFIG",
+            help="config name (default: meta.yaml's default_config)",
+        )
     _add_project(parser)
-    parser.add_argument("-D", "--define", action="append", metavar="VAR=VALUE", help="template variable (value parsed as YAML)")
-    parser.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key of the rendered YAML")
-    parser.add_argument("--allow", action="append", metavar="MODULE", help="allow callables from this module root")
+    parser.add_argument(
+        "-D",
+        "--define",
+        action="append",
+        metavar="VAR=VALUE",
+        help="template variable (value parsed as YAML)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY.PATH=VALUE",
+        help="override a key of the rendered YAML",
+    )
+    parser.add_argument(
+        "--allow", action="append", metavar="MODULE", help="allow callables from this module root"
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -522,10 +543,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-D", "--define", action="append", metavar="VAR=VALUE", help="template variable")
     p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
 
-    p = _sub(subparsers, "render", "print a config's rendered YAML (or its graph or template chain)", cmd_render)
+    p = _sub(
+        subparsers,
+        "render",
+        "print a config's rendered YAML (or its graph or template chain)",
+        cmd_render,
+    )
     _add_config_inputs(p)
     view = p.add_mutually_exclusive_group()
-    view.add_argument("--graph", action="store_true", help="show the node tree with callables resolved")
+    view.add_argument(
+        "--graph", action="store_true", help="show the node tree with callables resolved"
+    )
     view.add_argument("--chain", action="store_true", help="show the template files used, in order")
 
     p = _sub(subparsers, "build", "build one target of a config and print its repr", cmd_build)
@@ -544,21 +572,37 @@ def build_parser() -> argparse.ArgumentParser:
     which.add_argument("--run", type=int, metavar="N", help="run number (default: newest run)")
     which.add_argument("--run-dir", metavar="DIR", help="run directory")
     p.add_argument("--config", metavar="NAME", help="config whose runs --run numbers")
-    p.add_argument("--from", dest="from_checkpoint", metavar="CKPT", help="checkpoint to resume from")
-    p.add_argument("--set", action="append", metavar="KEY.PATH=VALUE", help="override a key of the run's config")
+    p.add_argument(
+        "--from", dest="from_checkpoint", metavar="CKPT", help="checkpoint to resume from"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY.PATH=VALUE",
+        help="override a key of the run's config",
+    )
     p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
     p.add_argument("--nproc", metavar="N|auto", help="processes (default: as the run was started)")
 
     p = _sub(subparsers, "runs", "table of a project's runs", cmd_runs)
     _add_project(p)
 
-    p = _sub(subparsers, "checkpoints", "table of checkpoints and whether each is valid", cmd_checkpoints)
+    p = _sub(
+        subparsers, "checkpoints", "table of checkpoints and whether each is valid", cmd_checkpoints
+    )
     _add_project(p)
     p.add_argument("--run", type=int, metavar="N", help="only this run number")
     p.add_argument("--run-dir", metavar="DIR", help="only this run directory")
-    p.add_argument("--verify", action="store_true", help="check every file's hash, not only its size")
+    p.add_argument(
+        "--verify", action="store_true", help="check every file's hash, not only its size"
+    )
 
-    p = _sub(subparsers, "generate", "sample text from a checkpoint (or a run's newest one)", cmd_generate)
+    p = _sub(
+        subparsers,
+        "generate",
+        "sample text from a checkpoint (or a run's newest one)",
+        cmd_generate,
+    )
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or run directory")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--num", type=int, default=1, help="number of samples")

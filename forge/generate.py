@@ -47,9 +47,10 @@ def generate_text(
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    if not (checkpoint / "tokenizer.json").exists() and not (
-        checkpoint / "tokenizer_config.json"
-    ).exists():
+    if (
+        not (checkpoint / "tokenizer.json").exists()
+        and not (checkpoint / "tokenizer_config.json").exists()
+    ):
         raise RuntimeFailure(
             f"{checkpoint} holds no tokenizer files; give the trainer a tokenizer to save"
         )

@@ -1,0 +1,165 @@
+"""Projects: a directory with meta.yaml and templates/configs/*.yaml."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+import forge
+
+from .errors import ConfigError, Problem, did_you_mean, suggestion
+
+logger = logging.getLogger(__name__)
+
+META_FILE = "meta.yaml"
+LIBRARY_DIR = Path(forge.__file__).parent / "templates"
+META_KEYS = ("name", "description", "default_config", "search_paths", "allowed_modules")
+CONFIG_SUFFIXES = (".yaml", ".yml")
+
+
+@dataclass
+class Project:
+    """A forge project as described by its meta.yaml."""
+
+    root: Path
+    name: str
+    description: str = ""
+    default_config: str | None = None
+    search_paths: list[Path] = field(default_factory=list)
+    allowed_modules: list[str] = field(default_factory=list)
+
+    @property
+    def templates_dir(self) -> Path:
+        return self.root / "templates"
+
+    @property
+    def configs_dir(self) -> Path:
+        return self.root / "templates" / "configs"
+
+    @property
+    def output_dir(self) -> Path:
+        return self.root / "output"
+
+    @property
+    def meta_file(self) -> Path:
+        return self.root / META_FILE
+
+    @property
+    def template_roots(self) -> list[Path]:
+        """Where templates are looked up, first match wins."""
+        return [self.templates_dir, *self.search_paths, LIBRARY_DIR]
+
+    def list_configs(self) -> list[str]:
+        """Config names relative to templates/configs, sorted (`["sub/x.yaml", "train.yaml"]`)."""
+        if not self.configs_dir.is_dir():
+            return []
+        return sorted(
+            p.relative_to(self.configs_dir).as_posix()
+            for p in self.configs_dir.rglob("*")
+            if p.is_file() and p.suffix in CONFIG_SUFFIXES
+        )
+
+    def resolve_config_name(self, name: str) -> str:
+        """Canonical config name for `train`, `train.yaml` or `configs/train.yaml`."""
+        available = self.list_configs()
+        candidate = name.replace("\\", "/")
+        for prefix in ("templates/configs/", "configs/"):
+            if candidate.startswith(prefix):
+                candidate = candidate[len(prefix) :]
+        tries = [candidate] + [candidate + s for s in CONFIG_SUFFIXES]
+        for t in tries:
+            if t in available:
+                return t
+        stems = {c.rsplit(".", 1)[0]: c for c in available}
+        close = did_you_mean(candidate, list(available) + list(stems))
+        close = list(dict.fromkeys(stems.get(c, c) for c in close))
+        hint = "did you mean " + " or ".join(repr(c) for c in close) + "?" if close else None
+        listing = ", ".join(available) if available else "none"
+        raise ConfigError(
+            Problem(
+                f"no config '{name}' in {self.configs_dir} (available: {listing})",
+                hint=hint,
+            )
+        )
+
+
+def load_project(root: str | Path) -> Project:
+    """Read and validate `root/meta.yaml`."""
+    root = Path(root).resolve()
+    meta_file = root / META_FILE
+    if not meta_file.is_file():
+        raise ConfigError(
+            Problem(f"{root} is not a forge project: no {META_FILE}", hint="create meta.yaml")
+        )
+    try:
+        meta = yaml.safe_load(meta_file.read_text(encoding="utf-8"))
+    except yaml.YAMLError as err:
+        mark = getattr(err, "problem_mark", None)
+        line = mark.line + 1 if mark is not None else None
+        raise ConfigError(Problem(f"invalid YAML: {err}", file=str(meta_file), line=line)) from None
+    meta = {} if meta is None else meta
+    if not isinstance(meta, dict):
+        raise ConfigError(Problem("must be a mapping of settings", file=str(meta_file)))
+    problems = []
+    for key in meta:
+        if key not in META_KEYS:
+            problems.append(
+                Problem(
+                    f"unknown key {key!r}{suggestion(str(key), META_KEYS)}",
+                    file=str(meta_file),
+                    key_path=str(key),
+                    hint="valid keys: " + ", ".join(META_KEYS),
+                )
+            )
+
+    def strings(key: str) -> list[str]:
+        value = meta.get(key) or []
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            problems.append(Problem("must be a list of strings", file=str(meta_file), key_path=key))
+            return []
+        return value
+
+    search_paths = []
+    for raw in strings("search_paths"):
+        path = (root / raw).resolve()
+        search_paths.append(path)
+        if not path.is_dir():
+            problems.append(
+                Problem(
+                    f"search path {raw!r} is not a directory ({path})",
+                    file=str(meta_file),
+                    key_path="search_paths",
+                )
+            )
+    allowed = strings("allowed_modules")
+    for key in ("name", "description", "default_config"):
+        if meta.get(key) is not None and not isinstance(meta[key], str):
+            problems.append(Problem("must be a string", file=str(meta_file), key_path=key))
+    if problems:
+        raise ConfigError(problems, config=META_FILE)
+    return Project(
+        root=root,
+        name=meta.get("name") or root.name,
+        description=meta.get("description") or "",
+        default_config=meta.get("default_config"),
+        search_paths=search_paths,
+        allowed_modules=allowed,
+    )
+
+
+def find_project(start: str | Path | None = None) -> Project:
+    """The project in `start` (default: the current directory) or its nearest ancestor."""
+    start = Path.cwd() if start is None else Path(start)
+    start = start.resolve()
+    for directory in (start, *start.parents):
+        if (directory / META_FILE).is_file():
+            logger.debug("found project at %s", directory)
+            return load_project(directory)
+    raise ConfigError(
+        f"no forge project found in {start} or its parents; pass -p DIR or create meta.yaml"
+    )

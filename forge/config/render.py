@@ -1,0 +1,249 @@
+"""Rendering a config: Jinja over forge's line syntax, along the project's search path.
+
+Render is pure: it reads templates and produces YAML text, never importing user code.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import yaml
+
+from .errors import ConfigError, Problem, display_path, suggestion
+from .project import Project
+from .syntax import (
+    STRIP_NEWLINES_FILTER,
+    split_templates,
+    strip_markers,
+    strip_newlines,
+    translate,
+)
+from .yaml_io import compose, parse_value
+
+logger = logging.getLogger(__name__)
+
+SourceMap = dict[int, "tuple[str, int] | None"]
+_NAME_RE = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_UNDEFINED_RE = re.compile(r"^'([A-Za-z_][A-Za-z0-9_]*)' is undefined$")
+
+
+@dataclass
+class RenderedConfig:
+    """YAML text of a config, the templates it came from, and where each line came from."""
+
+    text: str
+    chain: list[tuple[str, str]] = field(default_factory=list)
+    source_map: SourceMap = field(default_factory=dict)
+    config: str = ""
+
+    def locate(self, line: int) -> tuple[str, int] | None:
+        """(template file, line) that rendered line `line` (1-based) came from."""
+        return self.source_map.get(line)
+
+
+class TemplateLoader(jinja2.BaseLoader):
+    """Finds templates along the search path and registers inline sub-templates."""
+
+    def __init__(self, roots: list[Path]):
+        self.roots = roots
+        self.inline: dict[str, tuple[str, str]] = {}  # name -> (Jinja source, file)
+        self.files: list[str] = []  # file id (as used in markers) -> path
+        self.chain: list[tuple[str, str]] = []
+
+    def get_source(
+        self, environment: jinja2.Environment, template: str
+    ) -> tuple[str, str, Callable[[], bool]]:
+        if template in self.inline:
+            source, filename = self.inline[template]
+        else:
+            path = self.find(template)
+            if path is None:
+                raise jinja2.TemplateNotFound(template)
+            source, filename = self._load_file(template, path), str(path)
+        if (template, filename) not in self.chain:
+            self.chain.append((template, filename))
+        return source, filename, lambda: True
+
+    def find(self, name: str) -> Path | None:
+        parts = name.replace("\\", "/").split("/")
+        if any(p in ("", ".", "..") for p in parts):
+            return None
+        for root in self.roots:
+            path = root.joinpath(*parts)
+            if path.is_file():
+                return path
+        return None
+
+    def _load_file(self, name: str, path: Path) -> str:
+        file_id = len(self.files)
+        self.files.append(str(path))
+        parts = split_templates(path.read_text(encoding="utf-8"), name)
+        for part in parts[1:]:
+            if part.name in self.inline:
+                logger.warning(
+                    "%s:%d: inline template %r is already defined in %s; keeping that one",
+                    display_path(path),
+                    part.first_line - 1,
+                    part.name,
+                    display_path(self.inline[part.name][1]),
+                )
+                continue
+            self.inline[part.name] = (translate(part, file_id), str(path))
+        return translate(parts[0], file_id)
+
+    def available(self) -> list[str]:
+        """Every template name the search path and the inline templates offer."""
+        names = set(self.inline)
+        for root in self.roots:
+            if root.is_dir():
+                for p in root.rglob("*"):
+                    if p.is_file() and not any(s.startswith(".") for s in p.parts[-2:]):
+                        names.add(p.relative_to(root).as_posix())
+        return sorted(names)
+
+
+def builtin_variables(project: Project, config: str) -> dict[str, Any]:
+    """Variables every template sees."""
+    return {
+        "project_dir": str(project.root),
+        "project_name": project.name,
+        "config_name": config.rsplit(".", 1)[0],
+        "output_root": str(project.output_dir),
+    }
+
+
+def render_config(
+    project: Project, config: str, variables: Mapping[str, Any] | None = None
+) -> RenderedConfig:
+    """Render `templates/configs/<config>` of `project` to YAML text."""
+    name = project.resolve_config_name(config)
+    loader = TemplateLoader(project.template_roots)
+    env = jinja2.Environment(
+        loader=loader,
+        trim_blocks=True,
+        lstrip_blocks=True,
+        keep_trailing_newline=True,
+        undefined=jinja2.StrictUndefined,
+        autoescape=False,
+    )
+    env.filters[STRIP_NEWLINES_FILTER] = strip_newlines
+    # Globals reach every template: parents, includes and imports alike.
+    env.globals.update(builtin_variables(project, name))
+    env.globals.update(variables or {})
+    try:
+        output = env.get_template(f"configs/{name}").render()
+        _parse_unused_inline(env, loader)
+    except jinja2.TemplateSyntaxError as err:
+        raise ConfigError(_syntax_problem(err), config=name) from None
+    except jinja2.TemplateNotFound as err:
+        raise ConfigError(_not_found_problem(err, loader), config=name) from None
+    except Exception as err:  # any error raised while a template runs
+        raise ConfigError(_runtime_problem(err, loader), config=name) from None
+    text, origins = strip_markers(output)
+    source_map: SourceMap = {
+        number: (loader.files[o[0]], o[1]) if o else None
+        for number, o in enumerate(origins, start=1)
+    }
+    logger.debug("rendered %s from %d templates", name, len(loader.chain))
+    return RenderedConfig(text=text, chain=list(loader.chain), source_map=source_map, config=name)
+
+
+def _parse_unused_inline(env: jinja2.Environment, loader: TemplateLoader) -> None:
+    """Report syntax errors in inline templates that this render did not use."""
+    used = {name for name, _ in loader.chain}
+    for name, (source, filename) in loader.inline.items():
+        if name not in used:
+            env.parse(source, name, filename)
+
+
+def parse_define(text: str) -> tuple[str, Any]:
+    """`-D name=value`: the name and the value read as YAML (`20` is an int, `abc` a str)."""
+    name, sep, raw = text.partition("=")
+    name = name.strip()
+    if not sep or not _NAME_RE.match(name):
+        raise ConfigError(
+            Problem(
+                f"bad variable definition {text!r}: expected NAME=VALUE",
+                hint="NAME is a template variable name, e.g. -D max_steps=20",
+            )
+        )
+    if not raw.strip():
+        return name, ""
+    try:
+        node = compose(raw)
+        if isinstance(node, yaml.CollectionNode) and not node.flow_style:
+            return name, raw  # block YAML such as "a: b" is text, not a mapping
+        return name, parse_value(raw)
+    except yaml.YAMLError:
+        return name, raw  # not a YAML value: keep the text as given
+
+
+def _syntax_problem(err: jinja2.TemplateSyntaxError) -> Problem:
+    context = None
+    if err.filename and err.lineno:
+        try:
+            source = Path(err.filename).read_text(encoding="utf-8").split("\n")
+            context = f"{err.lineno} | {source[err.lineno - 1]}"
+        except (OSError, IndexError):
+            pass
+    where = f" (in template {err.name!r})" if err.name and err.name != err.filename else ""
+    return Problem(
+        f"template syntax error: {err.message}{where}",
+        file=err.filename,
+        line=err.lineno,
+        context=context,
+    )
+
+
+def _not_found_problem(err: jinja2.TemplateNotFound, loader: TemplateLoader) -> Problem:
+    file, line = _template_frame(err, loader)
+    names = getattr(err, "templates", None) or [err.name]
+    available = loader.available()
+    hints = []
+    for name in names:
+        base = str(name).rsplit("/", 1)[-1]
+        same_base = [a for a in available if a.rsplit("/", 1)[-1] == base]
+        close = suggestion(str(name), available)
+        if same_base:
+            hints.append(f"did you mean {' or '.join(repr(a) for a in same_base)}?")
+        elif close:
+            hints.append(close.lstrip("; "))
+    roots = ", ".join(display_path(r) for r in loader.roots)
+    return Problem(
+        f"template {' or '.join(repr(str(n)) for n in names)} not found (searched: {roots})",
+        file=file,
+        line=line,
+        hint=" ".join(hints) or None,
+    )
+
+
+def _runtime_problem(err: Exception, loader: TemplateLoader) -> Problem:
+    file, line = _template_frame(err, loader)
+    if isinstance(err, jinja2.TemplateError):
+        message = err.message or type(err).__name__
+    else:
+        message = f"{type(err).__name__}: {err}"
+    hint = None
+    match = _UNDEFINED_RE.match(message)
+    if match:
+        hint = f"define it with -D {match.group(1)}=VALUE or set it in the template"
+    return Problem(message, file=file, line=line, hint=hint)
+
+
+def _template_frame(err: BaseException, loader: TemplateLoader) -> tuple[str | None, int | None]:
+    """(file, line) of the innermost template frame in the traceback Jinja rewrote."""
+    known = set(loader.files)
+    found: tuple[str | None, int | None] = (None, None)
+    tb = err.__traceback__
+    while tb is not None:
+        filename = tb.tb_frame.f_code.co_filename
+        if filename in known:
+            found = (filename, tb.tb_lineno)
+        tb = tb.tb_next
+    return found

@@ -1,0 +1,105 @@
+"""`--set key.path=value` overrides."""
+
+from __future__ import annotations
+
+import pytest
+
+from forge.config import ConfigError, load_config, parse_config
+from forge.config.overrides import split_key_path
+
+CONFIG = """\
+.trainer_args: &trainer_args
+  size: 1
+  name: small
+trainer:
+  args: !singleton:./helpers.py:Thing
+    <<: *trainer_args
+  other: *trainer_args
+layers: [1, 2, 3]
+lr: 1e-3
+"""
+
+
+def test_without_overrides_text_is_rendered_text(config_project):
+    config = load_config(config_project(CONFIG), "train")
+    assert config.text == CONFIG
+
+
+def test_scalar_override(config_project):
+    config = load_config(config_project(CONFIG), "train", overrides=["lr=5e-4", "layers.1=20"])
+    built = config.build(["lr", "layers"])
+    assert built == {"lr": 0.0005, "layers": [1, 20, 3]}
+
+
+def test_override_through_alias_changes_every_sharer(config_project):
+    config = load_config(config_project(CONFIG), "train", overrides=["trainer.other.size=9"])
+    trainer = config.build("trainer")
+    assert trainer["other"] == {"size": 9, "name": "small"}
+    assert trainer["args"].size == 9
+
+
+def test_override_through_merge_key_and_hidden_key(config_project):
+    project = config_project(CONFIG)
+    config = load_config(project, "train", overrides=["trainer.args.name=big"])
+    assert config.build("trainer")["args"].name == "big"
+    config = load_config(project, "train", overrides=[".trainer_args.name=huge"])
+    assert config.build("trainer")["args"].name == "huge"
+
+
+def test_override_with_tagged_and_flow_values(config_project):
+    config = load_config(
+        config_project(CONFIG),
+        "train",
+        overrides=["trainer.other=!singleton:./helpers.py:Pair [1, 2]", "layers=[7]"],
+    )
+    built = config.build(["trainer", "layers"])
+    assert (built["trainer"]["other"].left, built["trainer"]["other"].right) == (1, 2)
+    assert built["layers"] == [7]
+
+
+def test_text_is_reserialized_and_parses_back(config_project):
+    project = config_project(CONFIG)
+    config = load_config(project, "train", overrides=["trainer.args.size=4"])
+    assert config.text != CONFIG
+    assert "size: 4" in config.text and "!singleton:./helpers.py:Thing" in config.text
+    again = parse_config(config.text, project=project)
+    assert again.text == config.text  # nothing left to override
+    first, second = config.build(config.public_targets), again.build(again.public_targets)
+    assert vars(first["trainer"]["args"]) == vars(second["trainer"]["args"])
+    assert first["trainer"]["other"] == second["trainer"]["other"]
+    assert first["layers"] == second["layers"] and first["lr"] == second["lr"]
+
+
+def test_unknown_path_is_an_error_with_suggestions(config_project):
+    project = config_project(CONFIG)
+    with pytest.raises(ConfigError) as info:
+        load_config(
+            project, "train", overrides=["trainer.args.siz=2", "layers.5=1", "lr.x=1", "nope"]
+        )
+    problems = info.value.problems
+    assert len(problems) == 4
+    unknown = problems[0]
+    assert unknown.key_path == "trainer.args.siz"
+    assert "unknown key 'siz' in trainer.args; did you mean 'size'?" in unknown.message
+    assert "--set trainer.args.siz=2" in unknown.message
+    assert "size" in unknown.hint and "name" in unknown.hint
+    assert "not an index" in problems[1].message
+    assert "has no key 'x'" in problems[2].message
+    assert "expected KEY.PATH=VALUE" in problems[3].message
+
+
+def test_override_problem_is_located_at_the_flag(config_project):
+    config = load_config(
+        config_project(CONFIG), "train", overrides=["trainer.args=!singleton:math:nope"]
+    )
+    (problem,) = config.check()
+    assert problem.file is None and problem.key_path == "trainer.args"
+    assert problem.context == "--set trainer.args=!singleton:math:nope"
+
+
+@pytest.mark.parametrize(
+    ("path", "segments"),
+    [("a.b.0", ["a", "b", "0"]), (".hidden.x", [".hidden", "x"]), ("a..b", ["a", ".b"])],
+)
+def test_split_key_path(path, segments):
+    assert split_key_path(path) == segments

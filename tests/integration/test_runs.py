@@ -1,0 +1,156 @@
+"""A run's directory, its tables, damaged checkpoints, random kills, and HF loading."""
+
+from __future__ import annotations
+
+import json
+import random
+import signal
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, run_forge
+from tests.integration.conftest import SMALL
+from tests.integration.test_train_resume import start_forge, wait_for
+
+pytestmark = pytest.mark.integration
+
+
+@pytest.fixture
+def trained(project):
+    """One completed 40-step run of the small tiny_lm."""
+    result = run_forge("train", "-p", str(project), *SMALL)
+    assert result.returncode == 0, result.stderr
+    return project, Path(result.stdout.splitlines()[0]), result
+
+
+def test_run_directory_layout(trained):
+    project, run_dir, result = trained
+    assert run_dir == project / "output" / "train" / "run_001"
+    assert result.stdout.splitlines()[0] == str(run_dir)  # the run dir is printed first
+    for name in ("config.yaml", "run.json", "metrics.jsonl", "tb", "checkpoints"):
+        assert (run_dir / name).exists(), name
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "completed"
+    assert record["run"] == 1 and record["config"] == "train.yaml"
+    assert record["step"] == 40
+    assert [c["step"] for c in record["checkpoints"]] == [10, 20, 30, 40]
+    assert "torch" in record["versions"]
+    assert "-D" not in record["overrides"]
+    metrics = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["loss"] for m in metrics if "loss" in m]
+    assert len(losses) >= 8
+    assert any("eval_loss" in m for m in metrics)
+    assert "max_steps: 40" in (run_dir / "config.yaml").read_text()
+
+
+def test_runs_and_checkpoints_tables(trained):
+    project, run_dir, _ = trained
+    runs = run_forge("runs", "-p", str(project))
+    assert runs.returncode == 0, runs.stderr
+    assert "train/run_001" in runs.stdout and "completed" in runs.stdout
+    ckpts = run_forge("checkpoints", "-p", str(project), "--verify")
+    assert ckpts.returncode == 0, ckpts.stderr
+    assert "checkpoint-000040" in ckpts.stdout and "INVALID" not in ckpts.stdout
+
+
+def test_second_train_gets_the_next_run_number(trained):
+    project, _, _ = trained
+    result = run_forge("train", "-p", str(project), *SMALL, "-D", "max_steps=2")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.splitlines()[0].endswith("run_002")
+
+
+def test_damaged_newest_checkpoint_is_skipped_naming_the_file(trained):
+    project, run_dir, _ = trained
+    weights = run_dir / "checkpoints" / "checkpoint-000040" / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    table = run_forge("checkpoints", "-p", str(project), "--verify")
+    assert table.returncode == 1
+    assert "INVALID" in table.stdout and "model.safetensors" in table.stdout
+    resumed = run_forge("resume", "-p", str(project), "--set", "trainer.args.max_steps=42")
+    assert resumed.returncode == 0, resumed.stderr
+    assert "checkpoint-000040" in resumed.stderr and "model.safetensors" in resumed.stderr
+    assert "checkpoint-000030" in resumed.stderr  # resumed from the newest valid one
+
+
+def test_resume_without_checkpoint_exits_1_and_changes_nothing(project):
+    result = run_forge("train", "-p", str(project), *SMALL, "-D", "max_steps=3")
+    assert result.returncode == 0, result.stderr
+    run_dir = Path(result.stdout.splitlines()[0])
+    for ckpt in (run_dir / "checkpoints").iterdir():
+        (ckpt / "manifest.json").unlink()
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    resumed = run_forge("resume", "-p", str(project))
+    assert resumed.returncode == 1
+    assert "no valid checkpoint" in resumed.stderr
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+
+
+def test_training_state_with_pickled_code_is_refused(trained):
+    project, run_dir, _ = trained
+    path = run_dir / "checkpoints" / "checkpoint-000040" / "training_state.pt"
+    torch.save({"hook": print}, path)  # weights_only refuses callables
+    from forge.checkpoint import CheckpointError, load_torch_state
+
+    with pytest.raises(CheckpointError, match="refusing to load"):
+        load_torch_state(path)
+
+
+def test_from_pretrained_matches_the_trainers_model(trained):
+    from transformers import AutoModelForCausalLM
+
+    from forge.checkpoint import load_model_weights
+    from forge.config import load_project, parse_config
+
+    project, run_dir, _ = trained
+    ckpt = run_dir / "checkpoints" / "checkpoint-000040"
+    hf_model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
+    cfg = parse_config((run_dir / "config.yaml").read_text(), project=load_project(project))
+    model_init = cfg.build(
+        "model", {"run_dir": str(run_dir), "output_root": str(project / "output")}
+    )
+    model = model_init()
+    load_model_weights(model, ckpt)
+    model.eval()
+    ids = torch.randint(0, 512, (2, 16), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        assert torch.equal(hf_model(ids).logits, model(ids).logits)
+
+
+def test_generate_from_a_run_directory(trained):
+    _, run_dir, _ = trained
+    result = run_forge("generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "12")
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("def ")
+
+
+def test_sigkill_at_random_moments_always_leaves_a_resumable_run(project):
+    rng = random.Random(1234)
+    args = [*SMALL, "-D", "save_steps=2", "-D", "max_steps=400"]
+    proc = start_forge("train", "-p", str(project), *args, cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000002", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    for _ in range(4):
+        resume = start_forge("resume", "-p", str(project), "--run-dir", str(run_dir), cwd=REPO)
+        time.sleep(rng.uniform(3.0, 8.0))
+        resume.send_signal(signal.SIGKILL)
+        resume.wait()
+        table = run_forge("checkpoints", "-p", str(project), "--verify")
+        assert table.returncode == 0, table.stdout + table.stderr
+    final = run_forge(
+        "resume",
+        "-p",
+        str(project),
+        "--run-dir",
+        str(run_dir),
+        "--set",
+        "trainer.args.max_steps=10",
+    )
+    assert final.returncode == 0, final.stderr

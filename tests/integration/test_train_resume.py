@@ -1,0 +1,115 @@
+"""Train, stop and resume the default project through `forge train` / `forge resume`.
+
+The guarantee under test: a run stopped after its step-20 checkpoint (SIGTERM or SIGKILL)
+and continued with `forge resume` ends with bit-identical weights and optimizer state to
+the same run trained straight through.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import REPO, run_forge
+from tests.integration.conftest import SMALL
+
+pytestmark = pytest.mark.integration
+
+
+def start_forge(*args: str, cwd: Path) -> subprocess.Popen:
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    return subprocess.Popen(
+        [sys.executable, "-m", "forge.cli", *args],
+        cwd=cwd,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        if proc.poll() is not None:
+            raise AssertionError(f"forge exited early ({proc.returncode}): {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(f"{path} never appeared")
+        time.sleep(0.05)
+
+
+def final_state(run_dir: Path, step: int = 40) -> tuple[dict, dict]:
+    ckpt = run_dir / "checkpoints" / f"checkpoint-{step:06d}"
+    weights = load_file(ckpt / "model.safetensors")
+    state = torch.load(ckpt / "training_state.pt", weights_only=True)
+    return weights, state["optimizer"]
+
+
+def assert_same_tensors(a, b, where: str = "") -> None:
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert a.keys() == b.keys(), where
+        for key in a:
+            assert_same_tensors(a[key], b[key], f"{where}.{key}")
+    elif isinstance(a, (list, tuple)):
+        assert len(a) == len(b), where
+        for index, (x, y) in enumerate(zip(a, b, strict=False)):
+            assert_same_tensors(x, y, f"{where}[{index}]")
+    else:
+        assert a == b, where
+
+
+def train_straight(project: Path, *extra: str) -> Path:
+    result = run_forge("train", "-p", str(project), *SMALL, *extra)
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.splitlines()[0])
+
+
+def stop_and_resume(project: Path, sig: int, *extra: str) -> Path:
+    proc = start_forge("train", "-p", str(project), *SMALL, *extra, cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc.send_signal(sig)
+    proc.wait(timeout=300)
+    if sig == signal.SIGTERM:
+        assert proc.returncode == 143, proc.stderr.read()
+        assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+    else:
+        assert proc.returncode == -signal.SIGKILL
+    assert not (run_dir / "checkpoints" / "checkpoint-000040").exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir), *extra)
+    assert resumed.returncode == 0, resumed.stderr
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
+    return run_dir
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+def test_stop_and_resume_is_bit_identical(project, sig):
+    straight = train_straight(project)
+    resumed = stop_and_resume(project, sig)
+    weights_a, optim_a = final_state(straight)
+    weights_b, optim_b = final_state(resumed)
+    assert_same_tensors(weights_a, weights_b, "weights")
+    assert_same_tensors(optim_a, optim_b, "optimizer")
+
+
+@pytest.mark.slow
+def test_stop_and_resume_is_bit_identical_with_two_processes(project):
+    straight = train_straight(project, "--nproc", "2")
+    resumed = stop_and_resume(project, signal.SIGTERM, "--nproc", "2")
+    weights_a, optim_a = final_state(straight)
+    weights_b, optim_b = final_state(resumed)
+    assert_same_tensors(weights_a, weights_b, "weights")
+    assert_same_tensors(optim_a, optim_b, "optimizer")
+    assert (resumed / "checkpoints" / "checkpoint-000040" / "rank_state_00001.pt").exists()
