@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -65,7 +66,7 @@ def all_run_dirs(output_root: Path) -> list[Path]:
     if not output_root.is_dir():
         return []
     found = [p.parent for p in output_root.rglob("run_*/run.json") if run_number(p.parent)]
-    return sorted(found, key=lambda p: (RunRecord.load(p).data.get("created", ""), str(p)))
+    return sorted(found, key=lambda p: (RunRecord.load(p).data.get("created_ns", 0), str(p)))
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -205,6 +206,7 @@ def create_run(
             "overrides": list(overrides),
             "variables": {k: _jsonable(v) for k, v in variables.items()},
             "created": now_iso(),
+            "created_ns": time.time_ns(),
             "updated": now_iso(),
             "host": socket.gethostname(),
             "command": sys.argv,

@@ -1,0 +1,64 @@
+"""Every shipped template and project renders and checks; the library ships as package data."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from forge.config import LIBRARY_DIR, load_config, load_project, render_config
+from tests.helpers import REPO
+
+PROJECTS = sorted(p.parent for p in (REPO / "projects").glob("*/meta.yaml"))
+LIBRARY_TEMPLATES = sorted(
+    str(p.relative_to(LIBRARY_DIR)) for p in LIBRARY_DIR.rglob("*.yaml")
+)
+
+
+def all_project_configs():
+    for root in PROJECTS:
+        project = load_project(root)
+        for name in project.list_configs():
+            yield pytest.param(project, name, id=f"{project.name}/{name}")
+
+
+@pytest.mark.parametrize(("project", "config"), list(all_project_configs()))
+def test_project_config_renders_and_checks(project, config):
+    cfg = load_config(project, config)
+    assert cfg.check() == []
+    assert "trainer" in cfg.public_targets and "meta" in cfg.public_targets
+
+
+def test_every_library_template_is_used_by_a_shipped_config():
+    used = set()
+    for root in PROJECTS:
+        project = load_project(root)
+        for name in project.list_configs():
+            used.update(t for t, _ in render_config(project, name).chain)
+    assert set(LIBRARY_TEMPLATES) <= used, set(LIBRARY_TEMPLATES) - used
+
+
+def test_base_template_renders_and_checks_alone(tmp_path):
+    (tmp_path / "templates" / "configs").mkdir(parents=True)
+    (tmp_path / "meta.yaml").write_text("name: bare\n")
+    (tmp_path / "templates" / "configs" / "bare.yaml").write_text("-- extends 'base.yaml'\n")
+    cfg = load_config(load_project(tmp_path), "bare")
+    assert cfg.check() == []
+    meta = cfg.build("meta")
+    assert meta["project"] == "bare" and meta["trainer"] == "plain"
+
+
+@pytest.mark.slow
+def test_wheel_ships_the_template_library(tmp_path):
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
+         "-w", str(tmp_path), "-q"],
+        check=True,
+    )
+    wheel = next(Path(tmp_path).glob("forge-*.whl"))
+    names = set(zipfile.ZipFile(wheel).namelist())
+    for template in LIBRARY_TEMPLATES:
+        assert f"forge/templates/{template}" in names
