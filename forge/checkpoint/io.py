@@ -1,0 +1,412 @@
+"""Low-level checkpoint I/O: durable writes, hashing, directory commit, model weights.
+
+Everything here is independent of the checkpoint layout; ``layout`` and ``writer`` build on it.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import inspect
+import json
+import os
+import shutil
+import struct
+import sys
+import uuid
+from collections.abc import Iterable, Iterator, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+# Temporary names in a checkpoints directory all start with this prefix, so discovery never
+# mistakes them for checkpoints and a later writer can sweep what a killed run left behind
+# (``.tmp-old-*``, a complete checkpoint moved aside during a replacement, is the exception).
+TEMP_PREFIX = ".tmp-"
+OLD_PREFIX = TEMP_PREFIX + "old-"
+DELETE_PREFIX = TEMP_PREFIX + "delete-"
+
+SAFE_WEIGHTS_NAME = "model.safetensors"
+SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+_CHUNK_BYTES = 4 * 1024 * 1024
+
+
+class CheckpointError(RuntimeError):
+    """A checkpoint cannot be written, read or trusted; the message names the file."""
+
+
+def os_error_message(exc: OSError, what: str) -> str:
+    """A one-line explanation of an OSError raised while writing ``what``."""
+    reason = exc.strerror or str(exc)
+    code = errno.errorcode.get(exc.errno or 0, "")
+    message = f"{what}: {reason}" + (f" [{code}]" if code else "")
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        message += "; free disk space or lower save_total_limit"
+    return message
+
+
+# ---------------------------------------------------------------------------------------------
+# durability
+
+
+def fsync_dir(path: Path) -> None:
+    """Make a directory's entries (creations, renames) durable."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_file_durably(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` and fsync it (no rename; the directory is still temporary)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def write_file_atomically(path: Path, data: bytes) -> None:
+    """Replace ``path`` with ``data`` all at once: temp file, fsync, rename, fsync the directory."""
+    tmp = path.with_name(f"{path.name}.tmp")
+    write_file_durably(tmp, data)
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+def sync_and_hash(path: Path) -> tuple[int, str]:
+    """fsync a file and return its (size in bytes, sha256 hex), reading it in chunks."""
+    digest = hashlib.sha256()
+    size = 0
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        os.fsync(f.fileno())
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+            size += n
+    return size, digest.hexdigest()
+
+
+def hash_file(path: Path) -> str:
+    """sha256 hex digest of a file, read in chunks."""
+    digest = hashlib.sha256()
+    buffer = bytearray(_CHUNK_BYTES)
+    view = memoryview(buffer)
+    with open(path, "rb", buffering=0) as f:
+        while n := f.readinto(buffer):
+            digest.update(view[:n])
+    return digest.hexdigest()
+
+
+def map_files(fn: Any, paths: list[Path]) -> list[Any]:
+    """Apply ``fn`` to every path, a few at a time (hashlib releases the GIL on large reads)."""
+    if len(paths) <= 1:
+        return [fn(p) for p in paths]
+    with ThreadPoolExecutor(max_workers=min(4, len(paths), os.cpu_count() or 1)) as pool:
+        return list(pool.map(fn, paths))
+
+
+def list_files(root: Path) -> list[str]:
+    """Every regular file under ``root`` as a sorted relative POSIX path."""
+    found = []
+    for dirpath, _, filenames in os.walk(root):
+        for filename in filenames:
+            found.append((Path(dirpath) / filename).relative_to(root).as_posix())
+    return sorted(found)
+
+
+def fsync_tree_dirs(root: Path) -> None:
+    """fsync ``root`` and every directory below it, deepest first."""
+    for dirpath, _, _ in sorted(os.walk(root), key=lambda entry: -len(entry[0])):
+        fsync_dir(Path(dirpath))
+
+
+def commit_directory(tmp: Path, final: Path) -> None:
+    """Rename a complete temporary directory to its final name, replacing any old one.
+
+    Linux cannot rename onto a non-empty directory, so an existing ``final`` is moved aside
+    to ``.tmp-old-<name>`` first; a writer that finds that name without ``final`` restores it.
+    """
+    parent = final.parent
+    if not final.exists():
+        os.rename(tmp, final)
+        fsync_dir(parent)
+        return
+    old = parent / f"{OLD_PREFIX}{final.name}"
+    if old.exists():
+        shutil.rmtree(old)
+    os.rename(final, old)
+    try:
+        os.rename(tmp, final)
+    except OSError:
+        os.rename(old, final)  # put the previous checkpoint back under its name
+        raise
+    fsync_dir(parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def remove_tree(path: Path) -> Path:
+    """Delete a directory so that no half-deleted tree ever keeps its name.
+
+    It is renamed to a temporary name first (atomic), then removed; a kill during the removal
+    leaves only a ``.tmp-delete-*`` directory, which the next writer sweeps away.
+    """
+    doomed = path.parent / f"{DELETE_PREFIX}{path.name}-{uuid.uuid4().hex[:8]}"
+    os.rename(path, doomed)
+    fsync_dir(path.parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+    return doomed
+
+
+# ---------------------------------------------------------------------------------------------
+# model weights
+
+
+def unwrap_model(model: nn.Module) -> nn.Module:
+    """The user's model inside DDP / DataParallel / Accelerate / torch.compile wrappers."""
+    while True:
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
+
+
+def _is_hf_model(model: nn.Module) -> bool:
+    # Avoid importing transformers for plain models: if it was never imported, the model
+    # cannot be one of its classes.
+    if "transformers" not in sys.modules:
+        return False
+    from transformers import PreTrainedModel
+
+    return isinstance(model, PreTrainedModel)
+
+
+@contextmanager
+def _no_hf_progress_bars() -> Iterator[None]:
+    """No "Writing model shards" bars in the middle of the training progress output."""
+    from transformers.utils import logging as hf_logging
+
+    enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if enabled:
+            hf_logging.enable_progress_bar()
+
+
+def save_model_weights(
+    model: nn.Module, directory: Path, *, max_shard_size: int | str = "2GB"
+) -> None:
+    """Write a model's weights (and config, for Hugging Face models) as safetensors.
+
+    Hugging Face models go through ``save_pretrained`` so ``from_pretrained`` can load the
+    directory; any other module is written as its state dict, sharded with an index when it is
+    larger than ``max_shard_size``, with shared (tied) tensors stored once.
+    """
+    model = unwrap_model(model)
+    if _is_hf_model(model):
+        kwargs: dict[str, Any] = {"max_shard_size": max_shard_size}
+        if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
+            kwargs["safe_serialization"] = True  # transformers 4.x; 5.x only writes safetensors
+        with _no_hf_progress_bars():
+            model.save_pretrained(directory, **kwargs)
+        return
+    from huggingface_hub import save_torch_state_dict
+
+    state_dict = {k: v.detach() for k, v in model.state_dict().items()}
+    save_torch_state_dict(
+        state_dict, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}
+    )
+
+
+def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict | None) -> None:
+    """Write one safetensors file; tensors that share storage are stored as separate copies."""
+    from safetensors.torch import save
+
+    seen: set[tuple[int, int]] = set()
+    prepared = {}
+    for name, tensor in tensors.items():
+        tensor = tensor.detach()
+        key = (tensor.untyped_storage().data_ptr(), tensor.device.index or 0)
+        if tensor.numel() and key in seen:
+            tensor = tensor.clone()
+        seen.add(key)
+        prepared[name] = tensor.contiguous().cpu()
+    write_file_durably(path, save(prepared, metadata={"format": "pt", **(metadata or {})}))
+
+
+def read_safetensors_header(path: Path) -> dict[str, Any]:
+    """The JSON header of a safetensors file (tensor names, dtypes, offsets), without the data."""
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        return json.loads(f.read(length))
+
+
+def write_weights_index(directory: Path, weight_files: Iterable[str]) -> None:
+    """Write ``model.safetensors.index.json`` for weight files written separately (per stage)."""
+    weight_map: dict[str, str] = {}
+    total = 0
+    for filename in weight_files:
+        header = read_safetensors_header(directory / filename)
+        for name, info in header.items():
+            if name == "__metadata__" or name in weight_map:
+                continue
+            weight_map[name] = filename
+            start, end = info["data_offsets"]
+            total += end - start
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    write_file_durably(directory / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2).encode())
+
+
+def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
+    """The safetensors files holding a checkpoint's weights, and aliases of shared tensors."""
+    index_path = directory / SAFE_WEIGHTS_INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            names = sorted(set(index["weight_map"].values()))
+            metadata = index.get("metadata") or {}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index_path}: unreadable weight index ({exc})") from exc
+        if any(Path(name).name != name for name in names):
+            raise CheckpointError(f"{index_path}: weight files must be plain names in {directory}")
+        files = [directory / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: listed in {index_path.name} but missing")
+        return files, {k: v for k, v in metadata.items() if isinstance(v, str)}
+    if (directory / SAFE_WEIGHTS_NAME).is_file():
+        return [directory / SAFE_WEIGHTS_NAME], {}
+    files = sorted(directory.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{directory}: no model weights ({SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME} "
+            "or model-*.safetensors)"
+        )
+    return files, {}
+
+
+def _tied_groups(state: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+    """For each tied state-dict key, every key (itself included) naming the same tensor."""
+    by_identity: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            continue
+        identity = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.dtype,
+        )
+        by_identity.setdefault(identity, []).append(name)
+    return {name: group for group in by_identity.values() for name in group if len(group) > 1}
+
+
+def _few(keys: Iterable[str], n: int = 5) -> str:
+    keys = sorted(keys)
+    shown = ", ".join(keys[:n])
+    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
+
+
+def load_model_weights(
+    model: nn.Module, checkpoint_dir: str | os.PathLike, *, strict: bool = True
+) -> None:
+    """Load a checkpoint's safetensors weights into ``model`` (unwrapped first), bit-exact.
+
+    Reads ``model.safetensors``, a sharded ``model.safetensors.index.json`` (any file names, so
+    per-stage files of the pipeline trainer load too) or, failing both, every
+    ``model*.safetensors``. Tied weights stored once count as present. With ``strict``, any
+    other missing or unexpected key is a CheckpointError.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    directory = Path(checkpoint_dir)
+    model = unwrap_model(model)
+    files, aliases = _weight_files(directory)
+    loaded: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            loaded.update(load_file(file, device="cpu"))
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from exc
+
+    expected = model.state_dict()
+    tied = _tied_groups(expected)
+    missing = set()
+    for name in expected:
+        if name in loaded:
+            continue
+        if aliases.get(name) in loaded or any(other in loaded for other in tied.get(name, ())):
+            continue
+        missing.add(name)
+    unexpected = set(loaded) - set(expected)
+    if _is_hf_model(model):
+        import re
+
+        for attr, keys in (
+            ("_keys_to_ignore_on_load_missing", missing),
+            ("_keys_to_ignore_on_load_unexpected", unexpected),
+        ):
+            for pattern in getattr(model, attr, None) or ():
+                keys.difference_update({k for k in keys if re.search(pattern, k)})
+    if (missing or unexpected) and _is_hf_model(model):
+        # transformers may keep weights in memory under other names than on disk (fused MoE
+        # experts); its own loader knows the conversion.
+        _load_hf_converted(model, directory, strict=strict)
+        return
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {_few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {_few(unexpected)}")
+        raise CheckpointError(
+            f"{directory}: weights do not match {type(model).__name__} ({'; '.join(parts)})"
+        )
+    try:
+        model.load_state_dict({k: v for k, v in loaded.items() if k in expected}, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(
+            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+        ) from exc
+
+
+def _load_hf_converted(model: nn.Module, directory: Path, *, strict: bool) -> None:
+    """Load through ``from_pretrained`` (which converts saved names), then copy exactly."""
+    dtype = next(model.parameters()).dtype
+    try:
+        with _no_hf_progress_bars():
+            loaded, info = type(model).from_pretrained(
+                directory, config=model.config, dtype=dtype, output_loading_info=True
+            )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{directory}: cannot load weights into {type(model).__name__}: {exc}"
+        ) from exc
+    problems = {
+        k: v
+        for k, v in info.items()
+        if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+    }
+    if strict and problems:
+        parts = "; ".join(
+            f"{k.replace('_', ' ')}: {_few(map(str, v))}" for k, v in problems.items()
+        )
+        raise CheckpointError(f"{directory}: weights do not match {type(model).__name__} ({parts})")
+    state = loaded.state_dict()
+    try:
+        model.load_state_dict(state, strict=strict)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+        ) from exc

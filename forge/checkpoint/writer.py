@@ -1,0 +1,276 @@
+"""CheckpointWriter: every rank writes into a temporary directory that rank 0 commits at once."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+import shutil
+from collections.abc import Callable, Mapping
+from datetime import datetime, timezone
+from pathlib import Path, PurePosixPath
+from types import TracebackType
+from typing import Any
+
+import torch
+from torch import nn
+
+from forge.checkpoint.io import (
+    SAFE_WEIGHTS_INDEX_NAME,
+    SAFE_WEIGHTS_NAME,
+    TEMP_PREFIX,
+    CheckpointError,
+    commit_directory,
+    fsync_tree_dirs,
+    list_files,
+    map_files,
+    os_error_message,
+    save_model_weights,
+    save_tensors,
+    sync_and_hash,
+    write_file_atomically,
+    write_file_durably,
+    write_weights_index,
+)
+from forge.checkpoint.layout import (
+    MANIFEST_NAME,
+    CheckpointManifest,
+    FileEntry,
+    checkpoint_name,
+    sweep_temp_dirs,
+)
+
+logger = logging.getLogger(__name__)
+
+_STAGE_FILE_RE = re.compile(r"model-stage-\d+-of-\d+\.safetensors")
+
+
+def _json_default(value: Any) -> Any:
+    if hasattr(value, "item"):  # torch / numpy scalars
+        return value.item()
+    if isinstance(value, os.PathLike):
+        return os.fspath(value)
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _lenient_default(value: Any) -> Any:
+    # an odd metric value must not cost the checkpoint: record its text instead
+    try:
+        return _json_default(value)
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _dumps(obj: Any, *, lenient: bool = False) -> bytes:
+    default = _lenient_default if lenient else _json_default
+    return (json.dumps(obj, indent=2, default=default) + "\n").encode("utf-8")
+
+
+class CheckpointWriter:
+    """Write one checkpoint so that it appears complete or not at all.
+
+    Every rank enters the context. Files go to ``.path`` (``.tmp-checkpoint-000400``); on a
+    clean exit rank 0 hashes and fsyncs them, writes ``manifest.json`` last and renames the
+    directory to ``.final_path``. On an exception nothing is renamed and earlier checkpoints
+    stay as they were. ``barrier`` synchronises the ranks (``torch.distributed.barrier``).
+    """
+
+    def __init__(
+        self,
+        checkpoints_dir: str | os.PathLike,
+        step: int,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        barrier: Callable[[], None] | None = None,
+        trainer: str = "plain",
+    ) -> None:
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise ValueError(f"rank {rank} is not in a world of size {world_size}")
+        if world_size > 1 and barrier is None:
+            raise ValueError(
+                f"CheckpointWriter needs a barrier when world_size is {world_size} "
+                "(pass barrier=torch.distributed.barrier)"
+            )
+        self.checkpoints_dir = Path(checkpoints_dir)
+        self.step = step
+        self.rank = rank
+        self.world_size = world_size
+        self.trainer = trainer
+        self.final_path = self.checkpoints_dir / checkpoint_name(step)
+        self.path = self.checkpoints_dir / f"{TEMP_PREFIX}{self.final_path.name}"
+        self._barrier_fn = barrier
+        self._epoch: float | None = None
+        self._metrics: dict[str, Any] = {}
+        self._world: dict[str, Any] = {}
+        self._extra: dict[str, Any] = {}
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def _barrier(self) -> None:
+        if self._barrier_fn is not None:
+            self._barrier_fn()
+
+    def _fail(self, exc: OSError, doing: str) -> CheckpointError:
+        return CheckpointError(
+            os_error_message(exc, f"could not {doing} checkpoint {self.final_path}")
+            + "; earlier checkpoints are untouched"
+        )
+
+    # -- context ---------------------------------------------------------------------------
+
+    def __enter__(self) -> CheckpointWriter:
+        if self.is_main:
+            try:
+                self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+                sweep_temp_dirs(self.checkpoints_dir)
+                self.path.mkdir()
+            except OSError as exc:
+                raise self._fail(exc, "start") from exc
+        self._barrier()
+        if not self.path.is_dir():
+            raise CheckpointError(
+                f"{self.path}: not visible on rank {self.rank}; the checkpoints directory must be "
+                "on a filesystem that every rank shares"
+            )
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> bool:
+        if exc is not None:
+            self._abort()
+            if isinstance(exc, OSError):
+                raise self._fail(exc, "write") from exc
+            return False
+        self._barrier()  # every rank has written its files
+        error: Exception | None = None
+        if self.is_main:
+            try:
+                self._commit()
+            except Exception as failure:  # re-raised after the barrier
+                error = failure
+                self._abort()
+        self._barrier()  # the checkpoint is in place (or rank 0 is about to raise)
+        if isinstance(error, OSError):
+            raise self._fail(error, "commit") from error
+        if error is not None:
+            raise error
+        return False
+
+    def _abort(self) -> None:
+        if self.is_main:
+            shutil.rmtree(self.path, ignore_errors=True)
+            logger.warning("checkpoint %s was not saved", self.final_path.name)
+
+    def _commit(self) -> None:
+        names = list_files(self.path)
+        stage_files = [n for n in names if _STAGE_FILE_RE.fullmatch(n)]
+        if stage_files and not {SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME} & set(names):
+            write_weights_index(self.path, stage_files)
+            names = list_files(self.path)
+        names = [n for n in names if n != MANIFEST_NAME]
+        records = map_files(sync_and_hash, [self.path / n for n in names])
+        manifest = CheckpointManifest(
+            step=self.step,
+            epoch=self._epoch,
+            trainer=self.trainer,
+            world={"world_size": self.world_size, **self._world},
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            metrics=self._metrics,
+            files={
+                n: FileEntry(size=size, sha256=sha)
+                for n, (size, sha) in zip(names, records, strict=True)
+            },
+            extra=self._extra,
+        )
+        write_file_atomically(self.path / MANIFEST_NAME, _dumps(manifest.to_dict(), lenient=True))
+        fsync_tree_dirs(self.path)
+        commit_directory(self.path, self.final_path)
+        logger.info("saved checkpoint %s", self.final_path)
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def _target(self, name: str) -> Path:
+        pure = PurePosixPath(name)
+        if pure.is_absolute() or ".." in pure.parts or name in ("", MANIFEST_NAME):
+            raise ValueError(f"{name!r} is not a file name a checkpoint may hold")
+        target = self.path / pure
+        target.parent.mkdir(parents=True, exist_ok=True)
+        return target
+
+    def save_model(
+        self, model: nn.Module, tokenizer: Any = None, *, max_shard_size: int | str = "2GB"
+    ) -> None:
+        """Write the model's weights (and config / tokenizer) on rank 0; other ranks return.
+
+        Hugging Face models use ``save_pretrained``; other modules are written as safetensors
+        of their state dict. DDP and ``torch.compile`` wrappers are removed first.
+        """
+        if not self.is_main:
+            return
+        try:
+            save_model_weights(model, self.path, max_shard_size=max_shard_size)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(self.path)
+        except OSError as exc:
+            raise self._fail(exc, "write the model of") from exc
+
+    def save_torch(self, name: str, obj: Any) -> None:
+        """``torch.save`` ``obj`` as ``name``, on the calling rank (rank 0 for shared state)."""
+        target = self._target(name)
+        try:
+            with open(target, "wb") as f:
+                torch.save(obj, f)
+                f.flush()
+                os.fsync(f.fileno())
+        except OSError as exc:
+            raise self._fail(exc, f"write {name} of") from exc
+
+    def save_json(self, name: str, obj: Any) -> None:
+        """Write ``obj`` as JSON to ``name``, on the calling rank."""
+        target = self._target(name)
+        try:
+            write_file_durably(target, _dumps(obj))
+        except OSError as exc:
+            raise self._fail(exc, f"write {name} of") from exc
+
+    def save_safetensors(
+        self, name: str, tensors: Mapping[str, torch.Tensor], *, metadata: dict | None = None
+    ) -> None:
+        """Write tensors as one safetensors file, on the calling rank (pipeline stages).
+
+        Stage files named ``stage_weights_name(stage, n)`` get a weight index at commit, so
+        ``load_model_weights`` and ``from_pretrained`` read them as one model.
+        """
+        target = self._target(name)
+        try:
+            save_tensors(target, tensors, metadata)
+        except OSError as exc:
+            raise self._fail(exc, f"write {name} of") from exc
+
+    def set_meta(
+        self,
+        *,
+        epoch: float | None = None,
+        metrics: Mapping[str, Any] | None = None,
+        world: Mapping[str, Any] | None = None,
+        **extra: Any,
+    ) -> None:
+        """Record manifest fields (only rank 0's values are written); extra keys go top level."""
+        clashes = set(extra) & set(CheckpointManifest(step=0).to_dict())
+        if clashes:
+            raise ValueError(f"set_meta: {sorted(clashes)} are manifest fields set by the writer")
+        if epoch is not None:
+            self._epoch = epoch
+        if metrics is not None:
+            self._metrics.update(metrics)
+        if world is not None:
+            self._world.update(world)
+        self._extra.update(extra)
