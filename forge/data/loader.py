@@ -1,0 +1,273 @@
+"""Sharded, resumable data loading on top of torchdata's ``StatefulDataLoader``.
+
+How a trainer uses it::
+
+    loader = build_dataloader(dataset, batch_size=8, rank=rank, world_size=world, seed=seed)
+    if resuming:
+        loader.load_state_dict(state["data"])      # restores the epoch and the position in it
+    for epoch in range(start_epoch, num_epochs):
+        loader.set_epoch(epoch)                    # before each epoch's iter()
+        for batch in loader:                       # on resume: the rest of the saved epoch
+            ...
+            if step % save_steps == 0:
+                state["data"] = loader.state_dict()  # at a step boundary, after the batch
+
+``loader.state_dict()`` is the ``StatefulDataLoader`` state; it names the epoch and how many
+samples of this rank's shard were consumed. Every rank is at the same position, so one
+rank's state can be loaded on all ranks. A state taken right after an epoch's last batch
+resumes to an empty remainder of that epoch; ``set_epoch(epoch + 1)`` then starts the next
+epoch. ``set_epoch`` with an epoch other than the saved one discards the saved position and
+starts that epoch from its beginning.
+
+What this fixes in torchdata 0.11 (its last release), whose ``StatefulDistributedSampler``
+keeps ``yielded`` in a generator that only resets when its first item is drawn:
+
+* a state taken at the start of an epoch (after ``iter()``, before the first batch) still
+  carries the previous epoch's count, so the resumed epoch yields nothing;
+* a state taken after an epoch's ``StopIteration`` leaves a pending skip in the sampler
+  that swallows the whole next epoch (with ``num_workers=0``);
+* the state has no epoch, so resuming without the exact ``set_epoch`` call replays the
+  wrong permutation silently; a different seed, world size or dataset size is not detected;
+* with workers, ``state_dict()`` before the first ``iter()`` builds an iterator that
+  prefetches indices of the epoch set at that moment; a following ``set_epoch`` is ignored.
+
+:class:`ResumableDistributedSampler` resets its position eagerly in ``__iter__``, applies a
+loaded position exactly once, and keeps ``{epoch, yielded, seed, ...}`` in its state;
+:class:`ResumableDataLoader` adds ``set_epoch`` and checks states when they are loaded
+(it reads ``next_iter_state`` and ``_initial_iter_for_state_dict``, which torchdata 0.11's
+``StatefulDataLoader`` keeps as attributes).
+"""
+
+from __future__ import annotations
+
+import logging
+import warnings
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from torch.utils.data import Dataset, DistributedSampler
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+logger = logging.getLogger(__name__)
+
+_STATE_KEYS = ("epoch", "yielded", "seed", "shuffle", "num_replicas", "drop_last", "dataset_size")
+
+
+class ResumableDistributedSampler(DistributedSampler):
+    """``DistributedSampler`` (same order and shards) whose position can be saved and restored.
+
+    The order of epoch ``e`` is a permutation seeded by ``seed + e`` (or the identity when
+    ``shuffle`` is False); rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th index
+    from ``r``. With ``drop_last`` the tail that does not divide evenly is dropped, so shards
+    are disjoint; without it, the first indices are repeated to pad every shard to one length.
+    """
+
+    def __init__(
+        self,
+        dataset: Dataset,
+        *,
+        num_replicas: int = 1,
+        rank: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        drop_last: bool = False,
+    ) -> None:
+        super().__init__(
+            dataset,
+            num_replicas=num_replicas,
+            rank=rank,
+            shuffle=shuffle,
+            seed=seed,
+            drop_last=drop_last,
+        )
+        self.yielded = 0
+        self._resume_at: int | None = None
+
+    def set_epoch(self, epoch: int) -> None:
+        if epoch != self.epoch:
+            self.yielded = 0
+            self._resume_at = None
+        super().set_epoch(epoch)
+
+    def __iter__(self) -> Iterator[int]:
+        indices = list(super().__iter__())
+        start, self._resume_at = self._resume_at or 0, None
+        self.yielded = min(start, len(indices))
+        return self._iterate(indices, self.yielded)
+
+    def _iterate(self, indices: list[int], start: int) -> Iterator[int]:
+        for position in range(start, len(indices)):
+            self.yielded = position + 1
+            yield indices[position]
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "yielded": self.yielded,
+            "seed": self.seed,
+            "shuffle": self.shuffle,
+            "num_replicas": self.num_replicas,
+            "drop_last": self.drop_last,
+            "dataset_size": len(self.dataset),  # type: ignore[arg-type]
+        }
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at ``state_dict``'s epoch and position; the next ``iter()`` starts there."""
+        self.check_compatible(state_dict)
+        super().set_epoch(int(state_dict["epoch"]))
+        self.yielded = int(state_dict["yielded"])
+        self._resume_at = self.yielded
+
+    def check_compatible(self, state_dict: dict[str, Any]) -> None:
+        """Raise ValueError unless ``state_dict`` was saved by a sampler with this layout."""
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(f"data loader state lacks {missing}; it was not saved by forge")
+        mine = self.state_dict()
+        for key in ("seed", "shuffle", "num_replicas", "drop_last", "dataset_size"):
+            if state_dict[key] != mine[key]:
+                raise ValueError(
+                    f"cannot resume the data loader: it was saved with {key}={state_dict[key]!r} "
+                    f"but this one has {key}={mine[key]!r}; resume with the same {key}"
+                )
+        if not 0 <= int(state_dict["yielded"]) <= self.num_samples:
+            raise ValueError(
+                f"data loader state has yielded={state_dict['yielded']} outside "
+                f"[0, {self.num_samples}]"
+            )
+
+
+class ResumableDataLoader(StatefulDataLoader):
+    """``StatefulDataLoader`` over a :class:`ResumableDistributedSampler`, with ``set_epoch``."""
+
+    sampler: ResumableDistributedSampler
+
+    @property
+    def epoch(self) -> int:
+        return self.sampler.epoch
+
+    def set_epoch(self, epoch: int) -> None:
+        """Select the epoch the next ``iter()`` runs; call it before each epoch."""
+        if isinstance(epoch, bool) or not isinstance(epoch, int) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer (got {epoch!r})")
+        pending = _sampler_state(self.next_iter_state)
+        if pending is not None and pending["epoch"] != epoch:
+            logger.info(
+                "the loaded data position is in epoch %d; starting epoch %d from its beginning",
+                pending["epoch"],
+                epoch,
+            )
+            self.next_iter_state = None
+        if self._initial_iter_for_state_dict and epoch != self.sampler.epoch:
+            # state_dict() built (and maybe prefetched) an iterator for the old epoch
+            self._iterator = None
+            self._initial_iter_for_state_dict = False
+        self.sampler.set_epoch(epoch)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume from ``state_dict``; the next ``iter()`` continues the saved epoch."""
+        sampler_state = self._checked_sampler_state(state_dict) if state_dict else None
+        super().load_state_dict(state_dict)
+        if sampler_state is not None:
+            self.sampler.set_epoch(int(sampler_state["epoch"]))
+
+    def _checked_sampler_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        saved_workers = _saved_num_workers(state_dict)
+        sampler_state = _sampler_state(state_dict)
+        if saved_workers is None or sampler_state is None:
+            raise ValueError("data loader state was not saved by build_dataloader's loader")
+        if saved_workers != self.num_workers:
+            raise ValueError(
+                f"data loader state was saved with num_workers={saved_workers} but this loader "
+                f"has num_workers={self.num_workers}; resume with num_workers={saved_workers}"
+            )
+        self.sampler.check_compatible(sampler_state)
+        return sampler_state
+
+
+def build_dataloader(
+    dataset: Dataset,
+    *,
+    batch_size: int,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    drop_last: bool = True,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+) -> ResumableDataLoader:
+    """A resumable loader over this rank's shard of a map-style ``dataset``.
+
+    ``drop_last`` applies to the shard (drop the tail that does not split evenly over
+    ranks, instead of padding with repeats) and to the batch (drop a last, smaller batch).
+    ``collate_fn=None`` uses torch's default collation.
+    """
+    _check_int("batch_size", batch_size, 1)
+    _check_int("world_size", world_size, 1)
+    _check_int("num_workers", num_workers, 0)
+    _check_int("seed", seed, None)
+    if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
+        raise ValueError(f"rank must be an integer in [0, world_size={world_size}) (got {rank!r})")
+    if persistent_workers and num_workers == 0:
+        raise ValueError("persistent_workers=True needs num_workers > 0; set one of them")
+    if not hasattr(dataset, "__len__") or len(dataset) == 0:  # type: ignore[arg-type]
+        raise ValueError("dataset must be a non-empty map-style dataset (with __len__)")
+    sampler = ResumableDistributedSampler(
+        dataset,
+        num_replicas=world_size,
+        rank=rank,
+        shuffle=shuffle,
+        seed=seed,
+        drop_last=drop_last,
+    )
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        loader = ResumableDataLoader(
+            dataset,
+            batch_size=batch_size,
+            sampler=sampler,
+            collate_fn=collate_fn,
+            drop_last=drop_last,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            persistent_workers=persistent_workers,
+            snapshot_every_n_steps=1,  # every step is a valid resume point
+        )
+    if len(loader) == 0:
+        raise ValueError(
+            f"the loader has no batches: {len(sampler)} samples per rank "
+            f"(dataset of {len(dataset)} over world_size={world_size}) < batch_size={batch_size}; "  # type: ignore[arg-type]
+            "lower batch_size or set drop_last=False"
+        )
+    return loader
+
+
+def loader_epoch_length(loader: StatefulDataLoader) -> int:
+    """Batches one rank's loader yields per epoch."""
+    return len(loader)
+
+
+def _sampler_state(state_dict: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The sampler's state inside a ``StatefulDataLoader`` state (either iterator kind)."""
+    if not state_dict:
+        return None
+    main = state_dict.get("_snapshot", {}).get("_main_snapshot", state_dict)
+    iterator_state = main.get("_sampler_iter_state") or {}
+    sampler_state = iterator_state.get("sampler_state")
+    return sampler_state if isinstance(sampler_state, dict) else None
+
+
+def _saved_num_workers(state_dict: dict[str, Any]) -> int | None:
+    if "_snapshot" in state_dict:
+        return state_dict["_snapshot"].get("_main_snapshot", {}).get("_num_workers")
+    return 0 if "_num_yielded" in state_dict else None
+
+
+def _check_int(name: str, value: object, minimum: int | None) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ValueError(f"{name} must be an integer (got {value!r})")
+    if minimum is not None and value < minimum:
+        raise ValueError(f"{name} must be >= {minimum} (got {value!r})")
