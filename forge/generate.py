@@ -45,7 +45,11 @@ def generate_text(
 ) -> list[str]:
     """Sample ``num`` continuations of ``prompt`` from a checkpoint's model and tokenizer."""
     import torch
+    import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
 
     if (
         not (checkpoint / "tokenizer.json").exists()

@@ -164,6 +164,9 @@ class RunRecord:
             "saved": now_iso(),
         }
         history = [c for c in self.data.get("checkpoints", []) if c.get("step") != step]
+        for previous in history:  # rotation (save_total_limit) may have removed some
+            if not (self.run_dir / previous["path"]).exists():
+                previous["deleted"] = True
         history.append(entry)
         self.data["checkpoints"] = sorted(history, key=lambda c: c["step"])
         self.data["step"] = step

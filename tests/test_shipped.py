@@ -13,9 +13,7 @@ from forge.config import LIBRARY_DIR, load_config, load_project, render_config
 from tests.helpers import REPO
 
 PROJECTS = sorted(p.parent for p in (REPO / "projects").glob("*/meta.yaml"))
-LIBRARY_TEMPLATES = sorted(
-    str(p.relative_to(LIBRARY_DIR)) for p in LIBRARY_DIR.rglob("*.yaml")
-)
+LIBRARY_TEMPLATES = sorted(str(p.relative_to(LIBRARY_DIR)) for p in LIBRARY_DIR.rglob("*.yaml"))
 
 
 def all_project_configs():
@@ -54,8 +52,18 @@ def test_base_template_renders_and_checks_alone(tmp_path):
 @pytest.mark.slow
 def test_wheel_ships_the_template_library(tmp_path):
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", str(REPO), "--no-deps", "--no-build-isolation",
-         "-w", str(tmp_path), "-q"],
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            str(REPO),
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(tmp_path),
+            "-q",
+        ],
         check=True,
     )
     wheel = next(Path(tmp_path).glob("forge-*.whl"))

@@ -18,16 +18,8 @@ from tests.integration.test_train_resume import start_forge, wait_for
 pytestmark = pytest.mark.integration
 
 
-@pytest.fixture
-def trained(project):
-    """One completed 40-step run of the small tiny_lm."""
-    result = run_forge("train", "-p", str(project), *SMALL)
-    assert result.returncode == 0, result.stderr
-    return project, Path(result.stdout.splitlines()[0]), result
-
-
-def test_run_directory_layout(trained):
-    project, run_dir, result = trained
+def test_run_directory_layout(trained_once):
+    project, run_dir, result = trained_once
     assert run_dir == project / "output" / "train" / "run_001"
     assert result.stdout.splitlines()[0] == str(run_dir)  # the run dir is printed first
     for name in ("config.yaml", "run.json", "metrics.jsonl", "tb", "checkpoints"):
@@ -46,8 +38,8 @@ def test_run_directory_layout(trained):
     assert "max_steps: 40" in (run_dir / "config.yaml").read_text()
 
 
-def test_runs_and_checkpoints_tables(trained):
-    project, run_dir, _ = trained
+def test_runs_and_checkpoints_tables(trained_once):
+    project, run_dir, _ = trained_once
     runs = run_forge("runs", "-p", str(project))
     assert runs.returncode == 0, runs.stderr
     assert "train/run_001" in runs.stdout and "completed" in runs.stdout
@@ -101,13 +93,13 @@ def test_training_state_with_pickled_code_is_refused(trained):
         load_torch_state(path)
 
 
-def test_from_pretrained_matches_the_trainers_model(trained):
+def test_from_pretrained_matches_the_trainers_model(trained_once):
     from transformers import AutoModelForCausalLM
 
     from forge.checkpoint import load_model_weights
     from forge.config import load_project, parse_config
 
-    project, run_dir, _ = trained
+    project, run_dir, _ = trained_once
     ckpt = run_dir / "checkpoints" / "checkpoint-000040"
     hf_model = AutoModelForCausalLM.from_pretrained(ckpt).eval()
     cfg = parse_config((run_dir / "config.yaml").read_text(), project=load_project(project))
@@ -122,8 +114,8 @@ def test_from_pretrained_matches_the_trainers_model(trained):
         assert torch.equal(hf_model(ids).logits, model(ids).logits)
 
 
-def test_generate_from_a_run_directory(trained):
-    _, run_dir, _ = trained
+def test_generate_from_a_run_directory(trained_once):
+    _, run_dir, _ = trained_once
     result = run_forge("generate", str(run_dir), "--prompt", "def ", "--max-new-tokens", "12")
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("def ")

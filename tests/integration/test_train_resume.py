@@ -95,8 +95,8 @@ def stop_and_resume(project: Path, sig: int, *extra: str) -> Path:
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
-def test_stop_and_resume_is_bit_identical(project, sig):
-    straight = train_straight(project)
+def test_stop_and_resume_is_bit_identical(project, trained_once, sig):
+    _, straight, _ = trained_once  # the same SMALL config, trained 40 steps straight
     resumed = stop_and_resume(project, sig)
     weights_a, optim_a = final_state(straight)
     weights_b, optim_b = final_state(resumed)
