@@ -1,0 +1,609 @@
+"""The training loop every forge trainer shares.
+
+``BaseTrainer.train`` reads top to bottom: batch, forward, backward, clip, step, log,
+evaluate, save, stop. What differs between trainers (how the model is wrapped, how a
+micro-batch runs, how values are reduced, which rank writes which checkpoint file) lives in
+a few small methods that subclasses override: ``distributed``, ``wrap_model``, ``no_sync``,
+``compute_loss``, ``backward``, ``clip_gradients``, ``optimizer_step``, ``reduce_step``,
+``write_checkpoint``.
+
+Resume is exact: every piece of state a step reads (weights, optimizer, scheduler, grad
+scaler, step counters, callback state, data position, random generators) is saved at a step
+boundary and restored before the first resumed step, random generators last.
+"""
+
+from __future__ import annotations
+
+import gc
+import itertools
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, nullcontext
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+from torch.utils.data import Dataset
+
+from forge.checkpoint import load_model_weights
+from forge.data import build_dataloader
+from forge.train import dist
+from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.callbacks import (
+    CallbackHandler,
+    EarlyStoppingCallback,
+    JsonlMetricsCallback,
+    ProgressCallback,
+    TensorBoardCallback,
+    TrainerCallback,
+    TrainerControl,
+    TrainerState,
+)
+from forge.train.checkpointing import CheckpointingMixin
+from forge.train.loop_state import Batch, Position, StepResult, Tally, TrainOutput, count_tokens
+from forge.train.optim import build_optimizer, build_scheduler, current_lr, set_seed
+from forge.train.signals import StopSignals, TrainingInterrupted
+
+logger = logging.getLogger(__name__)
+
+
+class BaseTrainer(CheckpointingMixin):
+    """The shared loop; see the module docstring. Subclasses set ``trainer_kind``.
+
+    ``model`` is an ``nn.Module`` or a zero-argument callable that builds one (as Hugging Face's
+    ``model_init``): the trainer calls it after ``set_seed(args.seed)`` at the start of every
+    ``train()``, so weight initialisation is seeded and a resumed run rebuilds the same model.
+    ``optimizer`` is None (AdamW from ``args``) or a callable taking the trainable parameters;
+    ``lr_scheduler`` is None (``args.lr_scheduler_type``) or a callable taking
+    ``(optimizer, num_training_steps)``. Datasets are map-style and yield dicts; the loss is
+    ``model(**batch).loss`` unless ``compute_loss`` is overridden. A ``tokenizer`` is saved
+    into every checkpoint.
+    """
+
+    trainer_kind: ClassVar[str] = "base"
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        args: TrainingArguments,
+        train_dataset: Dataset,
+        eval_dataset: Dataset | None = None,
+        data_collator: Callable[[list[Any]], Batch] | None = None,
+        tokenizer: Any = None,
+        optimizer: Callable[[list[nn.Parameter]], Optimizer] | Optimizer | None = None,
+        lr_scheduler: Callable[[Optimizer, int], LRScheduler] | LRScheduler | None = None,
+        callbacks: list[TrainerCallback] | tuple[TrainerCallback, ...] = (),
+    ) -> None:
+        if not isinstance(args, TrainingArguments):
+            raise TypeError(f"trainer.args must be TrainingArguments (got {type(args).__name__})")
+        if not isinstance(model, nn.Module) and not callable(model):
+            raise TypeError(
+                "trainer.model must be an nn.Module or a callable that builds one "
+                f"(got {type(model).__name__})"
+            )
+        self.args = args
+        self.model_init = None if isinstance(model, nn.Module) else model
+        self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
+        self.train_dataset = train_dataset
+        self.eval_dataset = eval_dataset
+        self.data_collator = data_collator
+        self.tokenizer = tokenizer
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.env = dist.DistEnv.from_env()
+        self.device = dist.resolve_device(args.device, self.env.local_rank)
+        self._check_eval_dataset()
+
+        self.state = TrainerState(is_world_process_zero=self.env.is_main)
+        self.control = TrainerControl()
+        user_callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]
+        self.callback_handler = CallbackHandler(
+            self.default_callbacks(user_callbacks) + user_callbacks
+        )
+
+        # built by train()
+        self.wrapped_model: nn.Module | None = None
+        self.optimizer: Optimizer | None = None
+        self.lr_scheduler: LRScheduler | None = None
+        self.scaler: torch.amp.GradScaler | None = None
+        self.train_loader: Any = None
+        self.eval_loader: Any = None
+        self.max_steps = 0
+        self.num_epochs = 0
+        self._position = Position()
+        self._resumed_batches: Iterator[Batch] | None = None
+        self._signals = StopSignals()
+        self._tally = Tally()
+        self._last_eval: tuple[int | None, dict[str, float]] = (None, {})
+        self._last_save_step: int | None = None
+
+    # ------------------------------------------------------------------ properties
+    @property
+    def is_main_process(self) -> bool:
+        return self.env.is_main
+
+    @property
+    def checkpoints_dir(self) -> Path:
+        return Path(self.args.output_dir) / "checkpoints"
+
+    def add_callback(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
+        """Add a callback (an instance or a class to instantiate)."""
+        self.callback_handler.add(callback)
+
+    def default_callbacks(self, user_callbacks: list[TrainerCallback]) -> list[TrainerCallback]:
+        """Reporting callbacks from ``args.report_to`` on rank 0, plus early stopping."""
+        callbacks: list[TrainerCallback] = []
+        if self.is_main_process:
+            report_to = self.args.report_to
+            if "progress" in report_to:
+                callbacks.append(ProgressCallback())
+            if "jsonl" in report_to:
+                callbacks.append(JsonlMetricsCallback())
+            if "tensorboard" in report_to:
+                callbacks.append(TensorBoardCallback())
+        has_early_stopping = any(isinstance(cb, EarlyStoppingCallback) for cb in user_callbacks)
+        if self.args.early_stopping_patience and not has_early_stopping:
+            callbacks.append(EarlyStoppingCallback())
+        return callbacks
+
+    # ------------------------------------------------------------------ the loop
+    def train(self, resume_from_checkpoint: bool | str | os.PathLike | None = None) -> TrainOutput:
+        """Train to ``max_steps`` (or ``num_train_epochs``), optionally resuming first.
+
+        ``resume_from_checkpoint`` (None: ``args.resume_from_checkpoint``) is False, True (the
+        newest valid checkpoint of this run, else of its sibling ``run_*`` directories; a
+        warning and a fresh start when there is none) or a checkpoint path. SIGINT / SIGTERM
+        stop at the next step boundary with a checkpoint and raise ``TrainingInterrupted``.
+        """
+        if resume_from_checkpoint is None:
+            resume_from_checkpoint = self.args.resume_from_checkpoint
+        with self.distributed():
+            try:
+                self._setup_training()
+                checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
+                if checkpoint is not None:
+                    self._load_checkpoint(checkpoint)
+                with self._signals:
+                    return self._train_loop()
+            finally:
+                self.release_wrappers()
+
+    def _train_loop(self) -> TrainOutput:
+        args, state = self.args, self.state
+        self._log_start()
+        self._call("on_train_begin")
+        self.wrapped_model.train()
+        start_step, run_tally = state.global_step, Tally()
+        self._tally.started = run_tally.started  # tokens/s counts training time only
+        for epoch in itertools.count(self._position.epoch):  # until max_steps (or a stop)
+            for micro_batches in self._accumulation_windows(epoch):
+                loss, tokens = self.forward_backward(micro_batches)
+                grad_norm = self.clip_gradients()
+                step = self.reduce_step(loss, tokens, grad_norm)  # agreed on by every rank
+                if step.finite or not args.skip_nonfinite:
+                    self.optimizer_step()
+                else:
+                    self._skip_step(step)
+                self.lr_scheduler.step()
+                self.optimizer.zero_grad(set_to_none=True)
+                self._advance(step, run_tally)
+                self._call("on_step_end")
+                self._log_evaluate_save(epoch_end=False)
+                if self._should_stop():
+                    break
+            if self._position.epoch > epoch:  # the epoch ran to its end
+                self._log_evaluate_save(epoch_end=True)
+            if self._should_stop():
+                break
+        return self._finish(state.global_step - start_step, run_tally)
+
+    def _accumulation_windows(self, epoch: int) -> Iterator[list[Batch]]:
+        """The epoch's micro-batches, ``gradient_accumulation_steps`` at a time.
+
+        A short last window steps with what it has. ``self._position`` always says how many
+        micro-batches were taken, so a checkpoint between two windows resumes exactly.
+        """
+        batches, self._resumed_batches = self._resumed_batches, None
+        if batches is None:  # not `or`: a loader iterator's truth is its length
+            batches = self._epoch_batches(epoch)
+        accumulation = self.args.gradient_accumulation_steps
+        while self.state.global_step < self.max_steps and (
+            window := list(itertools.islice(batches, accumulation))
+        ):
+            self._position.batch += len(window)
+            yield window
+        if self.state.global_step < self.max_steps:
+            self._position = Position(epoch + 1, 0)
+
+    def _epoch_batches(self, epoch: int) -> Iterator[Batch]:
+        self._position = Position(epoch, 0)
+        self.train_loader.set_epoch(epoch)
+        return iter(self.train_loader)
+
+    def _advance(self, step: StepResult, run_tally: Tally) -> None:
+        state = self.state
+        state.global_step += 1
+        state.tokens_seen += step.tokens
+        state.epoch = self._position.epoch + self._position.batch / len(self.train_loader)
+        if not step.finite and self.args.skip_nonfinite:
+            state.nonfinite_skipped += 1
+        self._tally.add(step)
+        run_tally.add(step)
+
+    def _log_evaluate_save(self, *, epoch_end: bool) -> None:
+        """Log, evaluate and save where the strategies, or a callback's flags, ask for it."""
+        args, step, control = self.args, self.state.global_step, self.control
+        if epoch_end:
+            log = False
+            evaluate = args.eval_strategy == "epoch"
+            save = args.save_strategy == "epoch"
+        else:
+            first = args.logging_first_step and step == 1
+            log = control.should_log or first or step % args.logging_steps == 0
+            evaluate = control.should_evaluate or (
+                args.eval_strategy == "steps" and step % args.eval_steps == 0
+            )
+            save = control.should_save or (
+                args.save_strategy == "steps" and step % args.save_steps == 0
+            )
+            control.reset_step_flags()
+        if log:
+            self.log_step()
+        if evaluate and self._evaluation_enabled():
+            self._evaluate_once()
+        if save:
+            self.save_checkpoint()
+
+    def _should_stop(self) -> bool:
+        """Max steps, a callback's request, or a signal (which saves and raises)."""
+        signum = int(self._agree_max(self._signals.received))
+        if signum:
+            checkpoint = self.save_checkpoint()
+            self._call("on_train_end", interrupted=signum)
+            raise TrainingInterrupted(signum, self.state.global_step, str(checkpoint))
+        return self.state.global_step >= self.max_steps or self.control.should_training_stop
+
+    def _finish(self, steps: int, run_tally: Tally) -> TrainOutput:
+        args, state = self.args, self.state
+        if self._tally.steps:
+            self.log_step()  # the steps since the last log
+        if self._evaluation_enabled():
+            self._evaluate_once()
+        if args.save_final_checkpoint:
+            self.save_checkpoint()
+        if args.load_best_model_at_end and state.best_checkpoint:
+            self._info(
+                "loading the best checkpoint %s (%s %.6g)",
+                state.best_checkpoint,
+                args.metric_for_best_model,
+                state.best_metric,
+            )
+            load_model_weights(self.model, state.best_checkpoint, strict=True)
+        self._call("on_train_end")
+        runtime = time.perf_counter() - run_tally.started
+        metrics = {
+            "train_loss": run_tally.mean_loss,
+            "train_runtime": runtime,
+            "train_steps_per_second": steps / max(runtime, 1e-9),
+            "total_tokens": float(state.tokens_seen),
+            "nonfinite_skipped": float(state.nonfinite_skipped),
+            "epoch": state.epoch,
+            **self._last_eval[1],
+        }
+        return TrainOutput(state.global_step, run_tally.mean_loss, metrics)
+
+    # ------------------------------------------------------------------ one step (overridable)
+    def forward_backward(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over one accumulation window; (mean loss, tokens) on this rank.
+
+        Each micro-batch's loss is divided by the window's length, so a short last window
+        averages over what it has.
+        """
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        for index, batch in enumerate(micro_batches):
+            batch = self._to_device(batch)
+            tokens += count_tokens(batch).to(self.device)
+            with self.no_sync(last=index == len(micro_batches) - 1):
+                with self.autocast():
+                    loss = self.compute_loss(self.wrapped_model, batch) / len(micro_batches)
+                self.backward(loss)
+            loss_sum += loss.detach().float()
+        return loss_sum, tokens
+
+    def compute_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
+        """``model(**batch).loss`` (the Hugging Face convention)."""
+        outputs = model(**batch)
+        loss = getattr(outputs, "loss", None)
+        if loss is None and isinstance(outputs, Mapping):
+            loss = outputs.get("loss")
+        if loss is None:
+            raise ValueError(
+                f"{type(model).__name__} returned no loss: give the batches labels (e.g. "
+                "data_collator: CausalLMCollator) or override Trainer.compute_loss"
+            )
+        return loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+
+    def clip_gradients(self) -> torch.Tensor:
+        """The total gradient norm before clipping; clips to ``max_grad_norm`` when set."""
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        params = [p for p in self.model.parameters() if p.grad is not None]
+        grad_norm = torch.nn.utils.get_total_norm([p.grad for p in params])
+        if self.args.max_grad_norm:
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, grad_norm)
+        return grad_norm
+
+    def reduce_step(
+        self, loss: torch.Tensor, tokens: torch.Tensor, grad_norm: torch.Tensor
+    ) -> StepResult:
+        """Agree on the step across ranks with one all-reduce of (loss, tokens).
+
+        The summed loss is non-finite exactly when some rank's loss is, and gradients are
+        already synchronised, so every rank takes the same skip decision.
+        """
+        stats = torch.stack([loss.double(), tokens.double()])
+        loss_sum, total_tokens = dist.all_reduce(stats).tolist()
+        norm = float(grad_norm)
+        # with a grad scaler, overflowing gradients are the scaler's to skip, not ours
+        finite = math.isfinite(loss_sum) and (math.isfinite(norm) or self.scaler is not None)
+        return StepResult(loss_sum / self.env.world_size, int(total_tokens), norm, finite)
+
+    def optimizer_step(self) -> None:
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
+
+    def _skip_step(self, step: StepResult) -> None:
+        if self.scaler is not None:
+            self.scaler.update()
+        self._info(
+            "step %d: non-finite %s (loss %s, grad norm %s); optimizer step skipped "
+            "(%d skipped so far)",
+            self.state.global_step + 1,
+            "loss" if not math.isfinite(step.loss) else "gradients",
+            step.loss,
+            step.grad_norm,
+            self.state.nonfinite_skipped + 1,
+            level=logging.WARNING,
+        )
+
+    def autocast(self) -> AbstractContextManager:
+        """bf16 / fp16 autocast for the forward pass when requested."""
+        dtype = torch.bfloat16 if self.args.bf16 else torch.float16 if self.args.fp16 else None
+        return torch.autocast(self.device.type, dtype=dtype) if dtype else nullcontext()
+
+    def no_sync(self, last: bool) -> AbstractContextManager:
+        """Skip gradient synchronisation on all but the last micro-batch (DDP overrides)."""
+        return nullcontext()
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        """What the training step calls; ``torch.compile`` when requested."""
+        return torch.compile(model) if self.args.torch_compile else model
+
+    def release_wrappers(self) -> None:
+        """Drop the training wrappers at the end of ``train()``.
+
+        A DDP wrapper holds the process group; freed later (at interpreter exit) the group's
+        destructor can deadlock with its worker thread, so it goes while the group is alive.
+        """
+        self.wrapped_model = None
+        if self.env.world_size > 1:
+            gc.collect()  # wrappers sit in reference cycles (hooks)
+
+    def distributed(self) -> AbstractContextManager:
+        """The process group for a torchrun job (created here if needed, then destroyed)."""
+        return dist.process_group(self.env, self.device, self.args.ddp_backend)
+
+    def _agree_max(self, value: float) -> float:
+        if self.env.world_size == 1:
+            return value
+        return dist.all_reduce(torch.tensor([float(value)], device=self.device), "max").item()
+
+    # ------------------------------------------------------------------ setup
+    def _setup_training(self) -> None:
+        args = self.args
+        set_seed(args.seed)
+        if self.model_init is not None:
+            self.model = self._call_model_init()
+        if self.env.world_size > 1:
+            set_seed(args.seed + self.env.rank)  # same weights, but each rank its own dropout
+        self.model.to(self.device)
+        self.wrapped_model = self.wrap_model(self.model)
+        self.train_loader = self.build_train_loader()
+        steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
+        if args.max_steps > 0:
+            self.max_steps = args.max_steps
+            self.num_epochs = math.ceil(args.max_steps / steps_per_epoch)
+        else:
+            self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+            self.num_epochs = math.ceil(args.num_train_epochs)
+        self.optimizer = build_optimizer(self.optimizer_factory, self.model, args)
+        self.lr_scheduler = build_scheduler(
+            self.lr_scheduler_factory, self.optimizer, args, self.max_steps
+        )
+        self.scaler = torch.amp.GradScaler(self.device.type) if args.fp16 else None
+        self.state = TrainerState(
+            max_steps=self.max_steps,
+            num_train_epochs=self.num_epochs,
+            is_world_process_zero=self.is_main_process,
+        )
+        self.control = TrainerControl()
+        self._position, self._resumed_batches, self._tally = Position(), None, Tally()
+        self._last_eval, self._last_save_step = (None, {}), None
+
+    def _call_model_init(self) -> nn.Module:
+        model = self.model_init()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"trainer.model built a {type(model).__name__}, not an nn.Module; pass a module "
+                "or a callable (e.g. !partial) that returns one"
+            )
+        return model
+
+    def build_train_loader(self) -> Any:
+        args = self.args
+        return build_dataloader(
+            self.train_dataset,
+            batch_size=args.per_device_train_batch_size,
+            collate_fn=self.data_collator,
+            shuffle=True,
+            seed=args.seed if args.data_seed is None else args.data_seed,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            drop_last=args.dataloader_drop_last,
+            num_workers=args.dataloader_num_workers,
+        )
+
+    def build_eval_loader(self) -> Any:
+        args = self.args
+        return build_dataloader(
+            self.eval_dataset,
+            batch_size=args.per_device_eval_batch_size,
+            collate_fn=self.data_collator,
+            shuffle=False,
+            rank=self.env.rank,
+            world_size=self.env.world_size,
+            drop_last=False,
+            num_workers=args.dataloader_num_workers,
+        )
+
+    def _check_eval_dataset(self) -> None:
+        if self.eval_dataset is not None:
+            return
+        args = self.args
+        needs = [
+            name
+            for name, on in (
+                ("load_best_model_at_end", args.load_best_model_at_end),
+                ("early_stopping_patience", args.early_stopping_patience is not None),
+            )
+            if on
+        ]
+        if needs:
+            raise TrainingArgumentsError(
+                [
+                    f"trainer.eval_dataset is required by {args.config_key}.{name}; "
+                    f"pass an eval dataset or unset {name}"
+                    for name in needs
+                ]
+            )
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict[str, float]:
+        """Mean loss over the eval set (``max_eval_batches`` at most), reduced over ranks.
+
+        Evaluation forks the random generators, so it never changes the training trajectory.
+        """
+        if self.eval_dataset is None:
+            raise ValueError("trainer.eval_dataset is not set; there is nothing to evaluate")
+        with self.distributed():
+            if self.model is None:
+                set_seed(self.args.seed)
+                self.model = self._call_model_init()
+                self.model.to(self.device)
+            metrics = self.evaluation_loop()
+        self._last_eval = (self.state.global_step, metrics)
+        self._call("on_evaluate", metrics=metrics)
+        return metrics
+
+    def evaluation_loop(self) -> dict[str, float]:
+        if self.eval_loader is None:
+            self.eval_loader = self.build_eval_loader()
+        model, limit = self.model, self.args.max_eval_batches
+        was_training = model.training
+        model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, batches
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for batch in itertools.islice(self.eval_loader, limit):
+                with self.autocast():
+                    loss = self.compute_loss(model, self._to_device(batch))
+                totals += torch.stack([loss.detach().double(), totals.new_ones(())])
+        model.train(was_training)
+        loss_sum, batches = dist.all_reduce(totals).tolist()
+        loss = loss_sum / batches if batches else float("nan")
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+
+    def _evaluation_enabled(self) -> bool:
+        return self.eval_dataset is not None and self.args.eval_strategy != "no"
+
+    def _evaluate_once(self) -> dict[str, float]:
+        """Evaluate unless this step already was."""
+        if self._last_eval[0] == self.state.global_step:
+            return self._last_eval[1]
+        return self.evaluate()
+
+    # ------------------------------------------------------------------ logging
+    def log_step(self) -> None:
+        """Report the steps since the last log: mean loss, lr, grad norm, tokens/s, epoch."""
+        tally, state = self._tally, self.state
+        logs: dict[str, float] = {
+            "loss": tally.mean_loss,
+            "learning_rate": current_lr(self.lr_scheduler),
+            "grad_norm": tally.grad_norm,
+            "tokens_per_second": tally.tokens_per_second,
+            "epoch": round(state.epoch, 4),
+        }
+        if tally.skipped:
+            logs["nonfinite_skipped"] = state.nonfinite_skipped
+        self._tally = Tally()
+        self._call("on_log", logs=logs)
+
+    def _log_start(self) -> None:
+        args, state = self.args, self.state
+        batch = args.per_device_train_batch_size
+        self._info(
+            "training for %d steps (%d epochs of %d batches per rank); batch %d x accumulation "
+            "%d x world %d = %d sequences per step",
+            self.max_steps,
+            self.num_epochs,
+            len(self.train_loader),
+            batch,
+            args.gradient_accumulation_steps,
+            self.env.world_size,
+            batch * args.gradient_accumulation_steps * self.env.world_size,
+        )
+        if state.resumed_from:
+            self._info("resumed from %s at step %d", state.resumed_from, state.global_step)
+
+    def _info(self, message: str, *values: Any, level: int = logging.INFO) -> None:
+        """Log on rank 0 only (every rank agrees on what is logged here)."""
+        if self.is_main_process:
+            logger.log(level, message, *values)
+
+    def _call(self, event: str, **kwargs: Any) -> None:
+        """Run a callback hook; hooks also get the model, optimizer and scheduler (as HF's)."""
+        self.callback_handler.call(
+            event,
+            self.args,
+            self.state,
+            self.control,
+            model=self.model,
+            optimizer=self.optimizer,
+            lr_scheduler=self.lr_scheduler,
+            **kwargs,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _to_device(self, batch: Batch) -> Batch:
+        if not isinstance(batch, Mapping):
+            raise TypeError(
+                f"batches must be dicts of tensors (got {type(batch).__name__}); make the "
+                "dataset yield dicts or pass a data_collator that builds them"
+            )
+        return {
+            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+        }

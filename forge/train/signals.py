@@ -1,0 +1,65 @@
+"""Turn SIGINT / SIGTERM into a request to stop at the next step boundary."""
+
+from __future__ import annotations
+
+import signal
+import threading
+from types import FrameType, TracebackType
+from typing import Any
+
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class TrainingInterrupted(Exception):
+    """Training stopped on a signal after saving a checkpoint.
+
+    ``signum`` is the signal (the CLI exits with 128 + signum: 130 for SIGINT, 143 for
+    SIGTERM); ``checkpoint`` is the checkpoint that holds the last completed step.
+    """
+
+    def __init__(self, signum: int, step: int | None = None, checkpoint: str | None = None):
+        self.signum = int(signum)
+        self.step = step
+        self.checkpoint = checkpoint
+        name = signal.Signals(self.signum).name
+        where = f" at step {step}" if step is not None else ""
+        saved = f"; resume from {checkpoint}" if checkpoint else ""
+        super().__init__(f"training interrupted by {name}{where}{saved}")
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (type(self), (self.signum, self.step, self.checkpoint))
+
+
+class StopSignals:
+    """Context manager: while active, SIGINT and SIGTERM only set ``received``.
+
+    Handlers are installed from the main thread only (elsewhere this does nothing) and the
+    previous ones are restored on exit. A second signal raises KeyboardInterrupt at once:
+    checkpoints are written atomically, so cutting a save short loses nothing committed.
+    """
+
+    def __init__(self) -> None:
+        self.received: int = 0
+        self._previous: dict[int, Any] = {}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.received:
+            raise KeyboardInterrupt
+        self.received = signum
+
+    def __enter__(self) -> StopSignals:
+        self.received = 0
+        if threading.current_thread() is threading.main_thread():
+            for signum in STOP_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        for signum, handler in self._previous.items():
+            signal.signal(signum, handler if handler is not None else signal.SIG_DFL)
+        self._previous.clear()

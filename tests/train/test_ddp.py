@@ -1,0 +1,87 @@
+"""DDP with real processes (torchrun, gloo): stop + resume equals training straight through."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.train.common import assert_same_tensors, checkpoint_dir, make_args, make_trainer
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("ddp_resume_script.py")
+
+
+def torchrun(mode: str, output_dir: Path) -> str:
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(SCRIPT), mode, str(output_dir),
+    ]  # fmt: skip
+    # a session of its own, so a timeout can end the workers along with torchrun
+    proc = subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"torchrun {mode} timed out:\n{output}") from None
+    assert proc.returncode == 0, output
+    return output
+
+
+def final_state(output_dir: Path) -> dict:
+    ckpt = checkpoint_dir(output_dir, 40)
+    return {
+        "weights": load_file(ckpt / "model.safetensors"),
+        "optimizer": torch.load(ckpt / "training_state.pt", weights_only=True)["optimizer"],
+        "rank0": torch.load(ckpt / "rank_state_00000.pt", weights_only=True),
+        "rank1": torch.load(ckpt / "rank_state_00001.pt", weights_only=True),
+    }
+
+
+@pytest.fixture(scope="module")
+def ddp_runs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("ddp")
+    torchrun("straight", root / "straight")
+    stopped = torchrun("stop", root / "resumed")
+    assert "rank 0 interrupted at step 20" in stopped
+    assert "rank 1 interrupted at step 20" in stopped
+    assert not checkpoint_dir(root / "resumed", 30).exists()
+    torchrun("resume", root / "resumed")
+    return root
+
+
+def test_ddp_stop_and_resume_is_bit_identical(ddp_runs):
+    straight = final_state(ddp_runs / "straight")
+    resumed = final_state(ddp_runs / "resumed")
+    assert_same_tensors(straight["weights"], resumed["weights"], "weights")
+    assert_same_tensors(straight["optimizer"], resumed["optimizer"], "optimizer")
+    for rank in ("rank0", "rank1"):  # random generators and data positions too
+        assert_same_tensors(straight[rank], resumed[rank], rank)
+    # every rank draws its own dropout masks
+    assert not torch.equal(straight["rank0"]["rng"]["torch"], straight["rank1"]["rng"]["torch"])
+
+
+def test_a_two_rank_checkpoint_resumes_in_one_process_with_a_warning(ddp_runs, tmp_path, caplog):
+    args = make_args(
+        tmp_path, max_steps=22, gradient_accumulation_steps=2, lr_scheduler_type="cosine"
+    )
+    trainer = make_trainer(args, train_size=232)
+    with caplog.at_level(logging.WARNING, logger="forge.train"):
+        trainer.train(resume_from_checkpoint=str(checkpoint_dir(ddp_runs / "straight", 20)))
+    assert trainer.state.global_step == 22
+    assert "written by 2 rank(s), this job has 1" in caplog.text
