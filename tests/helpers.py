@@ -15,6 +15,7 @@ def run_forge(*args: str, cwd: Path | None = None, env: dict | None = None, time
     """Run `python -m forge.cli ARGS` and return the CompletedProcess (text mode)."""
     full_env = dict(os.environ)
     full_env.setdefault("TOKENIZERS_PARALLELISM", "false")
+    full_env.setdefault("OMP_NUM_THREADS", "1")  # tiny models: threads cost more than they give
     full_env.update(env or {})
     return subprocess.run(
         [sys.executable, "-m", "forge.cli", *args],

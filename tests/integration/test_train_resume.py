@@ -27,6 +27,7 @@ pytestmark = pytest.mark.integration
 
 def start_forge(*args: str, cwd: Path) -> subprocess.Popen:
     env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+    env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.Popen(
         [sys.executable, "-m", "forge.cli", *args],
         cwd=cwd,
@@ -104,7 +105,6 @@ def test_stop_and_resume_is_bit_identical(project, trained_once, sig):
     assert_same_tensors(optim_a, optim_b, "optimizer")
 
 
-@pytest.mark.slow
 def test_stop_and_resume_is_bit_identical_with_two_processes(project):
     straight = train_straight(project, "--nproc", "2")
     resumed = stop_and_resume(project, signal.SIGTERM, "--nproc", "2")
