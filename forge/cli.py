@@ -90,7 +90,7 @@ def _load(args: argparse.Namespace, project: Project, *, check: bool = True):
     if check:
         problems = cfg.check()
         if problems:
-            raise ConfigError(problems)
+            raise ConfigError(problems, config=name)
     return name, cfg
 
 
@@ -190,7 +190,24 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     print(run_dir, flush=True)
     logger.info("run directory: %s", run_dir)
-    return _launch(project, run_dir, nproc, args, resume_from=None)
+    try:
+        code = _launch(project, run_dir, nproc, args, resume_from=None)
+    except Exception as err:
+        if exit_code_for(err) == EXIT_USAGE:
+            _discard_unstarted_run(run_dir)
+        raise
+    if code == EXIT_USAGE:
+        _discard_unstarted_run(run_dir)
+    return code
+
+
+def _discard_unstarted_run(run_dir: Path) -> None:
+    """Remove a run that a config error stopped before it wrote anything but its record."""
+    if {p.name for p in run_dir.iterdir()} <= {"config.yaml", "run.json"}:
+        for path in run_dir.iterdir():
+            path.unlink()
+        run_dir.rmdir()
+        logger.info("removed %s: the run never started", run_dir)
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
@@ -232,7 +249,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         )
         problems = cfg.check()
         if problems:
-            raise ConfigError(problems)
+            raise ConfigError(problems, config=str(config_path))
         config_path.write_text(cfg.text)
     nproc = _nproc(args.nproc, default=int(record.data.get("world_size") or 1))
     resumes = record.data.get("resumes", [])
@@ -254,7 +271,7 @@ def _launch(
         from forge.worker import run_worker
 
         return run_worker(run_dir, project, resume_from=resume_from, allow=allow)
-    command = [sys.executable, "-m", "torch.distributed.run", f"--nproc_per_node={nproc}"]
+    command = [sys.executable, "-m", "forge.launch", f"--nproc_per_node={nproc}"]
     if not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in args.torchrun_args):
         command.append("--standalone")
     command += list(args.torchrun_args)
@@ -266,7 +283,9 @@ def _launch(
     if args.verbose:
         command.append("-v")
     logger.info("launching %d processes: %s", nproc, " ".join(command))
-    child = subprocess.Popen(command, start_new_session=True)
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
+    child = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum, _frame):
         child.send_signal(signum)
@@ -288,6 +307,8 @@ def _exit_code_from_record(run_dir: Path, code: int) -> int:
         return 128 + int(signal.Signals[data["signal"]])
     if data.get("status") == "completed":
         return EXIT_OK
+    if data.get("status") == "failed" and data.get("error_kind") == "usage":
+        return EXIT_USAGE  # rank 0 has printed the message
     return code if code > 0 else EXIT_FAILURE
 
 
@@ -658,10 +679,13 @@ def _run(args: argparse.Namespace, verbose: bool) -> int:
     except Exception as err:  # every failure becomes a message and an exit code
         if verbose:
             raise
+        rank = int(os.environ.get("RANK", "0"))
         if is_expected(err):
-            print(f"error: {err}", file=sys.stderr)
+            if rank == 0:  # every rank sees the same config error; one message is enough
+                print(f"error: {err}", file=sys.stderr)
         else:
-            print(f"error: {type(err).__name__}: {err}", file=sys.stderr)
+            prefix = f"[rank {rank}] " if rank else ""
+            print(f"{prefix}error: {type(err).__name__}: {err}", file=sys.stderr)
             print("(run again with -v for the traceback)", file=sys.stderr)
         return exit_code_for(err)
 

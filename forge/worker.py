@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.config import ConfigError, Problem, Project, parse_config
+from forge.errors import EXIT_USAGE, exit_code_for
 from forge.runs import RunRecord, now_iso
 
 logger = logging.getLogger(__name__)
@@ -50,7 +51,7 @@ def load_run_config(run_dir: Path, project: Project, allow: list[str] = ()):
     cfg = parse_config(path.read_text(), project=project, allow=list(allow), origin=str(path))
     problems = cfg.check()
     if problems:
-        raise ConfigError(problems)
+        raise ConfigError(problems, config=str(path))
     if TRAINER_TARGET not in cfg.targets:
         message = (
             f"no '{TRAINER_TARGET}' target; a training config defines `trainer:` "
@@ -91,13 +92,13 @@ def run_worker(
     run_dir = Path(run_dir)
     rank, world_size, _ = dist_env()
     record = RunRecord.load(run_dir)
-    cfg = load_run_config(run_dir, project, allow)
-    variables = build_variables(run_dir, project, record.data.get("config", "config"))
-    trainer = cfg.build(TRAINER_TARGET, variables)
-    if rank == 0:
-        trainer.add_callback(make_run_record_callback(record))
-        record.set_status("running", world_size=world_size, started=now_iso())
     try:
+        cfg = load_run_config(run_dir, project, allow)
+        variables = build_variables(run_dir, project, record.data.get("config", "config"))
+        trainer = cfg.build(TRAINER_TARGET, variables)
+        if rank == 0:
+            trainer.add_callback(make_run_record_callback(record))
+            record.set_status("running", world_size=world_size, started=now_iso())
         trainer.train(resume_from_checkpoint=resume_from)
     except TrainingInterrupted as stop:
         if rank == 0:
@@ -108,7 +109,8 @@ def run_worker(
         if rank == 0:
             record = RunRecord.load(run_dir)
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            record.set_status(status, error=f"{type(err).__name__}: {err}")
+            kind = "usage" if exit_code_for(err) == EXIT_USAGE else "runtime"
+            record.set_status(status, error=str(err), error_type=type(err).__name__, error_kind=kind)
         raise
     if rank == 0:
         record = RunRecord.load(run_dir)
