@@ -83,9 +83,11 @@ def stop_and_resume(project: Path, sig: int, *extra: str) -> Path:
     wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
     proc.send_signal(sig)
     proc.wait(timeout=300)
-    if sig == signal.SIGTERM:
-        assert proc.returncode == 143, proc.stderr.read()
-        assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+    if sig in (signal.SIGTERM, signal.SIGINT):
+        assert proc.returncode == 128 + sig, proc.stderr.read()  # 143 / 130
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["status"] == "interrupted"
+        assert record["signal"] == signal.Signals(sig).name
     else:
         assert proc.returncode == -signal.SIGKILL
     assert not (run_dir / "checkpoints" / "checkpoint-000040").exists()
@@ -95,7 +97,9 @@ def stop_and_resume(project: Path, sig: int, *extra: str) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGKILL], ids=["sigterm", "sigkill"])
+@pytest.mark.parametrize(
+    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["sigterm", "sigint", "sigkill"]
+)
 def test_stop_and_resume_is_bit_identical(project, trained_once, sig):
     _, straight, _ = trained_once  # the same SMALL config, trained 40 steps straight
     resumed = stop_and_resume(project, sig)
