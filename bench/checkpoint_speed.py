@@ -91,8 +91,12 @@ def main() -> None:
     params = sum(p.numel() for p in model.parameters())
     root = Path(tempfile.mkdtemp(prefix="forge-bench-", dir=args.dir))
     try:
-        times = {"forge CheckpointWriter": [], "torch.save": [], "torch.save + fsync": [],
-                 "disk write + fsync": []}
+        times = {
+            "forge CheckpointWriter": [],
+            "torch.save": [],
+            "torch.save + fsync": [],
+            "disk write + fsync": [],
+        }
         nbytes = 0
         for step in range(1, args.repeat + 1):
             times["forge CheckpointWriter"].append(time_forge(model, optimizer, root, step))
@@ -113,7 +117,9 @@ def main() -> None:
     print(f"model: {params / 1e6:.1f}M parameters; checkpoint: {nbytes / 2**20:.1f} MiB")
     print(f"{'save':26s} {'median s':>9s} {'MiB/s':>8s} {'forge / this':>13s}")
     for name, seconds in medians.items():
-        print(f"{name:26s} {seconds:9.3f} {nbytes / 2**20 / seconds:8.0f} {forge_s / seconds:13.2f}")
+        print(
+            f"{name:26s} {seconds:9.3f} {nbytes / 2**20 / seconds:8.0f} {forge_s / seconds:13.2f}"
+        )
 
 
 if __name__ == "__main__":

@@ -227,6 +227,8 @@ class ProgressCallback(TrainerCallback):
         if "tokens_per_second" in logs:
             postfix["tok/s"] = f"{logs['tokens_per_second']:.0f}"
         self.bar.set_postfix(postfix, refresh=False)
+        # keep the history above the bar, so a falling loss can be read at a glance
+        self.bar.write(f"step {state.global_step} | {format_metrics(logs)}", file=sys.stderr)
 
     def on_evaluate(self, args, state, control, metrics, **kwargs):
         line = f"eval at step {state.global_step} | {format_metrics(metrics)}"
