@@ -110,7 +110,9 @@ def run_worker(
             record = RunRecord.load(run_dir)
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             kind = "usage" if exit_code_for(err) == EXIT_USAGE else "runtime"
-            record.set_status(status, error=str(err), error_type=type(err).__name__, error_kind=kind)
+            record.set_status(
+                status, error=str(err), error_type=type(err).__name__, error_kind=kind
+            )
         raise
     if rank == 0:
         record = RunRecord.load(run_dir)
