@@ -22,16 +22,6 @@ from typing import Any
 
 RUN_PATTERN = re.compile(r"^run_(\d{3,})$")
 STATUSES = ("created", "running", "completed", "failed", "interrupted")
-VERSIONED_PACKAGES = (
-    "forge",
-    "torch",
-    "transformers",
-    "accelerate",
-    "torchdata",
-    "tokenizers",
-    "safetensors",
-    "peft",
-)
 
 
 class RunError(Exception):
@@ -87,8 +77,10 @@ def write_json_atomic(path: Path, data: Any) -> None:
 def package_versions() -> dict[str, str]:
     from importlib import metadata
 
+    from forge.envinfo import PACKAGES
+
     versions = {"python": sys.version.split()[0]}
-    for name in VERSIONED_PACKAGES:
+    for name in PACKAGES:
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 
 from tests.helpers import REPO, run_forge
 from tests.integration.conftest import SMALL
+from tests.train.common import assert_same_tensors
 
 pytestmark = pytest.mark.integration
 
@@ -54,21 +55,6 @@ def final_state(run_dir: Path, step: int = 40) -> tuple[dict, dict]:
     weights = load_file(ckpt / "model.safetensors")
     state = torch.load(ckpt / "training_state.pt", weights_only=True)
     return weights, state["optimizer"]
-
-
-def assert_same_tensors(a, b, where: str = "") -> None:
-    if isinstance(a, torch.Tensor):
-        assert isinstance(b, torch.Tensor) and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert a.keys() == b.keys(), where
-        for key in a:
-            assert_same_tensors(a[key], b[key], f"{where}.{key}")
-    elif isinstance(a, (list, tuple)):
-        assert len(a) == len(b), where
-        for index, (x, y) in enumerate(zip(a, b, strict=False)):
-            assert_same_tensors(x, y, f"{where}[{index}]")
-    else:
-        assert a == b, where
 
 
 def train_straight(project: Path, *extra: str) -> Path:
