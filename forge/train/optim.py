@@ -35,11 +35,15 @@ def default_optimizer(model: nn.Module, args: TrainingArguments) -> Optimizer:
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
+    # The fused kernel (HF Trainer's default on recent torch) is 2-3x faster per step than
+    # the for-loop one, and as deterministic; it needs floating tensors on CPU or CUDA.
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(
         [g for g in groups if g["params"]],
         lr=args.learning_rate,
         betas=(args.adam_beta1, args.adam_beta2),
         eps=args.adam_epsilon,
+        fused=fused or None,
     )
 
 
