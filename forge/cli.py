@@ -32,8 +32,11 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 def _setup_logging(verbose: bool) -> None:
-    rank = int(os.environ.get("RANK", "0"))
-    prefix = f"[rank {rank}] " if int(os.environ.get("WORLD_SIZE", "1")) > 1 and rank else ""
+    from forge.train.topology import Topology
+
+    topology = Topology.from_env()
+    rank = topology.rank
+    prefix = f"[rank {rank}] " if topology.distributed and rank else ""
     handler = logging.StreamHandler(sys.stderr)
     handler.setFormatter(_Formatter(prefix))
     root = logging.getLogger()
@@ -679,7 +682,9 @@ def _run(args: argparse.Namespace, verbose: bool) -> int:
     except Exception as err:  # every failure becomes a message and an exit code
         if verbose:
             raise
-        rank = int(os.environ.get("RANK", "0"))
+        from forge.train.topology import Topology
+
+        rank = Topology.from_env().rank
         if is_expected(err):
             if rank == 0:  # every rank sees the same config error; one message is enough
                 print(f"error: {err}", file=sys.stderr)

@@ -18,10 +18,11 @@ from collections.abc import Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where used, so discovery and validation load without it
+    import torch
+    from torch import nn
 
 # Temporary names in a checkpoints directory all start with this prefix, so discovery never
 # mistakes them for checkpoints and a later writer can sweep what a killed run left behind
@@ -170,6 +171,8 @@ def remove_tree(path: Path) -> Path:
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's model inside DDP / DataParallel / Accelerate / torch.compile wrappers."""
+    from torch import nn
+
     while True:
         inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
@@ -204,17 +207,24 @@ def _no_hf_progress_bars() -> Iterator[None]:
 
 
 def save_model_weights(
-    model: nn.Module, directory: Path, *, max_shard_size: int | str = "2GB"
+    model: nn.Module,
+    directory: Path,
+    *,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    max_shard_size: int | str = "2GB",
 ) -> None:
     """Write a model's weights (and config, for Hugging Face models) as safetensors.
 
     Hugging Face models go through ``save_pretrained`` so ``from_pretrained`` can load the
     directory; any other module is written as its state dict, sharded with an index when it is
-    larger than ``max_shard_size``, with shared (tied) tensors stored once.
+    larger than ``max_shard_size``, with shared (tied) tensors stored once. ``state_dict``
+    (default: the model's own) is what gets written, e.g. one gathered from sharded ranks.
     """
     model = unwrap_model(model)
     if _is_hf_model(model):
         kwargs: dict[str, Any] = {"max_shard_size": max_shard_size}
+        if state_dict is not None:
+            kwargs["state_dict"] = dict(state_dict)
         if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
             kwargs["safe_serialization"] = True  # transformers 4.x; 5.x only writes safetensors
         with _no_hf_progress_bars():
@@ -222,7 +232,8 @@ def save_model_weights(
         return
     from huggingface_hub import save_torch_state_dict
 
-    state_dict = {k: v.detach() for k, v in model.state_dict().items()}
+    source = model.state_dict() if state_dict is None else state_dict
+    state_dict = {k: v.detach() for k, v in source.items()}
     save_torch_state_dict(
         state_dict, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}
     )
