@@ -150,7 +150,10 @@ def test_restore_runs_in_registration_order_random_generators_last(tmp_path):
 def test_stage_state_reshards_to_another_stage_count(tmp_path):
     path = save(tmp_path, world_size=2, num_stages=2)
     got = load(
-        path, Topology(), reshard=lambda shards: {k: v for s in shards for k, v in s.items()}
+        path,
+        Topology(),
+        reshard=lambda shards: {k: v for s in shards for k, v in s.items()},
+        on_reshape=lambda _: None,
     )
     assert sorted(got["moments"].state) == ["layer0", "layer1"]
 
