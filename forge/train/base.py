@@ -372,11 +372,15 @@ class BaseTrainer:
         already synchronised, so every rank takes the same skip decision.
         """
         stats = torch.stack([loss.double(), tokens.double()])
-        loss_sum, total_tokens = dist.all_reduce(stats).tolist()
+        loss_sum, total_tokens = self.all_reduce_sum(stats).tolist()
         norm = float(grad_norm)
         # with a grad scaler, overflowing gradients are the scaler's to skip, not ours
         finite = math.isfinite(loss_sum) and (math.isfinite(norm) or self.scaler is not None)
         return StepResult(loss_sum / self.topology.dp_size, int(total_tokens), norm, finite)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks (every rank gets the result)."""
+        return dist.all_reduce(tensor)
 
     def optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -480,11 +484,15 @@ class BaseTrainer:
             )
         return model
 
+    def per_rank_batch_size(self, field: str) -> int:
+        """The batch one rank loads, from the ``args`` field that sets it."""
+        return getattr(self.args, field)
+
     def build_train_loader(self) -> Any:
         args = self.args
         return build_dataloader(
             self.train_dataset,
-            batch_size=args.per_device_train_batch_size,
+            batch_size=self.per_rank_batch_size("per_device_train_batch_size"),
             collate_fn=self.data_collator,
             shuffle=True,
             seed=args.seed if args.data_seed is None else args.data_seed,
@@ -498,7 +506,7 @@ class BaseTrainer:
         args = self.args
         return build_dataloader(
             self.eval_dataset,
-            batch_size=args.per_device_eval_batch_size,
+            batch_size=self.per_rank_batch_size("per_device_eval_batch_size"),
             collate_fn=self.data_collator,
             shuffle=False,
             rank=self.topology.dp_rank,
@@ -708,7 +716,7 @@ class BaseTrainer:
                     loss = self.compute_loss(model, self._to_device(batch))
                 totals += torch.stack([loss.detach().double(), totals.new_ones(())])
         model.train(was_training)
-        loss_sum, batches = dist.all_reduce(totals).tolist()
+        loss_sum, batches = self.all_reduce_sum(totals).tolist()
         loss = loss_sum / batches if batches else float("nan")
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
 
@@ -739,7 +747,7 @@ class BaseTrainer:
 
     def _log_start(self) -> None:
         args, state = self.args, self.state
-        batch = args.per_device_train_batch_size
+        batch = self.per_rank_batch_size("per_device_train_batch_size")
         self._info(
             "training for %d steps (%d epochs of %d batches per rank); batch %d x accumulation "
             "%d x data-parallel %d = %d sequences per step",
