@@ -281,7 +281,7 @@ def discard_unstarted_run(run_dir: Path) -> bool:
 def find_resume_checkpoint(run_dir: Path, from_checkpoint: Path | None = None) -> Path:
     """The checkpoint a resume starts from: ``from_checkpoint`` if valid, else the run's newest
     valid one. Raises RunError (nothing changed) when there is none."""
-    from forge.checkpoint import find_latest_checkpoint, validate_checkpoint
+    from forge.checkpoint.layout import find_latest_checkpoint, validate_checkpoint
 
     if from_checkpoint is not None:
         checkpoint = Path(from_checkpoint).resolve()

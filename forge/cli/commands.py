@@ -61,6 +61,11 @@ def _load(args: argparse.Namespace, project: Project, *, check: bool = True):
     return name, cfg
 
 
+def _graph_problems(cfg) -> list:
+    """The problems found while parsing (tags, !var, keys), without importing any callable."""
+    return [cfg.problem(p.loc, p.message, p.hint) for p in cfg._graph_problems]
+
+
 def _table(rows: list[list[str]], header: list[str]) -> str:
     cells = [header] + [[str(c) for c in row] for row in rows]
     widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
@@ -87,10 +92,12 @@ def cmd_ls(args: argparse.Namespace) -> int:
     for name in project.list_configs():
         try:
             cfg = load_config(project, name, variables=_defines(args), allow=args.allow or [])
-            problems = cfg.check()
+            # Checking imports every callable (and so torch); without --check only the
+            # render, the YAML and the graph are checked.
+            problems = cfg.check() if args.check else _graph_problems(cfg)
         except ConfigError as err:
             problems = err.problems
-        status = "ok" if not problems else f"{len(problems)} problem(s)"
+        status = f"{len(problems)} problem(s)" if problems else "ok" if args.check else "renders"
         if problems:
             broken.append((name, problems))
         default = "*" if name == project.default_config else ""
@@ -99,6 +106,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
     print(_table(rows, ["CONFIG", "CHECK"]) if rows else "(no configs in templates/configs/)")
     for name, problems in broken:
         print(f"\n{name}:\n" + str(ConfigError(problems)), file=sys.stderr)
+    if rows and not args.check:
+        print(
+            "(rendered and parsed; add --check to import and check every callable)", file=sys.stderr
+        )
     return EXIT_USAGE if broken else EXIT_OK
 
 
@@ -244,7 +255,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from forge.checkpoint import find_checkpoints
+    from forge.checkpoint.layout import find_checkpoints
     from forge.runs import all_run_dirs, find_run
 
     project = _project(args)
