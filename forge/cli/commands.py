@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from pathlib import Path
 from typing import Any
@@ -315,6 +316,31 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_new(args: argparse.Namespace) -> int:
+    from forge.scaffold import new_project
+
+    parent = Path(args.parent or ".")
+    target = new_project(args.name, parent, args.template)
+    print(target)
+    shown = target if parent.is_absolute() else Path(os.path.relpath(target))
+    logger.info("created project %s from the %s scaffold; next:", args.name, args.template)
+    logger.info("  forge ls -p %s --check", shown)
+    logger.info("  forge train -p %s", shown)
+    return EXIT_OK
+
+
+def cmd_new_config(args: argparse.Namespace) -> int:
+    from forge.scaffold import new_config
+
+    project = _project(args)
+    path = new_config(project, args.name, args.extends)
+    print(path)
+    name = path.relative_to(project.configs_dir).with_suffix("").as_posix()
+    where = f" -p {args.project}" if args.project else ""
+    logger.info("created %s; see what it renders to: forge render %s%s", path, name, where)
+    return EXIT_OK
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from forge.envinfo import environment_report
 
@@ -332,6 +358,8 @@ COMMANDS = {
     "runs": cmd_runs,
     "checkpoints": cmd_checkpoints,
     "generate": cmd_generate,
+    "new": cmd_new,
+    "new-config": cmd_new_config,
     "env": cmd_env,
     "_worker": cmd_worker,
 }

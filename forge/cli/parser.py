@@ -10,6 +10,7 @@ import argparse
 import textwrap
 
 from forge import __version__
+from forge.scaffold import SCAFFOLDS
 
 EXAMPLES = {
     "ls": """
@@ -62,6 +63,18 @@ EXAMPLES = {
         examples:
           forge generate projects/tiny_lm/output/train/run_001 --prompt "def "
           forge generate path/to/checkpoint-000400 --prompt "import " --num 3
+    """,
+    "new": """
+        examples:
+          forge new my_lm                              # a tiny Llama LM project in ./my_lm
+          forge new demo_cls --from classifier         # MLP classifier, synthetic data
+          forge new scratch --from blank -p projects   # an empty config to fill, in projects/
+          forge train -p demo_cls -D max_steps=50
+    """,
+    "new-config": """
+        examples:
+          forge new-config long --extends train -p projects/tiny_lm
+          forge new-config lm --extends projects/causal_lm.yaml -p my_project
     """,
     "env": """
         examples:
@@ -209,6 +222,27 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+
+    p = _sub(subparsers, "new", "create a project that trains at once (from a scaffold)")
+    p.add_argument("name", metavar="NAME", help="project name; the directory PARENT/NAME")
+    p.add_argument(
+        "--from",
+        dest="template",
+        choices=list(SCAFFOLDS),
+        default="tiny_lm",
+        help="scaffold: tiny_lm (default), classifier or blank",
+    )
+    p.add_argument("-p", "--parent", metavar="PARENT", help="where to create it (default: .)")
+
+    p = _sub(subparsers, "new-config", "add a config to a project that extends another config")
+    p.add_argument("name", metavar="NAME", help="the new config (templates/configs/NAME.yaml)")
+    p.add_argument(
+        "--extends",
+        required=True,
+        metavar="CONFIG",
+        help="a config of the project, or a library template such as projects/causal_lm.yaml",
+    )
+    _add_project(p)
 
     _sub(subparsers, "env", "versions, devices and backends (for bug reports)")
 

@@ -21,7 +21,19 @@ def _untagged(loader, _suffix, node):
 
 TagIgnoringLoader.add_multi_constructor("!", _untagged)
 
-COMMANDS = ("ls", "render", "build", "train", "resume", "runs", "checkpoints", "generate", "env")
+COMMANDS = (
+    "ls",
+    "render",
+    "build",
+    "train",
+    "resume",
+    "runs",
+    "checkpoints",
+    "generate",
+    "new",
+    "new-config",
+    "env",
+)
 
 
 def test_help_lists_every_command_with_examples():
