@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+import shlex
 import sys
 from pathlib import Path
 from typing import Any
@@ -341,6 +342,42 @@ def cmd_new_config(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_code(args: argparse.Namespace) -> int:
+    from forge.config.codegen import generate_script
+
+    project = _project(args)
+    name, cfg = _load(args, project)
+    if args.target not in cfg.targets:
+        raise UsageError(
+            f"config '{name}' has no target {args.target!r}; targets: "
+            + ", ".join(cfg.public_targets)
+        )
+    words = ["forge", "code", name, "-p", str(project.root)]
+    for define in args.define or []:
+        words += ["-D", define]
+    for override in args.set or []:
+        words += ["--set", override]
+    if args.target != "trainer":
+        words += ["--target", args.target]
+    script = generate_script(
+        cfg.targets,
+        target=args.target,
+        project_root=project.root,
+        config_name=name,
+        command=shlex.join(words),
+        script_name=Path(args.output).name if args.output else "train.py",
+    )
+    compile(script, args.output or "<forge code>", "exec")  # a generator bug fails here, not later
+    if not args.output:
+        sys.stdout.write(script)
+        return EXIT_OK
+    output = Path(args.output)
+    output.write_text(script)
+    output.chmod(output.stat().st_mode | 0o111)
+    logger.info("wrote %s; run it with: python %s --output-dir DIR", output, output)
+    return EXIT_OK
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from forge.envinfo import environment_report
 
@@ -360,6 +397,7 @@ COMMANDS = {
     "generate": cmd_generate,
     "new": cmd_new,
     "new-config": cmd_new_config,
+    "code": cmd_code,
     "env": cmd_env,
     "_worker": cmd_worker,
 }

@@ -76,6 +76,12 @@ EXAMPLES = {
           forge new-config long --extends train -p projects/tiny_lm
           forge new-config lm --extends projects/causal_lm.yaml -p my_project
     """,
+    "code": """
+        examples:
+          forge code train -p projects/tiny_lm > train.py     # the script, on stdout
+          forge code train -p projects/tiny_lm -D max_steps=50 -o train.py
+          python train.py --output-dir runs/a                 # trains as `forge train` would
+    """,
     "env": """
         examples:
           forge env            # paste this into a bug report
@@ -243,6 +249,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="a config of the project, or a library template such as projects/causal_lm.yaml",
     )
     _add_project(p)
+
+    p = _sub(subparsers, "code", "write a standalone Python script that builds and trains a config")
+    _add_config_inputs(p)
+    p.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
+    p.add_argument(
+        "--target", default="trainer", metavar="NAME", help="target to build (default: trainer)"
+    )
 
     _sub(subparsers, "env", "versions, devices and backends (for bug reports)")
 
