@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import logging
-import os
 import sys
 
 from forge.cli.commands import COMMANDS
