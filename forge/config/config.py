@@ -184,7 +184,10 @@ def parse_config(
     targets = constructor.targets(root)
     allowed = [*(project.allowed_modules if project else []), *allow]
     resolver = Resolver(
-        project.root if project else None, allowed, project.meta_file if project else None
+        project.root if project else None,
+        allowed,
+        project.meta_file if project else None,
+        project.code_roots if project else (),
     )
     return Config(
         text_after,

@@ -14,9 +14,11 @@ from typing import Any
 
 import jinja2
 import yaml
+from jinja2.sandbox import SecurityError
 
 from .errors import ConfigError, Problem, display_path, suggestion
 from .project import Project
+from .sandbox import TemplateEnvironment, UnsafeTemplateError
 from .syntax import (
     STRIP_NEWLINES_FILTER,
     split_templates,
@@ -77,6 +79,13 @@ class TemplateLoader(jinja2.BaseLoader):
         for root in self.roots:
             path = root.joinpath(*parts)
             if path.is_file():
+                real = path.resolve()
+                if not real.is_relative_to(root.resolve()):
+                    raise SecurityError(
+                        f"unsafe template: {name!r} is a link to {real}, outside the template "
+                        f"directory {display_path(root)}; add its directory to search_paths "
+                        "in meta.yaml to use it"
+                    )
                 return path
         return None
 
@@ -124,7 +133,7 @@ def render_config(
     """Render `templates/configs/<config>` of `project` to YAML text."""
     name = project.resolve_config_name(config)
     loader = TemplateLoader(project.template_roots)
-    env = jinja2.Environment(
+    env = TemplateEnvironment(
         loader=loader,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -141,6 +150,8 @@ def render_config(
         _parse_unused_inline(env, loader)
     except jinja2.TemplateSyntaxError as err:
         raise ConfigError(_syntax_problem(err), config=name) from None
+    except SecurityError as err:
+        raise ConfigError(_unsafe_problem(err, loader), config=name) from None
     except jinja2.TemplateNotFound as err:
         raise ConfigError(_not_found_problem(err, loader), config=name) from None
     except Exception as err:  # any error raised while a template runs
@@ -185,13 +196,7 @@ def parse_define(text: str) -> tuple[str, Any]:
 
 
 def _syntax_problem(err: jinja2.TemplateSyntaxError) -> Problem:
-    context = None
-    if err.filename and err.lineno:
-        try:
-            source = Path(err.filename).read_text(encoding="utf-8").split("\n")
-            context = f"{err.lineno} | {source[err.lineno - 1]}"
-        except (OSError, IndexError):
-            pass
+    context = _source_line(err.filename, err.lineno)
     where = f" (in template {err.name!r})" if err.name and err.name != err.filename else ""
     return Problem(
         f"template syntax error: {err.message}{where}",
@@ -221,6 +226,33 @@ def _not_found_problem(err: jinja2.TemplateNotFound, loader: TemplateLoader) -> 
         line=line,
         hint=" ".join(hints) or None,
     )
+
+
+def _unsafe_problem(err: SecurityError, loader: TemplateLoader) -> Problem:
+    if isinstance(err, UnsafeTemplateError) and err.filename:
+        file, line = err.filename, err.lineno
+    else:
+        file, line = _template_frame(err, loader)
+    message = str(err)
+    if not message.startswith("unsafe template"):
+        message = f"unsafe template: {message}"
+    return Problem(
+        message,
+        file=file,
+        line=line,
+        context=_source_line(file, line),
+        hint="templates run sandboxed and cannot reach Python internals or call code; "
+        "build such values with a !call in the YAML instead",
+    )
+
+
+def _source_line(file: str | None, line: int | None) -> str | None:
+    if not file or not line:
+        return None
+    try:
+        return f"{line} | {Path(file).read_text(encoding='utf-8').split(chr(10))[line - 1]}"
+    except (OSError, IndexError):
+        return None
 
 
 def _runtime_problem(err: Exception, loader: TemplateLoader) -> Problem:
