@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from .build import CycleError, Materializer, missing_variables
-from .check import check_graph
+from .check import check_graph, keywords_of
 from .describe import describe_graph
 from .errors import ConfigError, Problem, display_path, excerpt, suggestion
 from .graph import GraphConstructor, GraphProblem, Loc, VarNode, walk
@@ -60,8 +60,11 @@ class Config:
         """Every problem in the graph, each located; never raises for user mistakes."""
         if self._checked is None:
             findings = [(p.loc, p.message, p.hint) for p in self._graph_problems]
-            findings += check_graph(list(self.targets.values()), self._resolver)
+            warnings: list = []
+            findings += check_graph(list(self.targets.values()), self._resolver, warnings)
             self._checked = [self.problem(loc, message, hint) for loc, message, hint in findings]
+            for loc, message, hint in warnings:
+                logger.warning("%s", self.problem(loc, message, hint))
         return list(self._checked)
 
     def build(self, target: str | list[str], variables: Mapping[str, Any] | None = None) -> Any:
@@ -171,9 +174,20 @@ def parse_config(
         root = compose(text)
     except yaml.YAMLError as err:
         raise ConfigError(_yaml_problem(err, text, source_map, origin), config=origin) from None
+    allowed = [*(project.allowed_modules if project else []), *allow]
+    resolver = Resolver(
+        project.root if project else None,
+        allowed,
+        project.meta_file if project else None,
+        project.code_roots if project else (),
+    )
     overrides = list(overrides)
     try:
-        override_origins = apply_overrides(root, overrides) if overrides else {}
+        override_origins = (
+            apply_overrides(root, overrides, lambda spec: keywords_of(resolver.resolve(spec)))
+            if overrides
+            else {}
+        )
     except ConfigError as err:
         raise ConfigError(err.problems, config=origin) from None
     if overrides and root is not None:
@@ -182,13 +196,6 @@ def parse_config(
         text_after = text
     constructor = GraphConstructor(override_origins)
     targets = constructor.targets(root)
-    allowed = [*(project.allowed_modules if project else []), *allow]
-    resolver = Resolver(
-        project.root if project else None,
-        allowed,
-        project.meta_file if project else None,
-        project.code_roots if project else (),
-    )
     return Config(
         text_after,
         targets,

@@ -194,7 +194,9 @@ class GraphConstructor:
         elif isinstance(node, yaml.MappingNode):
             for key_node, value_node in self.pairs(node):
                 key = self._scalar(key_node, path)
-                key_loc = Loc(join_path(path, key), _line(key_node), loc.origin)
+                origin = self.override_origins.get(id(value_node), loc.origin)
+                line = None if origin else _line(key_node)
+                key_loc = Loc(join_path(path, key), line, origin)
                 if key == ARGS_KEY:
                     if isinstance(value_node, yaml.SequenceNode):
                         self._positional(call, value_node, key_loc.key_path)
