@@ -70,3 +70,48 @@ def test_wheel_ships_the_template_library(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for template in LIBRARY_TEMPLATES:
         assert f"forge/templates/{template}" in names
+
+
+def library_references():
+    """(template, Reference) for every variable a library template sets or defaults."""
+    project_root = REPO / "projects" / "tiny_lm"
+    rendered = render_config(load_project(project_root), "train")
+    for name, info in rendered.templates.items():
+        if info.file.startswith(str(LIBRARY_DIR)):
+            for ref in info.references:
+                yield name, ref
+
+
+def test_library_sets_variables_only_as_defaults():
+    """`-- set x = x | default(...)` only: a child's `-- set x = ...` runs first and wins."""
+    from jinja2 import nodes
+
+    from forge.config.render import TemplateLoader
+    from forge.config.sandbox import TemplateEnvironment
+
+    env = TemplateEnvironment(loader=TemplateLoader([LIBRARY_DIR]))
+    for template in LIBRARY_TEMPLATES:
+        source = env.loader.get_source(env, template)[0]
+        for assign in env.parse(source).find_all(nodes.Assign):
+            value = assign.node
+            assert (
+                isinstance(value, nodes.Filter)
+                and value.name == "default"
+                and isinstance(value.node, nodes.Name)
+                and value.node.name == assign.target.name
+            ), f"{template}:{assign.lineno} sets {assign.target.name} without | default"
+
+
+def test_child_set_wins_over_every_library_default(tmp_path):
+    names = sorted({ref.name for _, ref in library_references() if ref.kind == "default"})
+    assert {"max_steps", "vocab_size", "hidden_size", "weight_decay"} <= set(names)
+    sentinels = {name: 900001 + i for i, name in enumerate(names)}
+    sets = "".join(f"-- set {name} = {value}\n" for name, value in sentinels.items())
+    (tmp_path / "templates" / "configs").mkdir(parents=True)
+    (tmp_path / "meta.yaml").write_text("name: child\n")
+    (tmp_path / "templates" / "configs" / "c.yaml").write_text(
+        "-- extends 'projects/causal_lm.yaml'\n" + sets
+    )
+    text = render_config(load_project(tmp_path), "c").text
+    lost = [name for name, value in sentinels.items() if str(value) not in text]
+    assert lost == [], f"the library's default won over the child's set for {lost}"

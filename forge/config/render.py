@@ -16,6 +16,7 @@ import jinja2
 import yaml
 from jinja2.sandbox import SecurityError
 
+from .analysis import TemplateInfo, check_inheritance, unused_variables
 from .errors import ConfigError, Problem, display_path, suggestion
 from .project import Project
 from .sandbox import TemplateEnvironment, UnsafeTemplateError
@@ -43,6 +44,7 @@ class RenderedConfig:
     chain: list[tuple[str, str]] = field(default_factory=list)
     source_map: SourceMap = field(default_factory=dict)
     config: str = ""
+    templates: dict[str, TemplateInfo] = field(default_factory=dict)  # the chain's, by name
 
     def locate(self, line: int) -> tuple[str, int] | None:
         """(template file, line) that rendered line `line` (1-based) came from."""
@@ -128,9 +130,18 @@ def builtin_variables(project: Project, config: str) -> dict[str, Any]:
 
 
 def render_config(
-    project: Project, config: str, variables: Mapping[str, Any] | None = None
+    project: Project,
+    config: str,
+    variables: Mapping[str, Any] | None = None,
+    *,
+    check_variables: bool = True,
 ) -> RenderedConfig:
-    """Render `templates/configs/<config>` of `project` to YAML text."""
+    """Render `templates/configs/<config>` of `project` to YAML text.
+
+    Raises ConfigError for what Jinja would pass silently: a block no parent defines, a
+    key less indented than the block it fills, and (with `check_variables`) a variable
+    in `variables` that no template reads.
+    """
     name = project.resolve_config_name(config)
     loader = TemplateLoader(project.template_roots)
     env = TemplateEnvironment(
@@ -156,13 +167,25 @@ def render_config(
         raise ConfigError(_not_found_problem(err, loader), config=name) from None
     except Exception as err:  # any error raised while a template runs
         raise ConfigError(_runtime_problem(err, loader), config=name) from None
+    used = [template for template, _ in loader.chain]
+    problems = check_inheritance(env.template_info, used)
+    if check_variables:
+        problems += unused_variables(variables or {}, env.template_info, used)
+    if problems:
+        raise ConfigError(problems, config=name)
     text, origins = strip_markers(output)
     source_map: SourceMap = {
         number: (loader.files[o[0]], o[1]) if o else None
         for number, o in enumerate(origins, start=1)
     }
     logger.debug("rendered %s from %d templates", name, len(loader.chain))
-    return RenderedConfig(text=text, chain=list(loader.chain), source_map=source_map, config=name)
+    return RenderedConfig(
+        text=text,
+        chain=list(loader.chain),
+        source_map=source_map,
+        config=name,
+        templates={t: env.template_info[t] for t in used if t in env.template_info},
+    )
 
 
 def _parse_unused_inline(env: jinja2.Environment, loader: TemplateLoader) -> None:

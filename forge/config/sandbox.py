@@ -22,6 +22,7 @@ import jinja2
 from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
+from .analysis import TemplateInfo, analyze
 from .functions import TEMPLATE_FUNCTIONS
 
 # Jinja's filters that only compute a value; left out are `random` (a render must be
@@ -67,6 +68,7 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
         self.tests = {name: self.tests[name] for name in ALLOWED_TESTS}
         self.globals = dict(ALLOWED_GLOBALS)
         self.globals.update(TEMPLATE_FUNCTIONS)
+        self.template_info: dict[str, TemplateInfo] = {}  # template name -> what it does
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         tree = super()._parse(source, name, filename)
@@ -86,6 +88,8 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
                 line,
                 filename,
             )
+        if name is not None:
+            self.template_info[name] = analyze(tree, name, filename or name, source)
         return tree
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
