@@ -55,6 +55,7 @@ class TemplateInfo:
     extends: str | None = None
     blocks: list[Block] = field(default_factory=list)
     references: list[Reference] = field(default_factory=list)
+    local_names: set[str] = field(default_factory=set)  # loop targets, macro arguments, ...
 
     def block_names(self) -> set[str]:
         return {b.name for b in self.blocks}
@@ -72,7 +73,27 @@ def analyze(tree: nodes.Template, name: str, file: str, source: str) -> Template
             info.extends = node.template.value
     _collect_blocks(tree.body, info, lines, nested=False)
     info.references = _references(tree)
+    info.local_names = _local_names(tree)
     return info
+
+
+def _local_names(tree: nodes.Template) -> set[str]:
+    """Names a template binds itself other than by `-- set`: these are not variables."""
+    found = {"loop", "super", "self", "caller", "varargs", "kwargs"}
+    for node in tree.find_all((nodes.For, nodes.Macro, nodes.CallBlock, nodes.Import)):
+        if isinstance(node, nodes.For):
+            found |= {n.name for n in node.target.find_all(nodes.Name)}
+            if isinstance(node.target, nodes.Name):
+                found.add(node.target.name)
+        elif isinstance(node, (nodes.Macro, nodes.CallBlock)):
+            found |= {arg.name for arg in node.args}
+            if isinstance(node, nodes.Macro):
+                found.add(node.name)
+        else:
+            found.add(node.target)
+    for node in tree.find_all(nodes.FromImport):
+        found |= {n[1] if isinstance(n, tuple) else n for n in node.names}
+    return found
 
 
 def _collect_blocks(body: list[nodes.Node], info: TemplateInfo, lines: list[str], nested: bool):

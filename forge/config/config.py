@@ -17,6 +17,7 @@ from .overrides import apply_overrides
 from .project import Project
 from .render import RenderedConfig, SourceMap, render_config
 from .resolve import Resolver
+from .resolved import resolved_yaml
 from .yaml_io import compose, serialize
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class Config:
         graph_problems: list[GraphProblem],
         chain: list[tuple[str, str]] | None = None,
         project: Project | None = None,
+        root: yaml.Node | None = None,
+        override_origins: dict[int, str] | None = None,
+        target_locs: dict[str, Loc] | None = None,
     ):
         self.text = text
         self.targets = targets
@@ -50,6 +54,9 @@ class Config:
         self._resolver = resolver
         self._graph_problems = graph_problems
         self._checked: list[Problem] | None = None
+        self._root = root
+        self._override_origins = override_origins or {}
+        self.target_locs = target_locs or {}
 
     @property
     def public_targets(self) -> list[str]:
@@ -117,9 +124,21 @@ class Config:
         nodes = walk(list(self.targets.values()))
         return {n.var for n in nodes if isinstance(n, VarNode)}
 
+    def resolved_text(self) -> str:
+        """The YAML with each key once (its winning value) and a `# file:line` per key."""
+
+        def locate(key: yaml.Node, value: yaml.Node) -> str | None:
+            origin = self._override_origins.get(id(value))
+            if origin:
+                return origin
+            mark = key.start_mark or value.start_mark
+            return self.location_text(Loc("", mark.line + 1)) or None if mark else None
+
+        return resolved_yaml(self._root, locate)
+
     def describe_graph(self) -> str:
         """The node tree: each target, its nodes, what they resolve to, and where they came from."""
-        return describe_graph(self.targets, self._resolver, self.location_text)
+        return describe_graph(self.targets, self._resolver, self.location_text, self.target_locs)
 
     def problem(self, loc: Loc, message: str, hint: str | None = None) -> Problem:
         """A Problem for `loc`: template file and line, else the rendered line with context."""
@@ -205,6 +224,9 @@ def parse_config(
         resolver=resolver,
         graph_problems=constructor.problems,
         project=project,
+        root=root,
+        override_origins=override_origins,
+        target_locs=constructor.target_locs,
     )
 
 
