@@ -23,7 +23,7 @@ from jinja2 import nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment, SecurityError
 
 from .analysis import TemplateInfo, analyze
-from .functions import TEMPLATE_FUNCTIONS
+from .functions import template_functions
 
 # Jinja's filters that only compute a value; left out are `random` (a render must be
 # reproducible) and the HTML ones (escape, safe, striptags, urlize, urlencode, xmlattr,
@@ -67,7 +67,7 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
         self.filters = {name: defaults_filters[name] for name in ALLOWED_FILTERS}
         self.tests = {name: self.tests[name] for name in ALLOWED_TESTS}
         self.globals = dict(ALLOWED_GLOBALS)
-        self.globals.update(TEMPLATE_FUNCTIONS)
+        self.globals.update(template_functions())
         self.template_info: dict[str, TemplateInfo] = {}  # template name -> what it does
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:

@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 
 from .errors import display_path
-from .functions import TEMPLATE_FUNCTIONS
+from .functions import FUNCTION_NAMES
 from .render import RenderedConfig
 from .sandbox import ALLOWED_GLOBALS
 
@@ -33,7 +33,7 @@ def variable_rows(
     """Rows for every variable the render's templates read, sorted by name; a variable with
     several sources (a `-D`, a child's `-- set`, a parent's default) gets one row each."""
     infos = list(rendered.templates.values())
-    functions = set(ALLOWED_GLOBALS) | set(TEMPLATE_FUNCTIONS)
+    functions = set(ALLOWED_GLOBALS) | set(FUNCTION_NAMES)
     local = set().union(*(info.local_names for info in infos)) if infos else set()
     names = {
         ref.name

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from forge.config import ConfigError, render_config
+from forge.config.functions import FUNCTION_NAMES
 from forge.config.sandbox import ALLOWED_FILTERS, ALLOWED_GLOBALS, ALLOWED_TESTS
 from tests.helpers import run_forge
 
@@ -157,6 +158,6 @@ def test_readme_lists_exactly_the_allowed_names():
     section = readme.split("### What templates can use", 1)[1].split("\n## ", 1)[0]
     for name in ALLOWED_FILTERS:
         assert f"`{name}`" in section, name
-    for name in ALLOWED_GLOBALS:
+    for name in [*ALLOWED_GLOBALS, *FUNCTION_NAMES]:
         assert f"`{name}" in section, name
     assert "Jinja's tests" in section and len(ALLOWED_TESTS) > 30
