@@ -30,13 +30,77 @@ def test_project_config_renders_and_checks(project, config):
     assert "trainer" in cfg.public_targets and "meta" in cfg.public_targets
 
 
+# Templates a config includes in one of its blocks rather than extends; each has its own
+# test below.
+INCLUDED_TEMPLATES = {"trainers/trainer.yaml"}
+
+
 def test_every_library_template_is_used_by_a_shipped_config():
     used = set()
     for root in PROJECTS:
         project = load_project(root)
         for name in project.list_configs():
             used.update(t for t, _ in render_config(project, name).chain)
-    assert set(LIBRARY_TEMPLATES) <= used, set(LIBRARY_TEMPLATES) - used
+    expected = set(LIBRARY_TEMPLATES) - INCLUDED_TEMPLATES
+    assert expected <= used, expected - used
+
+
+def bare_project(tmp_path, config_text):
+    (tmp_path / "templates" / "configs").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "meta.yaml").write_text("name: bare\n")
+    (tmp_path / "templates" / "configs" / "c.yaml").write_text(config_text)
+    return load_project(tmp_path)
+
+
+def test_a_child_overrides_trainer_args_directly(tmp_path):
+    project = bare_project(
+        tmp_path,
+        "-- extends 'projects/causal_lm.yaml'\n"
+        "-- block trainer_args\n    == super()\n    max_steps: 7\n    bf16: true\n-- endblock\n",
+    )
+    cfg = load_config(project, "c")
+    assert cfg.check() == []
+    args = cfg.targets["trainer"].kwargs["args"]
+    assert args.spec == "forge.train:TrainingArguments"
+    assert (args.kwargs["max_steps"], args.kwargs["bf16"], args.kwargs["seed"]) == (7, True, 42)
+
+
+def test_a_child_adds_a_trainer_argument_with_super(tmp_path):
+    project = bare_project(
+        tmp_path,
+        "-- extends 'base.yaml'\n"
+        "-- block trainer\n    == super()\n"
+        "    optimizer: !partial:torch.optim:SGD {lr: 0.1}\n-- endblock\n",
+    )
+    cfg = load_config(project, "c")
+    assert cfg.check() == []
+    trainer = cfg.targets["trainer"]
+    assert trainer.spec == "forge.train:Trainer"
+    assert trainer.kwargs["optimizer"].spec == "torch.optim:SGD"
+    assert trainer.kwargs["args"] is cfg.targets[".trainer_args"]
+
+
+def test_trainer_template_alone_holds_only_the_trainer(tmp_path):
+    project = bare_project(
+        tmp_path,
+        "-- extends 'base.yaml'\n-- block trainer\n    -- include 'my.trainer'\n-- endblock\n"
+        "#---- my.trainer ----\n-- extends 'trainers/trainer.yaml'\n"
+        "-- block trainer_args\n    == super()\n    max_steps: 9\n-- endblock\n",
+    )
+    cfg = load_config(project, "c")
+    assert cfg.check() == []
+    assert [t for t, _ in render_config(project, "c").chain][-1] == "trainers/trainer.yaml"
+    # base.yaml's targets once each: the included trainer template added no second copy
+    assert cfg.text.count("\nmeta:") + cfg.text.startswith("meta:") == 1
+    assert cfg.text.count("trainer: &trainer") == 1
+    assert cfg.targets[".trainer_args"].kwargs["max_steps"] == 9
+
+
+def test_model_embeds_every_token_id_of_the_tokenizer():
+    cfg = load_config(load_project(REPO / "projects" / "tiny_lm"), "train")
+    vocab = cfg.targets[".model_config"].kwargs["vocab_size"]
+    assert vocab.spec == "forge.data.vocab:vocab_size"
+    assert vocab.args == [cfg.targets["tokenizer"]]
 
 
 def test_base_template_renders_and_checks_alone(tmp_path):
