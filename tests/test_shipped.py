@@ -30,13 +30,77 @@ def test_project_config_renders_and_checks(project, config):
     assert "trainer" in cfg.public_targets and "meta" in cfg.public_targets
 
 
+# Templates a config includes in one of its blocks rather than extends; each has its own
+# test below.
+INCLUDED_TEMPLATES = {"trainers/trainer.yaml"}
+
+
 def test_every_library_template_is_used_by_a_shipped_config():
     used = set()
     for root in PROJECTS:
         project = load_project(root)
         for name in project.list_configs():
             used.update(t for t, _ in render_config(project, name).chain)
-    assert set(LIBRARY_TEMPLATES) <= used, set(LIBRARY_TEMPLATES) - used
+    expected = set(LIBRARY_TEMPLATES) - INCLUDED_TEMPLATES
+    assert expected <= used, expected - used
+
+
+def bare_project(tmp_path, config_text):
+    (tmp_path / "templates" / "configs").mkdir(parents=True, exist_ok=True)
+    (tmp_path / "meta.yaml").write_text("name: bare\n")
+    (tmp_path / "templates" / "configs" / "c.yaml").write_text(config_text)
+    return load_project(tmp_path)
+
+
+def test_a_child_overrides_trainer_args_directly(tmp_path):
+    project = bare_project(
+        tmp_path,
+        "-- extends 'projects/causal_lm.yaml'\n"
+        "-- block trainer_args\n    == super()\n    max_steps: 7\n    bf16: true\n-- endblock\n",
+    )
+    cfg = load_config(project, "c")
+    assert cfg.check() == []
+    args = cfg.targets["trainer"].kwargs["args"]
+    assert args.spec == "forge.train:TrainingArguments"
+    assert (args.kwargs["max_steps"], args.kwargs["bf16"], args.kwargs["seed"]) == (7, True, 42)
+
+
+def test_a_child_adds_a_trainer_argument_with_super(tmp_path):
+    project = bare_project(
+        tmp_path,
+        "-- extends 'base.yaml'\n"
+        "-- block trainer\n    == super()\n"
+        "    optimizer: !partial:torch.optim:SGD {lr: 0.1}\n-- endblock\n",
+    )
+    cfg = load_config(project, "c")
+    assert cfg.check() == []
+    trainer = cfg.targets["trainer"]
+    assert trainer.spec == "forge.train:Trainer"
+    assert trainer.kwargs["optimizer"].spec == "torch.optim:SGD"
+    assert trainer.kwargs["args"] is cfg.targets[".trainer_args"]
+
+
+def test_trainer_template_alone_holds_only_the_trainer(tmp_path):
+    project = bare_project(
+        tmp_path,
+        "-- extends 'base.yaml'\n-- block trainer\n    -- include 'my.trainer'\n-- endblock\n"
+        "#---- my.trainer ----\n-- extends 'trainers/trainer.yaml'\n"
+        "-- block trainer_args\n    == super()\n    max_steps: 9\n-- endblock\n",
+    )
+    cfg = load_config(project, "c")
+    assert cfg.check() == []
+    assert [t for t, _ in render_config(project, "c").chain][-1] == "trainers/trainer.yaml"
+    # base.yaml's targets once each: the included trainer template added no second copy
+    assert cfg.text.count("\nmeta:") + cfg.text.startswith("meta:") == 1
+    assert cfg.text.count("trainer: &trainer") == 1
+    assert cfg.targets[".trainer_args"].kwargs["max_steps"] == 9
+
+
+def test_model_embeds_every_token_id_of_the_tokenizer():
+    cfg = load_config(load_project(REPO / "projects" / "tiny_lm"), "train")
+    vocab = cfg.targets[".model_config"].kwargs["vocab_size"]
+    assert vocab.spec == "forge.data.vocab:vocab_size"
+    assert vocab.args == [cfg.targets["tokenizer"]]
 
 
 def test_base_template_renders_and_checks_alone(tmp_path):
@@ -70,3 +134,48 @@ def test_wheel_ships_the_template_library(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for template in LIBRARY_TEMPLATES:
         assert f"forge/templates/{template}" in names
+
+
+def library_references():
+    """(template, Reference) for every variable a library template sets or defaults."""
+    project_root = REPO / "projects" / "tiny_lm"
+    rendered = render_config(load_project(project_root), "train")
+    for name, info in rendered.templates.items():
+        if info.file.startswith(str(LIBRARY_DIR)):
+            for ref in info.references:
+                yield name, ref
+
+
+def test_library_sets_variables_only_as_defaults():
+    """`-- set x = x | default(...)` only: a child's `-- set x = ...` runs first and wins."""
+    from jinja2 import nodes
+
+    from forge.config.render import TemplateLoader
+    from forge.config.sandbox import TemplateEnvironment
+
+    env = TemplateEnvironment(loader=TemplateLoader([LIBRARY_DIR]))
+    for template in LIBRARY_TEMPLATES:
+        source = env.loader.get_source(env, template)[0]
+        for assign in env.parse(source).find_all(nodes.Assign):
+            value = assign.node
+            assert (
+                isinstance(value, nodes.Filter)
+                and value.name == "default"
+                and isinstance(value.node, nodes.Name)
+                and value.node.name == assign.target.name
+            ), f"{template}:{assign.lineno} sets {assign.target.name} without | default"
+
+
+def test_child_set_wins_over_every_library_default(tmp_path):
+    names = sorted({ref.name for _, ref in library_references() if ref.kind == "default"})
+    assert {"max_steps", "vocab_size", "hidden_size", "weight_decay"} <= set(names)
+    sentinels = {name: 900001 + i for i, name in enumerate(names)}
+    sets = "".join(f"-- set {name} = {value}\n" for name, value in sentinels.items())
+    (tmp_path / "templates" / "configs").mkdir(parents=True)
+    (tmp_path / "meta.yaml").write_text("name: child\n")
+    (tmp_path / "templates" / "configs" / "c.yaml").write_text(
+        "-- extends 'projects/causal_lm.yaml'\n" + sets
+    )
+    text = render_config(load_project(tmp_path), "c").text
+    lost = [name for name, value in sentinels.items() if str(value) not in text]
+    assert lost == [], f"the library's default won over the child's set for {lost}"

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import difflib
 import inspect
 import logging
 import re
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from .errors import short_list, suggestion
@@ -16,6 +18,7 @@ logger = logging.getLogger(__name__)
 
 # (loc, message, hint); the config turns these into located Problems.
 Finding = tuple[Loc, str, "str | None"]
+NEAR_MISS_CUTOFF = 0.85  # how alike a **kwargs keyword and a named one must be to warn
 _MISSING_RE = re.compile(r"missing a required (?:keyword-only )?argument: '(\w+)'")
 
 
@@ -24,16 +27,62 @@ def callable_label(obj: Any) -> str:
     return getattr(obj, "__qualname__", None) or getattr(obj, "__name__", None) or repr(obj)
 
 
-def check_graph(values: list[Any], resolver: Resolver) -> list[Finding]:
-    """All problems with the callables reachable from `values`, in graph order."""
+@dataclass(frozen=True)
+class Keywords:
+    """The keyword arguments a callable takes: the ones it names, and whether it takes
+    any other (a `**kwargs`)."""
+
+    names: tuple[str, ...]
+    takes_any: bool
+
+    def accepts(self, key: str) -> bool:
+        return self.takes_any or key in self.names
+
+
+def keywords_of(target: Any) -> Keywords | None:
+    """What keywords `target` takes, or None when it has no readable signature."""
+    try:
+        signature = inspect.signature(target)
+    except (TypeError, ValueError):
+        return None
+    params = signature.parameters.values()
+    names = tuple(p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params) or _passes_extra_keywords(target)
+    return Keywords(names, takes_any)
+
+
+def _passes_extra_keywords(target: Any) -> bool:
+    """A class whose `__init__` wraps a closed signature in `(*args, **kwargs)` and hands
+    the extra keywords to `__post_init__(**kwargs)`, as Hugging Face configs do
+    (`BertConfig(num_labels=2)`); `inspect.signature` shows only the wrapped one."""
+    if not isinstance(target, type) or not hasattr(target.__init__, "__wrapped__"):
+        return False
+    try:
+        outer = inspect.signature(target.__init__, follow_wrapped=False)
+        post_init = inspect.signature(target.__post_init__)  # type: ignore[attr-defined]
+    except (AttributeError, TypeError, ValueError):
+        return False
+    return any(p.kind is p.VAR_KEYWORD for p in outer.parameters.values()) and any(
+        p.kind is p.VAR_KEYWORD for p in post_init.parameters.values()
+    )
+
+
+def check_graph(
+    values: list[Any], resolver: Resolver, warnings: list[Finding] | None = None
+) -> list[Finding]:
+    """All problems with the callables reachable from `values`, in graph order; likely
+    mistakes that are not errors go to `warnings`."""
     findings: list[Finding] = []
+    warnings = [] if warnings is None else warnings
     for node in walk(values):
         if isinstance(node, CallNode) and node.spec:
-            findings.extend(check_call(node, resolver))
+            findings.extend(check_call(node, resolver, warnings))
     return findings
 
 
-def check_call(node: CallNode, resolver: Resolver) -> list[Finding]:
+def check_call(
+    node: CallNode, resolver: Resolver, warnings: list[Finding] | None = None
+) -> list[Finding]:
     """Problems with one call: the spec, callability and how its arguments bind."""
     try:
         target = resolver.resolve(node.spec)
@@ -46,20 +95,26 @@ def check_call(node: CallNode, resolver: Resolver) -> list[Finding]:
     except (TypeError, ValueError):
         logger.debug("no signature for %s; arguments not checked", node.spec)
         return []
-    return _check_binding(node, target, signature)
+    return _check_binding(node, target, signature, [] if warnings is None else warnings)
 
 
-def _check_binding(node: CallNode, target: Any, signature: inspect.Signature) -> list[Finding]:
+def _check_binding(
+    node: CallNode, target: Any, signature: inspect.Signature, warnings: list[Finding]
+) -> list[Finding]:
     label = callable_label(target)
     params = signature.parameters.values()
-    takes_any_kw = any(p.kind is p.VAR_KEYWORD for p in params)
-    keywords = [p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)]
+    binds_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    known = keywords_of(target)
+    keywords = list(known.names) if known else []
     findings: list[Finding] = []
     accepted: dict[str, object] = {}
     for key in node.kwargs:
-        if takes_any_kw or key in keywords:
+        if binds_any or key in keywords:
             accepted[key] = None
             continue
+        if known and known.takes_any:
+            warnings.extend(_near_miss(node, label, key, keywords))
+            continue  # passed on through **kwargs, which `signature` does not show
         findings.append(
             (
                 node.arg_locs.get(key, node.loc),
@@ -74,6 +129,16 @@ def _check_binding(node: CallNode, target: Any, signature: inspect.Signature) ->
     except TypeError as err:
         findings.append((node.loc, _binding_message(label, str(err), signature, node), None))
     return findings
+
+
+def _near_miss(node: CallNode, label: str, key: str, keywords: list[str]) -> list[Finding]:
+    """A warning for a keyword that **kwargs swallows but that is one typo away from a
+    named one (`hidden_sise` for `hidden_size`)."""
+    close = difflib.get_close_matches(key, keywords, n=1, cutoff=NEAR_MISS_CUTOFF)
+    if not close:
+        return []
+    message = f"{label}() takes any keyword, so {key!r} is passed on as is"
+    return [(node.arg_locs.get(key, node.loc), message, f"did you mean {close[0]!r}?")]
 
 
 def _binding_message(label: str, error: str, signature: inspect.Signature, node: CallNode) -> str:

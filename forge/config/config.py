@@ -9,7 +9,7 @@ from typing import Any
 import yaml
 
 from .build import CycleError, Materializer, missing_variables
-from .check import check_graph
+from .check import check_graph, keywords_of
 from .describe import describe_graph
 from .errors import ConfigError, Problem, display_path, excerpt, suggestion
 from .graph import GraphConstructor, GraphProblem, Loc, VarNode, walk
@@ -17,6 +17,7 @@ from .overrides import apply_overrides
 from .project import Project
 from .render import RenderedConfig, SourceMap, render_config
 from .resolve import Resolver
+from .resolved import resolved_yaml
 from .yaml_io import compose, serialize
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,9 @@ class Config:
         graph_problems: list[GraphProblem],
         chain: list[tuple[str, str]] | None = None,
         project: Project | None = None,
+        root: yaml.Node | None = None,
+        override_origins: dict[int, str] | None = None,
+        target_locs: dict[str, Loc] | None = None,
     ):
         self.text = text
         self.targets = targets
@@ -50,6 +54,9 @@ class Config:
         self._resolver = resolver
         self._graph_problems = graph_problems
         self._checked: list[Problem] | None = None
+        self._root = root
+        self._override_origins = override_origins or {}
+        self.target_locs = target_locs or {}
 
     @property
     def public_targets(self) -> list[str]:
@@ -60,8 +67,11 @@ class Config:
         """Every problem in the graph, each located; never raises for user mistakes."""
         if self._checked is None:
             findings = [(p.loc, p.message, p.hint) for p in self._graph_problems]
-            findings += check_graph(list(self.targets.values()), self._resolver)
+            warnings: list = []
+            findings += check_graph(list(self.targets.values()), self._resolver, warnings)
             self._checked = [self.problem(loc, message, hint) for loc, message, hint in findings]
+            for loc, message, hint in warnings:
+                logger.warning("%s", self.problem(loc, message, hint))
         return list(self._checked)
 
     def build(self, target: str | list[str], variables: Mapping[str, Any] | None = None) -> Any:
@@ -114,9 +124,21 @@ class Config:
         nodes = walk(list(self.targets.values()))
         return {n.var for n in nodes if isinstance(n, VarNode)}
 
+    def resolved_text(self) -> str:
+        """The YAML with each key once (its winning value) and a `# file:line` per key."""
+
+        def locate(key: yaml.Node, value: yaml.Node) -> str | None:
+            origin = self._override_origins.get(id(value))
+            if origin:
+                return origin
+            mark = key.start_mark or value.start_mark
+            return self.location_text(Loc("", mark.line + 1)) or None if mark else None
+
+        return resolved_yaml(self._root, locate)
+
     def describe_graph(self) -> str:
         """The node tree: each target, its nodes, what they resolve to, and where they came from."""
-        return describe_graph(self.targets, self._resolver, self.location_text)
+        return describe_graph(self.targets, self._resolver, self.location_text, self.target_locs)
 
     def problem(self, loc: Loc, message: str, hint: str | None = None) -> Problem:
         """A Problem for `loc`: template file and line, else the rendered line with context."""
@@ -171,9 +193,20 @@ def parse_config(
         root = compose(text)
     except yaml.YAMLError as err:
         raise ConfigError(_yaml_problem(err, text, source_map, origin), config=origin) from None
+    allowed = [*(project.allowed_modules if project else []), *allow]
+    resolver = Resolver(
+        project.root if project else None,
+        allowed,
+        project.meta_file if project else None,
+        project.code_roots if project else (),
+    )
     overrides = list(overrides)
     try:
-        override_origins = apply_overrides(root, overrides) if overrides else {}
+        override_origins = (
+            apply_overrides(root, overrides, lambda spec: keywords_of(resolver.resolve(spec)))
+            if overrides
+            else {}
+        )
     except ConfigError as err:
         raise ConfigError(err.problems, config=origin) from None
     if overrides and root is not None:
@@ -182,10 +215,6 @@ def parse_config(
         text_after = text
     constructor = GraphConstructor(override_origins)
     targets = constructor.targets(root)
-    allowed = [*(project.allowed_modules if project else []), *allow]
-    resolver = Resolver(
-        project.root if project else None, allowed, project.meta_file if project else None
-    )
     return Config(
         text_after,
         targets,
@@ -195,6 +224,9 @@ def parse_config(
         resolver=resolver,
         graph_problems=constructor.problems,
         project=project,
+        root=root,
+        override_origins=override_origins,
+        target_locs=constructor.target_locs,
     )
 
 

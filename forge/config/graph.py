@@ -80,6 +80,7 @@ class ContainerNode(Node):
 
     kind: str = "dict"
     items: Any = None  # list for list/tuple, dict for dict
+    item_locs: dict[Any, Loc] = field(default_factory=dict)  # where each dict key was written
 
 
 @dataclass
@@ -115,6 +116,7 @@ class GraphConstructor:
     def __init__(self, override_origins: dict[int, str] | None = None):
         self.override_origins = override_origins or {}
         self.problems: list[GraphProblem] = []
+        self.target_locs: dict[str, Loc] = {}  # where each target's key was written
         self._memo: dict[int, Any] = {}
         self._yaml = ForgeLoader("")  # resolves and constructs plain scalars
 
@@ -128,9 +130,9 @@ class GraphConstructor:
         targets: dict[str, Any] = {}
         for key_node, value_node in self.pairs(root):
             key = str(self._scalar(key_node, ""))
-            targets[key] = self.construct(
-                value_node, key, self.override_origins.get(id(value_node))
-            )
+            origin = self.override_origins.get(id(value_node))
+            targets[key] = self.construct(value_node, key, origin)
+            self.target_locs[key] = Loc(key, None if origin else _line(key_node), origin)
         return targets
 
     def pairs(self, node: yaml.MappingNode) -> list[tuple[yaml.Node, yaml.Node]]:
@@ -194,7 +196,9 @@ class GraphConstructor:
         elif isinstance(node, yaml.MappingNode):
             for key_node, value_node in self.pairs(node):
                 key = self._scalar(key_node, path)
-                key_loc = Loc(join_path(path, key), _line(key_node), loc.origin)
+                origin = self.override_origins.get(id(value_node), loc.origin)
+                line = None if origin else _line(key_node)
+                key_loc = Loc(join_path(path, key), line, origin)
                 if key == ARGS_KEY:
                     if isinstance(value_node, yaml.SequenceNode):
                         self._positional(call, value_node, key_loc.key_path)
@@ -263,7 +267,9 @@ class GraphConstructor:
             for key_node, value_node in self.pairs(node):
                 key = self._scalar(key_node, loc.key_path)
                 path = join_path(loc.key_path, key)
+                origin = self.override_origins.get(id(value_node), loc.origin)
                 container.items[key] = self.construct(value_node, path, loc.origin)
+                container.item_locs[key] = Loc(path, None if origin else _line(key_node), origin)
         else:
             for index, item in enumerate(node.value):
                 path = join_path(loc.key_path, index)

@@ -2,19 +2,29 @@
 
 Paths walk mappings by key and sequences by index, through aliases (an alias is the
 same node as its anchor, so overriding through it changes every place that shares it).
-Paths are strict: an unknown segment is an error with suggestions, never a new key.
+Paths are strict: an unknown segment is an error with suggestions. The one exception is
+the last segment under a call (`!singleton:`, `!factory:`, `!partial:`): a keyword the
+callable takes but the YAML does not write is added (`--set
+trainer.args.resume_from_checkpoint=PATH`), checked against the callable's signature.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import yaml
 
+from .check import Keywords
 from .errors import ConfigError, Problem, short_list, suggestion
+from .graph import CALL_KINDS
+from .resolve import SpecError
 from .yaml_io import compose
 
 _MERGE = "tag:yaml.org,2002:merge"
+_STR = "tag:yaml.org,2002:str"
+
+# The keywords a spec's callable takes (None: no signature to check); raises SpecError.
+KeywordLookup = Callable[[str], "Keywords | None"]
 
 
 def split_key_path(path: str) -> list[str]:
@@ -30,16 +40,19 @@ def split_key_path(path: str) -> list[str]:
     return segments
 
 
-def apply_overrides(root: yaml.Node | None, overrides: Iterable[str]) -> dict[int, str]:
+def apply_overrides(
+    root: yaml.Node | None, overrides: Iterable[str], keywords: KeywordLookup | None = None
+) -> dict[int, str]:
     """Apply every override in place; returns `id(node) -> "--set ..."` for the new nodes.
 
-    Raises ConfigError listing every override that does not apply.
+    `keywords` lets an override add a keyword argument to a call; without it paths must
+    exist. Raises ConfigError listing every override that does not apply.
     """
     origins: dict[int, str] = {}
     problems: list[Problem] = []
     for text in overrides:
         try:
-            new = _apply(root, text)
+            new = _apply(root, text, keywords)
         except _OverrideError as err:
             message = f"{err.message} (in --set {text})" if err.path else err.message
             problems.append(Problem(message, key_path=err.path, hint=err.hint))
@@ -57,7 +70,7 @@ class _OverrideError(Exception):
         self.message, self.path, self.hint = message, path, hint
 
 
-def _apply(root: yaml.Node | None, text: str) -> yaml.Node:
+def _apply(root: yaml.Node | None, text: str, keywords: KeywordLookup | None) -> yaml.Node:
     path, sep, raw = text.partition("=")
     segments = split_key_path(path.strip())
     if not sep or not segments:
@@ -74,8 +87,14 @@ def _apply(root: yaml.Node | None, text: str) -> yaml.Node:
     node = root
     walked: list[str] = []
     for i, segment in enumerate(segments):
+        last = i == len(segments) - 1
+        if last and keywords and isinstance(node, yaml.MappingNode):
+            if _find_key(node, segment) is None and _add_keyword(
+                node, segment, new, walked, keywords
+            ):
+                return new
         container, index = _child(node, segment, walked)
-        if i == len(segments) - 1:
+        if last:
             if isinstance(container, yaml.MappingNode):
                 key_node, _ = container.value[index]
                 container.value[index] = (key_node, new)
@@ -89,6 +108,50 @@ def _apply(root: yaml.Node | None, text: str) -> yaml.Node:
             )
         walked.append(segment)
     return new
+
+
+def _add_keyword(
+    node: yaml.MappingNode,
+    key: str,
+    value: yaml.Node,
+    walked: list[str],
+    keywords: KeywordLookup,
+) -> bool:
+    """Add `key: value` to a call's mapping if its callable takes `key`; False if `node`
+    is no call. Raises _OverrideError for a keyword the callable does not take."""
+    spec = _call_spec(node)
+    if spec is None:
+        return False
+    where = ".".join(walked) or "the top level"
+    path = ".".join([*walked, key])
+    try:
+        known = keywords(spec)
+    except SpecError as err:
+        raise _OverrideError(
+            f"unknown key {key!r} in {where}, and `{spec}` cannot be checked: {err.message}",
+            path=path,
+        ) from None
+    if known is not None and not known.accepts(key):
+        existing = _keys(node)
+        candidates = list(dict.fromkeys([*existing, *known.names]))
+        raise _OverrideError(
+            f"unknown key {key!r} in {where}: `{spec}` takes no keyword {key!r}"
+            f"{suggestion(key, candidates)}",
+            path=path,
+            hint="keywords it takes: " + short_list(known.names) if known.names else None,
+        )
+    node.value.append((yaml.ScalarNode(_STR, key), value))
+    return True
+
+
+def _call_spec(node: yaml.Node) -> str | None:
+    """`module:attr` of a `!singleton:module:attr@name` node, else None."""
+    tag = node.tag or ""
+    if not tag.startswith("!") or tag.startswith("!!"):
+        return None
+    kind, _, rest = tag[1:].partition(":")
+    spec = rest.partition("@")[0]
+    return spec if kind in CALL_KINDS and spec else None
 
 
 def _child(node: yaml.Node | None, segment: str, walked: list[str]) -> tuple[yaml.Node, int]:

@@ -16,7 +16,14 @@ logger = logging.getLogger(__name__)
 
 META_FILE = "meta.yaml"
 LIBRARY_DIR = Path(forge.__file__).parent / "templates"
-META_KEYS = ("name", "description", "default_config", "search_paths", "allowed_modules")
+META_KEYS = (
+    "name",
+    "description",
+    "default_config",
+    "search_paths",
+    "code_paths",
+    "allowed_modules",
+)
 CONFIG_SUFFIXES = (".yaml", ".yml")
 
 
@@ -29,6 +36,7 @@ class Project:
     description: str = ""
     default_config: str | None = None
     search_paths: list[Path] = field(default_factory=list)
+    code_paths: list[Path] = field(default_factory=list)
     allowed_modules: list[str] = field(default_factory=list)
 
     @property
@@ -51,6 +59,12 @@ class Project:
     def template_roots(self) -> list[Path]:
         """Where templates are looked up, first match wins."""
         return [self.templates_dir, *self.search_paths, LIBRARY_DIR]
+
+    @property
+    def code_roots(self) -> list[Path]:
+        """Directories `./file.py:Name` specs may load from: the project, its search paths
+        and its code paths."""
+        return [self.root, *self.search_paths, *self.code_paths]
 
     def list_configs(self) -> list[str]:
         """Config names relative to templates/configs, sorted (`["sub/x.yaml", "train.yaml"]`)."""
@@ -124,18 +138,23 @@ def load_project(root: str | Path) -> Project:
             return []
         return value
 
-    search_paths = []
-    for raw in strings("search_paths"):
-        path = (root / raw).resolve()
-        search_paths.append(path)
-        if not path.is_dir():
-            problems.append(
-                Problem(
-                    f"search path {raw!r} is not a directory ({path})",
-                    file=str(meta_file),
-                    key_path="search_paths",
+    def directories(key: str, what: str) -> list[Path]:
+        found = []
+        for raw in strings(key):
+            path = (root / raw).resolve()
+            found.append(path)
+            if not path.is_dir():
+                problems.append(
+                    Problem(
+                        f"{what} {raw!r} is not a directory ({path})",
+                        file=str(meta_file),
+                        key_path=key,
+                    )
                 )
-            )
+        return found
+
+    search_paths = directories("search_paths", "search path")
+    code_paths = directories("code_paths", "code path")
     allowed = strings("allowed_modules")
     for key in ("name", "description", "default_config"):
         if meta.get(key) is not None and not isinstance(meta[key], str):
@@ -148,6 +167,7 @@ def load_project(root: str | Path) -> Project:
         description=meta.get("description") or "",
         default_config=meta.get("default_config"),
         search_paths=search_paths,
+        code_paths=code_paths,
         allowed_modules=allowed,
     )
 

@@ -14,9 +14,12 @@ from typing import Any
 
 import jinja2
 import yaml
+from jinja2.sandbox import SecurityError
 
+from .analysis import TemplateInfo, check_inheritance, unused_variables
 from .errors import ConfigError, Problem, display_path, suggestion
 from .project import Project
+from .sandbox import TemplateEnvironment, UnsafeTemplateError
 from .syntax import (
     STRIP_NEWLINES_FILTER,
     split_templates,
@@ -41,6 +44,7 @@ class RenderedConfig:
     chain: list[tuple[str, str]] = field(default_factory=list)
     source_map: SourceMap = field(default_factory=dict)
     config: str = ""
+    templates: dict[str, TemplateInfo] = field(default_factory=dict)  # the chain's, by name
 
     def locate(self, line: int) -> tuple[str, int] | None:
         """(template file, line) that rendered line `line` (1-based) came from."""
@@ -77,6 +81,13 @@ class TemplateLoader(jinja2.BaseLoader):
         for root in self.roots:
             path = root.joinpath(*parts)
             if path.is_file():
+                real = path.resolve()
+                if not real.is_relative_to(root.resolve()):
+                    raise SecurityError(
+                        f"unsafe template: {name!r} is a link to {real}, outside the template "
+                        f"directory {display_path(root)}; add its directory to search_paths "
+                        "in meta.yaml to use it"
+                    )
                 return path
         return None
 
@@ -119,12 +130,21 @@ def builtin_variables(project: Project, config: str) -> dict[str, Any]:
 
 
 def render_config(
-    project: Project, config: str, variables: Mapping[str, Any] | None = None
+    project: Project,
+    config: str,
+    variables: Mapping[str, Any] | None = None,
+    *,
+    check_variables: bool = True,
 ) -> RenderedConfig:
-    """Render `templates/configs/<config>` of `project` to YAML text."""
+    """Render `templates/configs/<config>` of `project` to YAML text.
+
+    Raises ConfigError for what Jinja would pass silently: a block no parent defines, a
+    key less indented than the block it fills, and (with `check_variables`) a variable
+    in `variables` that no template reads.
+    """
     name = project.resolve_config_name(config)
     loader = TemplateLoader(project.template_roots)
-    env = jinja2.Environment(
+    env = TemplateEnvironment(
         loader=loader,
         trim_blocks=True,
         lstrip_blocks=True,
@@ -141,17 +161,31 @@ def render_config(
         _parse_unused_inline(env, loader)
     except jinja2.TemplateSyntaxError as err:
         raise ConfigError(_syntax_problem(err), config=name) from None
+    except SecurityError as err:
+        raise ConfigError(_unsafe_problem(err, loader), config=name) from None
     except jinja2.TemplateNotFound as err:
         raise ConfigError(_not_found_problem(err, loader), config=name) from None
     except Exception as err:  # any error raised while a template runs
         raise ConfigError(_runtime_problem(err, loader), config=name) from None
+    used = [template for template, _ in loader.chain]
+    problems = check_inheritance(env.template_info, used)
+    if check_variables:
+        problems += unused_variables(variables or {}, env.template_info, used)
+    if problems:
+        raise ConfigError(problems, config=name)
     text, origins = strip_markers(output)
     source_map: SourceMap = {
         number: (loader.files[o[0]], o[1]) if o else None
         for number, o in enumerate(origins, start=1)
     }
     logger.debug("rendered %s from %d templates", name, len(loader.chain))
-    return RenderedConfig(text=text, chain=list(loader.chain), source_map=source_map, config=name)
+    return RenderedConfig(
+        text=text,
+        chain=list(loader.chain),
+        source_map=source_map,
+        config=name,
+        templates={t: env.template_info[t] for t in used if t in env.template_info},
+    )
 
 
 def _parse_unused_inline(env: jinja2.Environment, loader: TemplateLoader) -> None:
@@ -185,13 +219,7 @@ def parse_define(text: str) -> tuple[str, Any]:
 
 
 def _syntax_problem(err: jinja2.TemplateSyntaxError) -> Problem:
-    context = None
-    if err.filename and err.lineno:
-        try:
-            source = Path(err.filename).read_text(encoding="utf-8").split("\n")
-            context = f"{err.lineno} | {source[err.lineno - 1]}"
-        except (OSError, IndexError):
-            pass
+    context = _source_line(err.filename, err.lineno)
     where = f" (in template {err.name!r})" if err.name and err.name != err.filename else ""
     return Problem(
         f"template syntax error: {err.message}{where}",
@@ -221,6 +249,33 @@ def _not_found_problem(err: jinja2.TemplateNotFound, loader: TemplateLoader) -> 
         line=line,
         hint=" ".join(hints) or None,
     )
+
+
+def _unsafe_problem(err: SecurityError, loader: TemplateLoader) -> Problem:
+    if isinstance(err, UnsafeTemplateError) and err.filename:
+        file, line = err.filename, err.lineno
+    else:
+        file, line = _template_frame(err, loader)
+    message = str(err)
+    if not message.startswith("unsafe template"):
+        message = f"unsafe template: {message}"
+    return Problem(
+        message,
+        file=file,
+        line=line,
+        context=_source_line(file, line),
+        hint="templates run sandboxed and cannot reach Python internals or call code; "
+        "build such values with a !call in the YAML instead",
+    )
+
+
+def _source_line(file: str | None, line: int | None) -> str | None:
+    if not file or not line:
+        return None
+    try:
+        return f"{line} | {Path(file).read_text(encoding='utf-8').split(chr(10))[line - 1]}"
+    except (OSError, IndexError):
+        return None
 
 
 def _runtime_problem(err: Exception, loader: TemplateLoader) -> Problem:

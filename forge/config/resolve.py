@@ -11,6 +11,7 @@ import hashlib
 import importlib
 import importlib.util
 import logging
+import os
 import pkgutil
 import sys
 from collections.abc import Iterable
@@ -103,10 +104,13 @@ class Resolver:
         project_root: Path | None = None,
         allowed_modules: Iterable[str] = (),
         meta_file: Path | None = None,
+        code_roots: Iterable[Path] = (),
     ):
         self.project_root = project_root
         self.allowed = (*DEFAULT_ALLOWED_ROOTS, *allowed_modules)
         self.meta_file = meta_file
+        # `./file.py` specs load only from here (the project root when none are given)
+        self.code_roots = [Path(r).resolve() for r in code_roots]
         self._cache: dict[str, Any] = {}
 
     def resolve(self, text: str) -> Any:
@@ -225,9 +229,26 @@ class Resolver:
         except ModuleNotFoundError:
             return None
 
+    def _require_inside_code_roots(self, file: str, base: Path, path: Path) -> None:
+        """Refuse a project file that resolves (links followed) outside the code roots."""
+        roots = self.code_roots or [base.resolve()]
+        if any(path.is_relative_to(root) for root in roots):
+            return
+        written = Path(os.path.normpath((base / file).absolute()))
+        how = "is a link to" if any(written.is_relative_to(r) for r in roots) else "resolves to"
+        relative = os.path.relpath(path.parent, base.resolve())
+        raise SpecError(
+            f"`{file}` {how} {path}, outside the project directory "
+            f"{base}{' and its search and code paths' if len(roots) > 1 else ''}; "
+            f"forge loads no code from there",
+            f"to allow it, add its directory to code_paths in {self._meta_name()} "
+            f"(code_paths: [{relative}])",
+        )
+
     def _load_file(self, file: str) -> ModuleType:
         base = self.project_root or Path.cwd()
         path = (base / file).resolve()
+        self._require_inside_code_roots(file, base, path)
         if not path.is_file():
             raise SpecError(f"no file {file!r} (looked for {path})")
         digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]

@@ -13,6 +13,7 @@ rendering the markers are stripped and tell which template line each output line
 | `=> expr`     | `{{ expr }}` at column 0, outer newlines cut  |
 | `## text`     | removed (also trailing ` ## text` outside quotes) |
 | `#--- name ---` | starts an inline template called `name`     |
+| `[name]`      | `{% block name %}`, closed by the next `[other]` line or the template's end |
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ STRIP_NEWLINES_FILTER = "_forge_strip_newlines"
 
 _LINE_RE = re.compile(r"^(\s*)(--|<<|>>|==|=>) (.*?)\s*$")
 _SEPARATOR_RE = re.compile(r"^\s*#-{2,}\s*(\S+)\s*-{2,}\s*$")
+_SECTION_RE = re.compile(r"^(\s*)\[([A-Za-z_][A-Za-z0-9_]*)\]$")
 _TAG_OPEN = {"{{": "}}", "{%": "%}", "{#": "#}"}
 # A quote opens a YAML/Jinja string only at the start of a scalar or an argument.
 _QUOTE_OPENERS = set(" \t:[{,(=-?|>")
@@ -58,13 +60,23 @@ def translate(part: SubTemplate, file_id: int) -> str:
     """Jinja source for one (sub-)template, starting on its real file line."""
     out = []
     open_tag: str | None = None  # the closing delimiter we are waiting for, across lines
+    in_section = False  # inside a block opened by a `[name]` line
     for offset, raw in enumerate(part.lines):
         number = part.first_line + offset
+        section = None if open_tag else _SECTION_RE.match(strip_trailing_comment(raw).rstrip())
+        if section:
+            indent, name = section.groups()
+            close = "{% endblock %}" if in_section else ""
+            out.append(f"{indent}{close}{{% block {name} %}}")
+            in_section = True
+            continue
         line = raw if open_tag else _translate_line(raw)
         open_tag, literal = _scan_tags(line, open_tag)
         if open_tag is None and _wants_marker(line, literal):
             line = f"{line}{MARK_OPEN}{file_id}.{number}{MARK_CLOSE}"
         out.append(line)
+    if in_section:
+        out[-1] += "{% endblock %}"
     text = "\n".join(out)
     if part.first_line > 1:
         # A comment spanning the lines above keeps Jinja's line numbers equal to the file's.

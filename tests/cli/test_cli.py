@@ -96,8 +96,6 @@ def test_render_chain_lists_templates_in_order():
     for expected in (
         "projects/causal_lm.yaml",
         "base.yaml",
-        "tiny_lm.trainer",
-        "trainers/trainer.yaml",
         "models/llama.yaml",
         "datasets/stdlib.yaml",
     ):

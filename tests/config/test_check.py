@@ -235,3 +235,34 @@ def test_check_does_not_build(config_project, tmp_path):
     assert not marker.exists()
     config.build("x")
     assert marker.exists()
+
+
+def test_callable_with_kwargs_takes_any_keyword(config_project):
+    _, problems = problems_of(config_project, "c: !call:./helpers.py:collect {any: 1, other: 2}\n")
+    assert problems == []
+
+
+def test_hugging_face_config_takes_extra_keywords(config_project, caplog):
+    _, problems = problems_of(
+        config_project,
+        """\
+        bert: !singleton:transformers:BertConfig
+            num_labels: 2
+            hidden_size: 64
+            hidden_sise: 64
+        """,
+    )
+    assert problems == []
+    (record,) = [r for r in caplog.records if "passed on as is" in r.getMessage()]
+    assert "train.yaml:4: bert.hidden_sise: BertConfig() takes any keyword" in record.getMessage()
+    assert "did you mean 'hidden_size'?" in record.getMessage()
+
+
+def test_closed_signature_typo_is_still_flagged(config_project):
+    _, problems = problems_of(
+        config_project,
+        "lin: !singleton:torch.nn:Linear {in_features: 2, out_features: 3, biass: 1}\n",
+    )
+    problem = only(problems)
+    assert problem.key_path == "lin.biass"
+    assert "unexpected keyword argument 'biass'; did you mean 'bias'?" in problem.message

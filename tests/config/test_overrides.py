@@ -80,7 +80,8 @@ def test_unknown_path_is_an_error_with_suggestions(config_project):
     assert len(problems) == 4
     unknown = problems[0]
     assert unknown.key_path == "trainer.args.siz"
-    assert "unknown key 'siz' in trainer.args; did you mean 'size'?" in unknown.message
+    assert "unknown key 'siz' in trainer.args" in unknown.message
+    assert "did you mean 'size'?" in unknown.message
     assert "--set trainer.args.siz=2" in unknown.message
     assert "size" in unknown.hint and "name" in unknown.hint
     assert "not an index" in problems[1].message
@@ -103,3 +104,63 @@ def test_override_problem_is_located_at_the_flag(config_project):
 )
 def test_split_key_path(path, segments):
     assert split_key_path(path) == segments
+
+
+def test_set_adds_a_keyword_the_callable_takes(config_project):
+    project = config_project(CONFIG)
+    config = load_config(project, "train", overrides=["trainer.args.scale=2.5"])
+    assert config.check() == []
+    assert "scale: 2.5" in config.text
+    assert config.build("trainer")["args"].scale == 2.5
+
+
+def test_set_adds_a_keyword_to_a_callable_with_kwargs(config_project):
+    project = config_project("c: !call:./helpers.py:collect {_args: [1]}\n")
+    config = load_config(project, "train", overrides=["c.anything=3"])
+    assert config.build("c") == ((1,), {"anything": 3})
+
+
+def test_set_refuses_a_keyword_the_callable_does_not_take(config_project):
+    project = config_project(CONFIG)
+    with pytest.raises(ConfigError) as info:
+        load_config(project, "train", overrides=["trainer.args.scal=2.5"])
+    (problem,) = info.value.problems
+    assert problem.key_path == "trainer.args.scal"
+    assert "`./helpers.py:Thing` takes no keyword 'scal'; did you mean 'scale'?" in problem.message
+    assert problem.hint == "keywords it takes: size, name, scale"
+
+
+def test_set_does_not_add_keys_to_plain_mappings_or_deeper_paths(config_project):
+    project = config_project(CONFIG)
+    with pytest.raises(ConfigError) as info:
+        load_config(project, "train", overrides=["trainer.extra=1", "trainer.args.new.x=1"])
+    messages = [p.message for p in info.value.problems]
+    assert messages[0].startswith("unknown key 'extra' in trainer")
+    assert messages[1].startswith("unknown key 'new' in trainer.args")
+
+
+def test_an_added_keyword_is_checked_and_located_at_the_flag(config_project):
+    project = config_project("x: !call:./helpers.py:Thing {size: 1}\n")
+    config = load_config(project, "train", overrides=["x.scale=!call:math:nope"])
+    (problem,) = config.check()
+    assert problem.key_path == "x.scale" and "no attribute 'nope'" in problem.message
+    assert problem.context == "--set x.scale=!call:math:nope"
+
+
+def test_set_adds_training_arguments_field_through_the_cli():
+    from tests.helpers import TINY_LM, run_forge
+
+    result = run_forge(
+        "train",
+        "train.yaml",
+        "-p",
+        str(TINY_LM),
+        "--set",
+        "trainer.args.resume_from_checkpoint=/some/checkpoint-000100",
+        "--dry-run",
+    )
+    assert result.returncode == 0, result.stderr
+    assert "renders and checks" in result.stdout
+    typo = run_forge("render", "-p", str(TINY_LM), "--set", "trainer.args.resume_from_checkpont=x")
+    assert typo.returncode == 2
+    assert "did you mean 'resume_from_checkpoint'" in typo.stderr

@@ -44,7 +44,9 @@ def test_unknown_meta_key(make_project):
     (problem,) = info.value.problems
     assert problem.file.endswith("meta.yaml") and problem.key_path == "allowed_module"
     assert "unknown key 'allowed_module'; did you mean 'allowed_modules'?" in problem.message
-    assert "name, description, default_config, search_paths, allowed_modules" in problem.hint
+    assert "name, description, default_config, search_paths, code_paths, allowed_modules" in (
+        problem.hint
+    )
 
 
 def test_bad_meta_values(make_project):

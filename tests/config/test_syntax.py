@@ -158,3 +158,67 @@ def test_whitespace_control_is_respected(config_project):
        y
     """
     assert render(config_project, text) == "a: xy\n"
+
+
+SECTIONED_BASE = """\
+top: 1
+[model]
+model: small
+[trainer]
+trainer:
+  steps: 10
+"""
+
+
+def test_section_lines_open_blocks_a_child_overrides(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": SECTIONED_BASE,
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n[trainer]\n== super()\n  lr: 0.1 ## section text\n"
+            ),
+        }
+    )
+    rendered = render_config(project, "train")
+    assert [line for line in rendered.text.splitlines() if line] == [
+        "top: 1",
+        "model: small",
+        "trainer:",
+        "  steps: 10",
+        "  lr: 0.1",
+    ]
+    config_file = str(project.configs_dir / "train.yaml")
+    lines = rendered.text.split("\n")
+    assert rendered.source_map[lines.index("  lr: 0.1") + 1] == (config_file, 4)
+
+
+def test_section_runs_to_the_end_of_its_inline_template(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": SECTIONED_BASE,
+            "templates/configs/train.yaml": (
+                "a: 0\n-- include 'sub'\n#---- sub ----\n-- extends 'base.yaml'\n"
+                "    [model]\nmodel: big\n"
+            ),
+        }
+    )
+    text = render_config(project, "train").text
+    assert text == "a: 0\ntop: 1\nmodel: big\ntrainer:\n  steps: 10\n"
+
+
+@pytest.mark.parametrize("line", ["[1, 2]", "[a, b]", "x: [a]", "[a] b", "[a-b]"])
+def test_other_bracket_lines_stay_yaml(config_project, line):
+    assert render(config_project, f"k:\n  {line}\n") == f"k:\n  {line}\n"
+
+
+def test_section_with_a_typo_is_reported_like_a_block(make_project):
+    from forge.config import ConfigError
+
+    project = make_project(
+        {
+            "templates/base.yaml": SECTIONED_BASE,
+            "templates/configs/train.yaml": "-- extends 'base.yaml'\n[trainr]\nx: 1\n",
+        }
+    )
+    with pytest.raises(ConfigError, match="block 'trainr' is not defined.*did you mean 'trainer'"):
+        render_config(project, "train")

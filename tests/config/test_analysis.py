@@ -1,0 +1,146 @@
+"""What Jinja would pass silently is reported, located: unread -D variables, blocks no
+parent defines, keys less indented than the block they fill."""
+
+from __future__ import annotations
+
+import pytest
+
+from forge.config import ConfigError, render_config
+from tests.helpers import TINY_LM, run_forge
+
+PARENT = """\
+top: 1
+args:
+-- block args
+    lr: {{ lr | default(0.1) }}
+    steps: 10
+-- endblock
+-- block extra
+-- endblock
+"""
+
+
+def render_problems(project, config="train", variables=None):
+    with pytest.raises(ConfigError) as info:
+        render_config(project, config, variables)
+    return info.value.problems
+
+
+def test_unread_define_is_an_error_with_suggestion(make_project):
+    project = make_project(
+        {"templates/base.yaml": PARENT, "templates/configs/train.yaml": "-- extends 'base.yaml'\n"}
+    )
+    (problem,) = render_problems(project, variables={"lr": 1, "l_r": 2})
+    assert problem.message.startswith("-D l_r: no template of this config reads")
+    assert "did you mean 'lr'?" in problem.message
+    assert "lr: 1" in render_config(project, "train", {"lr": 1}).text
+
+
+def test_unread_define_through_the_cli():
+    result = run_forge("render", "-p", str(TINY_LM), "-D", "max_step=5")
+    assert result.returncode == 2
+    assert "-D max_step: no template of this config reads a variable 'max_step'" in result.stderr
+    assert "did you mean 'max_steps'" in result.stderr
+    assert result.stdout == ""
+
+
+def test_define_read_only_by_a_parent_or_include_is_used(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/part.yaml": "part: {{ part_value }}\n",
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n-- block extra\n-- include 'part.yaml'\n-- endblock\n"
+            ),
+        }
+    )
+    text = render_config(project, "train", {"lr": 5, "part_value": 6}).text
+    assert "lr: 5" in text and "part: 6" in text
+
+
+def test_block_no_parent_defines_is_located(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n-- block extr\nx: 1\n-- endblock\n"
+            ),
+        }
+    )
+    (problem,) = render_problems(project)
+    assert (problem.file, problem.line) == (str(project.configs_dir / "train.yaml"), 2)
+    assert "block 'extr' is not defined in any parent template ('base.yaml')" in problem.message
+    assert "did you mean 'extra'?" in problem.message
+
+
+def test_nested_new_block_inside_a_known_block_is_fine(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n-- block extra\n-- block inner\nx: 1\n-- endblock\n"
+                "-- endblock\n"
+            ),
+        }
+    )
+    assert "x: 1" in render_config(project, "train").text
+
+
+def test_unknown_block_in_an_inline_template_of_an_include(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/configs/train.yaml": (
+                "a: 1\n-- include 'sub'\n#---- sub ----\n-- extends 'base.yaml'\n"
+                "-- block arg\n    lr: 2\n-- endblock\n"
+            ),
+        }
+    )
+    (problem,) = render_problems(project)
+    assert problem.line == 5 and "block 'arg'" in problem.message
+
+
+@pytest.mark.parametrize("with_super", [True, False])
+def test_key_at_column_zero_in_an_indented_block_is_located(make_project, with_super):
+    sup = "    == super()\n" if with_super else ""
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/configs/train.yaml": (
+                f"-- extends 'base.yaml'\n-- block args\n{sup}steps: 20\n-- endblock\n"
+            ),
+        }
+    )
+    (problem,) = render_problems(project)
+    assert problem.file == str(project.configs_dir / "train.yaml")
+    assert problem.line == (4 if with_super else 3)
+    assert "key 'steps' is written at column 0 inside block 'args'" in problem.message
+    assert "indented by 4" in problem.message
+    assert problem.hint.startswith("indent it by 4 spaces")
+
+
+def test_indented_override_is_fine(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n-- block args\n    == super()\n    steps: 20\n-- endblock\n"
+            ),
+        }
+    )
+    lines = render_config(project, "train").text.splitlines()
+    assert lines[-1] == "    steps: 20"
+
+
+def test_problems_are_reported_together(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n-- block args\nsteps: 20\n-- endblock\n"
+                "-- block nope\n-- endblock\n"
+            ),
+        }
+    )
+    problems = render_problems(project, variables={"zzz": 1})
+    assert [p.line for p in problems] == [3, 5, None]
