@@ -110,7 +110,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(f"\n{name}:\n" + str(ConfigError(problems)), file=sys.stderr)
     if rows and not args.check:
         print(
-            "(rendered and parsed; add --check to import and check every callable)", file=sys.stderr
+            "(rendered and parsed only; without --no-check every callable is imported and checked)",
+            file=sys.stderr,
         )
     return EXIT_USAGE if broken else EXIT_OK
 

@@ -17,7 +17,7 @@ EXAMPLES = {
         examples:
           forge ls                          # the project that contains the working directory
           forge ls -p projects/tiny_lm      # an explicit project
-          forge ls -p projects/tiny_lm --check   # also import and check every callable
+          forge ls -p projects/tiny_lm --no-check   # render and parse only (no imports)
     """,
     "render": """
         examples:
@@ -161,12 +161,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"forge {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = _sub(subparsers, "ls", "list a project's configs, each rendered (and checked with --check)")
+    p = _sub(subparsers, "ls", "list a project's configs, each rendered and checked")
     _add_project(p)
     p.add_argument(
         "--check",
-        action="store_true",
-        help="also import every callable and check its arguments (loads torch)",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="import every callable and check its arguments (default; loads torch); "
+        "--no-check only renders and parses, which is faster",
     )
     p.add_argument("-D", "--define", action="append", metavar="VAR=VALUE", help="template variable")
     p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")

@@ -131,24 +131,24 @@ def test_verbose_shows_the_traceback():
     assert "Traceback" in result.stderr
 
 
-def test_ls_renders_every_config_and_checks_with_check():
-    result = run_forge("ls", "-p", str(TINY_LM))
+def test_ls_checks_every_config_and_renders_only_with_no_check():
+    result = run_forge("ls", "-p", str(TINY_LM), "--no-check")
     assert result.returncode == 0, result.stderr
     assert "train.yaml*" in result.stdout and "renders" in result.stdout
-    assert "--check" in result.stderr
-    result = run_forge("ls", "-p", str(TINY_LM), "--check")
+    assert "--no-check" in result.stderr
+    result = run_forge("ls", "-p", str(TINY_LM))
     assert result.returncode == 0, result.stderr
     assert "train.yaml*" in result.stdout
     assert "ok" in result.stdout.split("train.yaml*")[1]
 
 
-def test_ls_check_reports_a_bad_callable_that_plain_ls_cannot_see(tmp_path):
+def test_ls_reports_a_bad_callable_that_ls_no_check_cannot_see(tmp_path):
     (tmp_path / "templates" / "configs").mkdir(parents=True)
     (tmp_path / "meta.yaml").write_text("name: p\n")
     bad = "optimizer: !partial:torch.optim:AdamWW {lr: 0.1}\n"
     (tmp_path / "templates" / "configs" / "bad.yaml").write_text(bad)
     (tmp_path / "templates" / "configs" / "tag.yaml").write_text("x: !nosuchtag 1\n")
-    plain = run_forge("ls", "-p", str(tmp_path))
+    plain = run_forge("ls", "-p", str(tmp_path), "--no-check")
     assert plain.returncode == 2
     assert "bad.yaml" in plain.stdout and "tag.yaml" in plain.stderr
     assert "AdamWW" not in plain.stderr

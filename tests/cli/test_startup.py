@@ -51,7 +51,7 @@ def project_with_a_checkpoint(tmp_path):
     "args",
     [
         ("--help",),
-        ("ls", "-p", str(TINY_LM)),
+        ("ls", "-p", str(TINY_LM), "--no-check"),
         ("render", "-p", str(TINY_LM)),
         ("render", "-p", str(TINY_LM), "--chain"),
         ("runs", "-p", str(TINY_LM)),
@@ -64,8 +64,8 @@ def test_command_does_not_import_torch(args):
     assert "transformers" not in modules
 
 
-def test_ls_check_does_import_the_callables():
-    modules = forge_imports("ls", "-p", str(TINY_LM), "--check")
+def test_ls_checks_by_importing_the_callables():
+    modules = forge_imports("ls", "-p", str(TINY_LM))
     assert "torch" in modules and "forge.train.base" in modules
 
 
