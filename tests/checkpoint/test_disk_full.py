@@ -20,7 +20,6 @@ import pytest
 import torch
 from checkpoint_helpers import TinyNet, assert_same_state, tiny_llama
 from safetensors import SafetensorError
-from small_disk import mounted_tmpfs
 from torch import nn
 
 from forge.checkpoint import (
@@ -40,6 +39,7 @@ from forge.checkpoint.io import (
     free_bytes,
     tensor_bytes,
 )
+from tests.small_disk import mounted_tmpfs
 
 # What the injection tests' full disk reports as free: under the 1 MiB below which a write
 # failure that carries no errno (torch's RuntimeError) counts as a full disk.
