@@ -269,12 +269,14 @@ def is_disk_full(exc: BaseException, directory: str | os.PathLike) -> bool:
 
 def format_bytes(n: int) -> str:
     """``1.5 MiB``: a byte count for people."""
-    value = float(n)
-    for unit in ("bytes", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{n} bytes" if unit == "bytes" else f"{value:.1f} {unit}"
+    if n < 1024:
+        return f"{n} bytes"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.1f} TiB"
 
 
 def estimate_checkpoint_bytes(
