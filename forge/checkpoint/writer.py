@@ -7,6 +7,7 @@ import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from types import TracebackType
@@ -19,6 +20,9 @@ from forge.checkpoint.io import (
     TEMP_PREFIX,
     CheckpointError,
     commit_directory,
+    directory_bytes,
+    disk_full_guard,
+    estimate_checkpoint_bytes,
     fsync_tree_dirs,
     list_files,
     map_files,
@@ -35,6 +39,7 @@ from forge.checkpoint.layout import (
     CheckpointManifest,
     FileEntry,
     checkpoint_name,
+    find_checkpoints,
     sweep_temp_dirs,
 )
 
@@ -139,15 +144,32 @@ class CheckpointWriter:
             + "; earlier checkpoints are untouched"
         )
 
+    def _space_guard(self, doing: str, pending: Any = None) -> AbstractContextManager:
+        """A failure for lack of space while ``doing`` becomes one DiskFullError."""
+        written = directory_bytes(self.path)
+        return disk_full_guard(
+            f"{doing} checkpoint {self.final_path}",
+            self.checkpoints_dir,
+            needed=lambda: estimate_checkpoint_bytes(
+                self.path, written=written, pending=pending, previous=self._previous_checkpoint()
+            ),
+            cleanup=self._abort if self.is_main else None,
+        )
+
+    def _previous_checkpoint(self) -> Path | None:
+        valid = [info.path for info in find_checkpoints(self.checkpoints_dir, verify_hashes=False)]
+        return valid[-1] if valid else None
+
     # -- context ---------------------------------------------------------------------------
 
     def __enter__(self) -> CheckpointWriter:
         error: BaseException | None = None
         if self.is_main:
             try:
-                self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-                sweep_temp_dirs(self.checkpoints_dir)
-                self.path.mkdir()
+                with self._space_guard("start"):
+                    self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+                    sweep_temp_dirs(self.checkpoints_dir)
+                    self.path.mkdir()
             except Exception as exc:  # re-raised after the others know
                 error = self._fail(exc, "start") if isinstance(exc, OSError) else exc
         if self._any_failed(error is not None):
@@ -181,7 +203,8 @@ class CheckpointWriter:
         error: Exception | None = None
         if self.is_main:
             try:
-                self._commit()
+                with self._space_guard("commit"):
+                    self._commit()
             except Exception as failure:  # re-raised after the others know
                 error = failure
                 self._abort()
@@ -194,7 +217,7 @@ class CheckpointWriter:
         return False
 
     def _abort(self) -> None:
-        if self.is_main:
+        if self.is_main and self.path.exists():
             shutil.rmtree(self.path, ignore_errors=True)
             logger.warning("checkpoint %s was not saved", self.final_path.name)
 
@@ -261,11 +284,12 @@ class CheckpointWriter:
         if not self.is_main:
             return
         try:
-            save_model_weights(
-                model, self.path, state_dict=state_dict, max_shard_size=max_shard_size
-            )
-            if tokenizer is not None:
-                tokenizer.save_pretrained(self.path)
+            with self._space_guard("write the model of", model):
+                save_model_weights(
+                    model, self.path, state_dict=state_dict, max_shard_size=max_shard_size
+                )
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(self.path)
         except OSError as exc:
             raise self._fail(exc, "write the model of") from exc
 
@@ -273,7 +297,7 @@ class CheckpointWriter:
         """``torch.save`` ``obj`` as ``name``, on the calling rank (rank 0 for shared state)."""
         target = self._target(name)
         try:
-            with open(target, "wb") as f:
+            with self._space_guard(f"write {name} of", obj), open(target, "wb") as f:
                 torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
@@ -284,7 +308,8 @@ class CheckpointWriter:
         """Write ``obj`` as JSON to ``name``, on the calling rank."""
         target = self._target(name)
         try:
-            write_file_durably(target, _dumps(obj))
+            with self._space_guard(f"write {name} of"):
+                write_file_durably(target, _dumps(obj))
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 
@@ -298,7 +323,8 @@ class CheckpointWriter:
         """
         target = self._target(name)
         try:
-            save_tensors(target, tensors, metadata)
+            with self._space_guard(f"write {name} of", tensors):
+                save_tensors(target, tensors, metadata)
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 
