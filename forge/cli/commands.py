@@ -18,6 +18,7 @@ from typing import Any
 from forge.config import ConfigError, Project, find_project, load_config, load_project
 from forge.config import parse_define as _parse_define
 from forge.errors import EXIT_USAGE, UsageError, exit_code_for
+from forge.train.topology import Topology
 
 logger = logging.getLogger("forge")
 
@@ -149,19 +150,32 @@ def cmd_train(args: argparse.Namespace) -> int:
     nproc = resolve_nproc(args.nproc)
     if "trainer" not in cfg.targets:
         raise UsageError(f"config '{name}' has no 'trainer' target; nothing to train")
+    topology = Topology.from_env()
+    if topology.distributed and args.nproc not in (None, "1"):
+        raise UsageError(
+            f"this process is already rank {topology.rank} of {topology.world_size} started by "
+            "another launcher (accelerate launch, torchrun); drop --nproc"
+        )
     if args.dry_run:
+        nproc = topology.world_size if topology.distributed else nproc
         print(f"config {name} renders and checks; would train with {nproc} process(es) in")
         print(f"  {config_output_dir(project.output_dir, name)}/run_NNN/")
         return EXIT_OK
-    run_dir = create_run(
-        config_output_dir(project.output_dir, name),
-        config_name=name,
-        config_text=cfg.text,
-        project_root=project.root,
-        overrides=args.set or [],
-        variables=_defines(args),
-        nproc=nproc,
-    )
+
+    def make_run() -> Path:
+        return create_run(
+            config_output_dir(project.output_dir, name),
+            config_name=name,
+            config_text=cfg.text,
+            project_root=project.root,
+            overrides=args.set or [],
+            variables=_defines(args),
+            nproc=topology.world_size if topology.distributed else nproc,
+        )
+
+    if topology.distributed:  # every rank of a job another launcher started runs this
+        return _train_in_launched_job(project, make_run, topology, args)
+    run_dir = make_run()
     print(run_dir, flush=True)
     logger.info("run directory: %s", run_dir)
     try:
@@ -179,6 +193,29 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise
     if code == EXIT_USAGE and discard_unstarted_run(run_dir):
         logger.info("removed %s: the run never started", run_dir)
+    return code
+
+
+def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
+    """``accelerate launch -m forge.cli train ...``: rank 0 creates the run, each rank trains."""
+    from forge.launch import join_launched_job, leave_launched_job
+    from forge.runs import discard_unstarted_run
+    from forge.worker import run_worker
+
+    run_dir = join_launched_job(make_run if topology.is_main else None, topology)
+    if topology.is_main:
+        print(run_dir, flush=True)
+        logger.info("run directory: %s (rank 0 of %d)", run_dir, topology.world_size)
+    ok = False
+    try:
+        code = run_worker(run_dir, project, allow=args.allow or [])
+        ok = True
+    except Exception as err:
+        if topology.is_main and exit_code_for(err) == EXIT_USAGE:
+            discard_unstarted_run(run_dir)
+        raise
+    finally:
+        leave_launched_job(ok=ok)
     return code
 
 

@@ -124,6 +124,7 @@ def trained_accel(project):
     return project, train(project, "accel.yaml")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_accel_sigterm_exits_143_with_a_checkpoint(project, sig):
     proc = start_forge("train", "accel.yaml", "-p", str(project), *SMALL, cwd=project)
@@ -132,3 +133,48 @@ def test_accel_sigterm_exits_143_with_a_checkpoint(project, sig):
     proc.send_signal(sig)
     assert proc.wait(timeout=300) == 128 + sig
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
+
+
+@pytest.mark.slow
+def test_accelerate_launch_starts_the_job(project):
+    """`accelerate launch` (here its torchrun-based multi-process launcher, which runs on CPU
+    too) starting `forge train` on every process: rank 0 creates one run, both ranks train it."""
+    import os
+    import sys
+
+    accelerate = Path(sys.executable).with_name("accelerate")
+    command = [
+        str(accelerate),
+        "launch",
+        "--multi_gpu",
+        "--num_processes",
+        "2",
+        "--num_machines",
+        "1",
+        "--mixed_precision",
+        "no",
+        "--dynamo_backend",
+        "no",
+        "-m",
+        "forge.cli",
+        "train",
+        "accel.yaml",
+        "-p",
+        str(project),
+        *SMALL,
+        "-D",
+        "max_steps=10",
+    ]
+    env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    result = subprocess.run(command, capture_output=True, text=True, env=env, timeout=600)
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = sorted((project / "output" / "accel").iterdir())
+    assert [r.name for r in runs] == ["run_001"]  # one run, not one per process
+    run_dir = runs[0]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "completed"
+    manifest = json.loads(
+        (run_dir / "checkpoints" / "checkpoint-000010" / "manifest.json").read_text()
+    )
+    assert manifest["topology"]["world_size"] == 2
+    assert "rank 0 of 2" in result.stderr
