@@ -15,7 +15,22 @@ from .errors import ConfigError, Problem, did_you_mean, suggestion
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.yaml"
-LIBRARY_DIR = Path(forge.__file__).parent / "templates"
+
+
+def _library_dir() -> Path:
+    """forge's template library: `forge/templates` in an installed package, else the
+    `templates/` directory beside the `forge` package of a source tree (or an editable
+    install of one). Looked up on disk next to the imported forge, never through the
+    import system, so a source tree never picks up the library of another install."""
+    package = Path(forge.__file__).resolve().parent
+    installed = package / "templates"
+    root = package.parent
+    if not installed.is_dir() and (root / "pyproject.toml").is_file():
+        return root / "templates"
+    return installed
+
+
+LIBRARY_DIR = _library_dir()
 META_KEYS = (
     "name",
     "description",
