@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from jinja2 import nodes
 
 from .errors import Problem, display_path, suggestion
-from .syntax import MARK_RE
+from .syntax import ANY_MARK_RE
 
 _KEY_LINE_RE = re.compile(r"""^(\s*)(?:[A-Za-z_.][\w.\-]*|"[^"]*"|'[^']*')\s*:(?:\s|$)""")
 
@@ -122,7 +122,7 @@ def _text_lines(body: list[nodes.Node], lines: list[str]) -> list[tuple[int, str
             for offset, piece in enumerate(node.data.split("\n")):
                 number = node.lineno + offset
                 if piece.strip() and 0 < number <= len(lines):
-                    found.setdefault(number, MARK_RE.sub("", lines[number - 1]))
+                    found.setdefault(number, ANY_MARK_RE.sub("", lines[number - 1]))
     return sorted(found.items())
 
 

@@ -18,7 +18,7 @@ from .project import Project
 from .render import RenderedConfig, SourceMap, render_config
 from .resolve import Resolver
 from .resolved import resolved_yaml
-from .yaml_io import compose, serialize
+from .yaml_io import compose, describe_yaml_error, serialize
 
 logger = logging.getLogger(__name__)
 
@@ -254,13 +254,9 @@ def load_config(
 def _yaml_problem(
     err: yaml.YAMLError, text: str, source_map: SourceMap | None, origin: str
 ) -> Problem:
-    mark = getattr(err, "problem_mark", None)
-    detail = getattr(err, "problem", None) or str(err)
-    context = getattr(err, "context", None)
-    message = f"invalid YAML: {detail}" + (f" ({context})" if context else "")
-    if mark is None:
+    message, line = describe_yaml_error(err, text)
+    if line is None:
         return Problem(message, file=origin)
-    line = mark.line + 1
     if source_map is None:
         return Problem(message, file=origin, line=line)
     found = source_map.get(line)
