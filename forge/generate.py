@@ -16,7 +16,7 @@ logger = logging.getLogger(__name__)
 
 def resolve_checkpoint(path: Path) -> Path:
     """A checkpoint directory as given, or the newest valid checkpoint of a run directory."""
-    from forge.checkpoint import find_latest_checkpoint, validate_checkpoint
+    from forge.checkpoint.layout import find_latest_checkpoint, validate_checkpoint
 
     path = Path(path)
     if not path.exists():

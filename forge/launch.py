@@ -1,5 +1,6 @@
-"""``python -m forge.launch TORCHRUN_ARGS``: torchrun without its own traceback on failure.
+"""Starting the training processes: in this process, or one per rank under torchrun.
 
+``python -m forge.launch TORCHRUN_ARGS`` is torchrun without its own traceback on failure:
 torchrun (``torch.distributed.run``) reports a failed worker by raising ``ChildFailedError``,
 which prints a Python traceback and a failure table after the worker has already printed its
 own one-line error. forge's workers report their errors themselves (and record them in
@@ -9,7 +10,118 @@ own one-line error. forge's workers report their errors themselves (and record t
 from __future__ import annotations
 
 import logging
+import os
+import signal
+import subprocess
 import sys
+from collections.abc import Sequence
+from pathlib import Path
+
+from forge.errors import EXIT_FAILURE, EXIT_USAGE, UsageError
+
+logger = logging.getLogger(__name__)
+
+EXIT_OK = 0
+
+
+def resolve_nproc(value: str | None, default: int = 1) -> int:
+    """``--nproc N|auto``: a positive process count (``auto``: one per CUDA device, at least 1)."""
+    if value is None:
+        return default
+    if value == "auto":
+        import torch
+
+        return max(torch.cuda.device_count(), 1)
+    try:
+        n = int(value)
+    except ValueError as err:
+        raise UsageError(f"--nproc must be a positive integer or 'auto' (got {value!r})") from err
+    if n < 1:
+        raise UsageError(f"--nproc must be a positive integer or 'auto' (got {value!r})")
+    return n
+
+
+def torchrun_command(
+    run_dir: Path,
+    project_root: Path,
+    nproc: int,
+    *,
+    torchrun_args: Sequence[str] = (),
+    resume_from: str | None = None,
+    allow: Sequence[str] = (),
+    verbose: bool = False,
+) -> list[str]:
+    """The argv that starts ``nproc`` workers of ``run_dir`` under torchrun."""
+    command = [sys.executable, "-m", "forge.launch", f"--nproc_per_node={nproc}"]
+    if not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in torchrun_args):
+        command.append("--standalone")
+    command += list(torchrun_args)
+    command += ["-m", "forge.cli", "_worker", "--run-dir", str(run_dir), "-p", str(project_root)]
+    if resume_from:
+        command += ["--resume-from", str(resume_from)]
+    for module in allow:
+        command += ["--allow", module]
+    if verbose:
+        command.append("-v")
+    return command
+
+
+def launch_training(
+    project,
+    run_dir: Path,
+    nproc: int,
+    *,
+    torchrun_args: Sequence[str] = (),
+    resume_from: str | None = None,
+    allow: Sequence[str] = (),
+    verbose: bool = False,
+) -> int:
+    """Train ``run_dir`` here (one process) or under torchrun, forwarding Ctrl-C/SIGTERM.
+
+    Returns the exit code: 0 completed, 2 config error, 128+N stopped by signal N, else 1.
+    """
+    if nproc == 1 and not torchrun_args:
+        from forge.worker import run_worker
+
+        return run_worker(run_dir, project, resume_from=resume_from, allow=list(allow))
+    command = torchrun_command(
+        run_dir,
+        project.root,
+        nproc,
+        torchrun_args=torchrun_args,
+        resume_from=resume_from,
+        allow=allow,
+        verbose=verbose,
+    )
+    logger.info("launching %d processes: %s", nproc, " ".join(command))
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
+    child = subprocess.Popen(command, start_new_session=True, env=env)
+
+    def forward(signum, _frame):
+        child.send_signal(signum)
+
+    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        code = child.wait()
+    finally:
+        for s, handler in previous.items():
+            signal.signal(s, handler)
+    return exit_code_from_record(run_dir, code)
+
+
+def exit_code_from_record(run_dir: Path, code: int) -> int:
+    """The CLI's exit code for a launched job, from what rank 0 recorded in ``run.json``."""
+    from forge.runs import RunRecord
+
+    data = RunRecord.load(run_dir).data
+    if data.get("status") == "interrupted" and data.get("signal"):
+        return 128 + int(signal.Signals[data["signal"]])
+    if data.get("status") == "completed":
+        return EXIT_OK
+    if data.get("status") == "failed" and data.get("error_kind") == "usage":
+        return EXIT_USAGE  # rank 0 has printed the message
+    return code if code > 0 else EXIT_FAILURE
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -260,3 +260,79 @@ def find_run(
     if not candidates:
         raise RunError(f"no runs under {output_root}; start one with `forge train CONFIG`")
     return candidates[-1]
+
+
+def discard_unstarted_run(run_dir: Path) -> bool:
+    """Remove a run that a config error stopped before it wrote anything but its record.
+
+    Returns True if the run directory was removed.
+    """
+    if not {p.name for p in run_dir.iterdir()} <= {"config.yaml", "run.json"}:
+        return False
+    for path in run_dir.iterdir():
+        path.unlink()
+    run_dir.rmdir()
+    return True
+
+
+# --------------------------------------------------------------------------- resume
+
+
+def find_resume_checkpoint(run_dir: Path, from_checkpoint: Path | None = None) -> Path:
+    """The checkpoint a resume starts from: ``from_checkpoint`` if valid, else the run's newest
+    valid one. Raises RunError (nothing changed) when there is none."""
+    from forge.checkpoint.layout import find_latest_checkpoint, validate_checkpoint
+
+    if from_checkpoint is not None:
+        checkpoint = Path(from_checkpoint).resolve()
+        problems = validate_checkpoint(checkpoint)
+        if problems:
+            raise RunError(f"cannot resume from {checkpoint}:\n  " + "\n  ".join(problems))
+        return checkpoint
+    checkpoint = find_latest_checkpoint(run_dir / "checkpoints")
+    if checkpoint is None:
+        raise RunError(
+            f"{run_dir} has no valid checkpoint to resume from; nothing was changed. "
+            "Start a new run with `forge train`, or pass --from CKPT."
+        )
+    return checkpoint
+
+
+def apply_config_overrides(
+    run_dir: Path, project: Any, overrides: list[str], allow: list[str] = ()
+) -> None:
+    """Apply ``--set`` overrides to a run's ``config.yaml`` (checked first; ConfigError lists
+    every problem and leaves the file as it was)."""
+    from forge.config import ConfigError, parse_config
+
+    if not overrides:
+        return
+    config_path = run_dir / "config.yaml"
+    cfg = parse_config(
+        config_path.read_text(),
+        project=project,
+        overrides=list(overrides),
+        allow=list(allow),
+        origin=str(config_path),
+    )
+    problems = cfg.check()
+    if problems:
+        raise ConfigError(problems, config=str(config_path))
+    config_path.write_text(cfg.text)
+
+
+def record_resume(
+    run_dir: Path, checkpoint: Path, *, overrides: list[str], world_size: int
+) -> None:
+    """Append this resume (when, from which checkpoint, overrides, world size) to run.json."""
+    record = RunRecord.load(run_dir)
+    resumes = record.data.get("resumes", [])
+    resumes.append(
+        {
+            "at": now_iso(),
+            "from": str(checkpoint),
+            "overrides": list(overrides),
+            "world_size": world_size,
+        }
+    )
+    record.update(resumes=resumes)

@@ -16,32 +16,24 @@ from typing import Any
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.errors import EXIT_USAGE, exit_code_for
 from forge.runs import RunRecord, now_iso
+from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
 
 TRAINER_TARGET = "trainer"
 
 
-def dist_env() -> tuple[int, int, int]:
-    """(rank, world_size, local_rank) as torchrun sets them; (0, 1, 0) otherwise."""
-    return (
-        int(os.environ.get("RANK", "0")),
-        int(os.environ.get("WORLD_SIZE", "1")),
-        int(os.environ.get("LOCAL_RANK", "0")),
-    )
-
-
 def build_variables(run_dir: Path, project: Project, config_name: str) -> dict[str, Any]:
     """The values ``!var`` nodes may ask for at build time."""
-    rank, world_size, local_rank = dist_env()
+    topology = Topology.from_env()
     return {
         "run_dir": str(run_dir),
         "project_dir": str(project.root),
         "output_root": str(project.output_dir),
         "config_name": config_name,
-        "rank": rank,
-        "world_size": world_size,
-        "local_rank": local_rank,
+        "rank": topology.rank,
+        "world_size": topology.world_size,
+        "local_rank": topology.local_rank,
     }
 
 
@@ -90,7 +82,8 @@ def run_worker(
     from forge.train import TrainingInterrupted
 
     run_dir = Path(run_dir)
-    rank, world_size, _ = dist_env()
+    topology = Topology.from_env()
+    rank, world_size = topology.rank, topology.world_size
     record = RunRecord.load(run_dir)
     try:
         cfg = load_run_config(run_dir, project, allow)

@@ -1,47 +1,61 @@
 """One checkpoint layer for every trainer: atomic, validated, and unable to run code.
 
 A checkpoint is a directory written under a temporary name and renamed into place once
-complete, with ``manifest.json`` (sizes and sha256 of every file) written last.
+complete, with ``manifest.json`` (sizes and sha256 of every file, the job's topology and the
+components with their scopes) written last. ``registry`` says what a trainer's checkpoints
+hold and who writes each file; ``layout`` names, discovers, validates and rotates them (and
+imports no torch, so ``forge checkpoints`` starts fast); ``writer`` commits them atomically.
+
+Names are imported lazily: ``import forge.checkpoint.layout`` does not load torch.
 """
 
-from forge.checkpoint.io import CheckpointError, load_model_weights, unwrap_model
-from forge.checkpoint.layout import (
-    MANIFEST_NAME,
-    TRAINING_STATE_NAME,
-    CheckpointInfo,
-    CheckpointManifest,
-    checkpoint_name,
-    find_checkpoints,
-    find_latest_checkpoint,
-    parse_checkpoint_step,
-    rank_state_name,
-    read_manifest,
-    rotate_checkpoints,
-    stage_weights_name,
-    validate_checkpoint,
-)
-from forge.checkpoint.state import capture_rng_state, load_torch_state, restore_rng_state
-from forge.checkpoint.writer import CheckpointWriter
+from __future__ import annotations
 
-__all__ = [
-    "MANIFEST_NAME",
-    "TRAINING_STATE_NAME",
-    "CheckpointError",
-    "CheckpointInfo",
-    "CheckpointManifest",
-    "CheckpointWriter",
-    "capture_rng_state",
-    "checkpoint_name",
-    "find_checkpoints",
-    "find_latest_checkpoint",
-    "load_model_weights",
-    "load_torch_state",
-    "parse_checkpoint_step",
-    "rank_state_name",
-    "read_manifest",
-    "restore_rng_state",
-    "rotate_checkpoints",
-    "stage_weights_name",
-    "unwrap_model",
-    "validate_checkpoint",
-]
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "CheckpointError": "io",
+    "load_model_weights": "io",
+    "unwrap_model": "io",
+    "FORMAT_VERSION": "layout",
+    "MANIFEST_NAME": "layout",
+    "CheckpointInfo": "layout",
+    "CheckpointManifest": "layout",
+    "checkpoint_name": "layout",
+    "component_file_names": "layout",
+    "find_checkpoints": "layout",
+    "find_latest_checkpoint": "layout",
+    "find_resume_checkpoint": "layout",
+    "parse_checkpoint_step": "layout",
+    "read_manifest": "layout",
+    "rotate_checkpoints": "layout",
+    "stage_weights_name": "layout",
+    "validate_checkpoint": "layout",
+    "CheckpointRegistry": "registry",
+    "Component": "registry",
+    "Scope": "registry",
+    "Stateful": "registry",
+    "ModelWeights": "state",
+    "OptimizerState": "state",
+    "RngState": "state",
+    "capture_rng_state": "state",
+    "load_torch_state": "state",
+    "restore_rng_state": "state",
+    "CheckpointWriter": "writer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'forge.checkpoint' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"forge.checkpoint.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -10,18 +10,20 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import shutil
 import struct
 import sys
 import uuid
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-from torch import nn
+if TYPE_CHECKING:  # torch is imported where used, so discovery and validation load without it
+    import torch
+    from torch import nn
 
 # Temporary names in a checkpoints directory all start with this prefix, so discovery never
 # mistakes them for checkpoints and a later writer can sweep what a killed run left behind
@@ -38,6 +40,10 @@ _CHUNK_BYTES = 4 * 1024 * 1024
 
 class CheckpointError(RuntimeError):
     """A checkpoint cannot be written, read or trusted; the message names the file."""
+
+
+class DiskFullError(CheckpointError):
+    """A checkpoint could not be written because its filesystem ran out of space."""
 
 
 def os_error_message(exc: OSError, what: str) -> str:
@@ -165,11 +171,182 @@ def remove_tree(path: Path) -> Path:
 
 
 # ---------------------------------------------------------------------------------------------
+# running out of space
+
+# A filesystem with less than this free after a failed write counts as full: a write that runs
+# out of space fills the disk up to its last block before it fails.
+_NEARLY_FULL_BYTES = 1024 * 1024
+_NO_SPACE_ERRNOS = {errno.ENOSPC, errno.EDQUOT}
+# The same errors once a library has turned them into text (safetensors' Rust I/O errors).
+_NO_SPACE_TEXT = re.compile(
+    r"no space left on device|disk quota exceeded|"
+    + "|".join(rf"os error {code}\b" for code in sorted(_NO_SPACE_ERRNOS)),
+    re.IGNORECASE,
+)
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Bytes this user may still write on the filesystem of ``path`` (or its nearest parent)."""
+    path = Path(path).absolute()
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return shutil.disk_usage(path).free
+
+
+def directory_bytes(path: str | os.PathLike) -> int:
+    """Total size of the regular files under ``path`` (0 when it does not exist)."""
+    total = 0
+    for dirpath, _, filenames in os.walk(path):
+        for filename in filenames:
+            try:
+                total += os.lstat(os.path.join(dirpath, filename)).st_size
+            except OSError:
+                continue
+    return total
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of the tensors in ``obj`` (a module, or nested dicts / lists), shared ones once."""
+    if isinstance(obj, nn.Module):
+        obj = obj.state_dict()
+    seen: set[tuple[int, int]] = set()
+    total = 0
+    stack = [obj]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            if item.device.type == "meta":
+                continue
+            try:
+                storage = item.untyped_storage()
+                key = (storage.data_ptr(), storage.nbytes())
+            except (RuntimeError, NotImplementedError):  # tensor subclasses without storage
+                key = (id(item), 0)
+            if key not in seen:
+                seen.add(key)
+                total += item.numel() * item.element_size()
+        elif isinstance(item, Mapping):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def _failure_chain(exc: BaseException) -> Iterator[BaseException]:
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def _is_write_failure(exc: BaseException) -> bool:
+    # torch.save to a path raises RuntimeError("[enforce fail at inline_container.cc:...]
+    # unexpected pos ...") and safetensors a SafetensorError: neither keeps the errno.
+    return isinstance(exc, (OSError, RuntimeError)) or type(exc).__name__ == "SafetensorError"
+
+
+def is_disk_full(exc: BaseException, directory: str | os.PathLike) -> bool:
+    """Whether ``exc``, raised while writing into ``directory``, means its disk is full.
+
+    True for ENOSPC / EDQUOT anywhere in the exception's chain, for their text in a library's
+    message, and for an I/O failure that left the filesystem with (almost) no free space.
+    Call it before removing what the failed write left, which may be what filled the disk.
+    """
+    chain = list(_failure_chain(exc))
+    for failure in chain:
+        if isinstance(failure, OSError) and failure.errno in _NO_SPACE_ERRNOS:
+            return True
+        if _NO_SPACE_TEXT.search(str(failure)):
+            return True
+    if not any(_is_write_failure(failure) for failure in chain):
+        return False
+    try:
+        return free_bytes(directory) < _NEARLY_FULL_BYTES
+    except OSError:
+        return False
+
+
+def format_bytes(n: int) -> str:
+    """``1.5 MiB``: a byte count for people."""
+    if n < 1024:
+        return f"{n} bytes"
+    value = n / 1024
+    for unit in ("KiB", "MiB", "GiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
+        value /= 1024
+    return f"{value:.1f} TiB"
+
+
+def estimate_checkpoint_bytes(
+    partial: Path, *, written: int = 0, pending: Any = None, previous: Path | None = None
+) -> tuple[int, str]:
+    """How many bytes a checkpoint being written needs, and what the estimate rests on.
+
+    ``partial`` is the temporary checkpoint, ``written`` the bytes its files held before the
+    write that failed began, ``pending`` what that write was saving and ``previous`` the newest
+    earlier checkpoint. The previous checkpoint's size is the better estimate when there is
+    one: it holds every file this checkpoint will (optimizer state, tokenizer, per-rank state),
+    while at a failure only the files so far and the object being saved are known. Without
+    one, or when they already exceed it, the estimate is ``written`` plus the tensor bytes of
+    ``pending`` (or what ``partial`` holds now, if more).
+    """
+    known = max(directory_bytes(partial), written + tensor_bytes(pending))
+    previous_bytes = directory_bytes(previous) if previous is not None else 0
+    if previous is not None and previous_bytes >= known:
+        return previous_bytes, f"the size of the previous checkpoint {previous.name}"
+    return known, "the files written so far plus the tensors being saved"
+
+
+@contextmanager
+def disk_full_guard(
+    what: str,
+    directory: str | os.PathLike,
+    *,
+    needed: Callable[[], tuple[int, str]],
+    cleanup: Callable[[], None] | None = None,
+) -> Iterator[None]:
+    """Turn every way a write into ``directory`` fails for lack of space into one DiskFullError.
+
+    ``what`` completes "could not ..." (``"write optimizer.pt of checkpoint ..."``).
+    ``needed`` gives (bytes the checkpoint needs, what that estimate rests on), e.g.
+    ``estimate_checkpoint_bytes``; ``cleanup`` removes the partial checkpoint. Both run only
+    after a failure, ``needed`` first, so it can count what the failed write left. Any other
+    exception passes through unchanged.
+    """
+    try:
+        yield
+    except CheckpointError:
+        raise  # already explained (a guard around a guard)
+    except Exception as exc:
+        if not is_disk_full(exc, directory):
+            raise
+        need, basis = needed()
+        removed = ""
+        if cleanup is not None:
+            try:
+                cleanup()
+                removed = " The partial checkpoint was removed; earlier checkpoints are untouched."
+            except OSError as cleanup_error:
+                removed = f" The partial checkpoint could not be removed ({cleanup_error})."
+        free = free_bytes(directory)
+        raise DiskFullError(
+            f"disk full: could not {what}: the checkpoint needs about {format_bytes(need)} "
+            f"({basis}) and {format_bytes(free)} is free on the filesystem of {directory}. "
+            "Free disk space there, or lower save_total_limit to keep fewer checkpoints." + removed
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------------------
 # model weights
 
 
 def unwrap_model(model: nn.Module) -> nn.Module:
     """The user's model inside DDP / DataParallel / Accelerate / torch.compile wrappers."""
+    from torch import nn
+
     while True:
         inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
@@ -204,17 +381,24 @@ def _no_hf_progress_bars() -> Iterator[None]:
 
 
 def save_model_weights(
-    model: nn.Module, directory: Path, *, max_shard_size: int | str = "2GB"
+    model: nn.Module,
+    directory: Path,
+    *,
+    state_dict: Mapping[str, torch.Tensor] | None = None,
+    max_shard_size: int | str = "2GB",
 ) -> None:
     """Write a model's weights (and config, for Hugging Face models) as safetensors.
 
     Hugging Face models go through ``save_pretrained`` so ``from_pretrained`` can load the
     directory; any other module is written as its state dict, sharded with an index when it is
-    larger than ``max_shard_size``, with shared (tied) tensors stored once.
+    larger than ``max_shard_size``, with shared (tied) tensors stored once. ``state_dict``
+    (default: the model's own) is what gets written, e.g. one gathered from sharded ranks.
     """
     model = unwrap_model(model)
     if _is_hf_model(model):
         kwargs: dict[str, Any] = {"max_shard_size": max_shard_size}
+        if state_dict is not None:
+            kwargs["state_dict"] = dict(state_dict)
         if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
             kwargs["safe_serialization"] = True  # transformers 4.x; 5.x only writes safetensors
         with _no_hf_progress_bars():
@@ -222,7 +406,8 @@ def save_model_weights(
         return
     from huggingface_hub import save_torch_state_dict
 
-    state_dict = {k: v.detach() for k, v in model.state_dict().items()}
+    source = model.state_dict() if state_dict is None else state_dict
+    state_dict = {k: v.detach() for k, v in source.items()}
     save_torch_state_dict(
         state_dict, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}
     )

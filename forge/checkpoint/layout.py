@@ -17,18 +17,22 @@ from forge.checkpoint.io import (
     TEMP_PREFIX,
     CheckpointError,
     hash_file,
+    list_files,
     map_files,
     remove_tree,
 )
 
 logger = logging.getLogger(__name__)
 
-FORMAT_VERSION = 1
+# 2: components with scopes and the job's topology (forge/checkpoint/registry.py);
+# 1: training_state.pt + rank_state_XXXXX.pt, optimizer state keyed by parameter index.
+FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
-TRAINING_STATE_NAME = "training_state.pt"
 CHECKPOINT_PREFIX = "checkpoint-"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+SCOPES = ("shared", "stage", "rank")
 _NAME_RE = re.compile(r"checkpoint-(\d+)")
-_RANK_STATE_RE = re.compile(r"rank_state_(\d+)\.pt")
+_RUN_DIR_RE = re.compile(r"run_(\d+)")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
 
 
@@ -45,14 +49,30 @@ def parse_checkpoint_step(path_or_name: str | os.PathLike) -> int | None:
     return int(match.group(1)) if match else None
 
 
-def rank_state_name(rank: int) -> str:
-    """``rank_state_00001.pt``: the per-rank state file (rng, data position) of one rank."""
-    return f"rank_state_{rank:05d}.pt"
-
-
 def stage_weights_name(stage: int, num_stages: int) -> str:
     """``model-stage-00000-of-00002.safetensors``: weights of one pipeline stage."""
     return f"model-stage-{stage:05d}-of-{num_stages:05d}.safetensors"
+
+
+def component_file_names(
+    name: str, scope: str, weights: bool, topology: dict[str, Any]
+) -> list[str]:
+    """The files a component of ``scope`` has in a checkpoint of ``topology``.
+
+    Weights of a single stage are whatever ``save_pretrained`` writes, so they are recorded as
+    written and not derived here (returns []).
+    """
+    world = int(topology.get("world_size", 1))
+    stages = int(topology.get("num_stages", 1))
+    if weights:
+        if stages == 1:
+            return []
+        return [stage_weights_name(k, stages) for k in range(stages)] + [WEIGHTS_INDEX_NAME]
+    if scope == "shared" or (scope == "stage" and stages == 1):
+        return [f"{name}.pt"]
+    if scope == "stage":
+        return [f"{name}-stage-{k:05d}-of-{stages:05d}.pt" for k in range(stages)]
+    return [f"{name}-rank-{r:05d}.pt" for r in range(world)]
 
 
 class FileEntry(TypedDict):
@@ -67,11 +87,12 @@ class CheckpointManifest:
     step: int
     epoch: float | None = None
     trainer: str = "plain"
-    world: dict[str, Any] = field(default_factory=dict)
     created: str = ""
     metrics: dict[str, Any] = field(default_factory=dict)
     files: dict[str, FileEntry] = field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    topology: dict[str, Any] = field(default_factory=dict)  # world_size, num_stages, dp_size
+    components: dict[str, dict[str, Any]] = field(default_factory=dict)  # scope, weights, files
     extra: dict[str, Any] = field(default_factory=dict)  # further top-level keys (set_meta)
 
     def to_dict(self) -> dict[str, Any]:
@@ -80,9 +101,10 @@ class CheckpointManifest:
             "step": self.step,
             "epoch": self.epoch,
             "trainer": self.trainer,
-            "world": self.world,
             "created": self.created,
             "metrics": self.metrics,
+            "topology": self.topology,
+            "components": self.components,
             "files": self.files,
         }
         clashes = set(self.extra) & set(data)
@@ -110,16 +132,41 @@ class CheckpointManifest:
                 or not _SHA256_RE.fullmatch(str(entry.get("sha256")))
             ):
                 raise ValueError(f"'files' entry {name!r} needs an integer size and a sha256")
-        known = {"format_version", "step", "epoch", "trainer", "world", "created", "metrics"}
+        for key in ("topology", "components"):
+            if not isinstance(data.get(key, {}), dict):
+                raise ValueError(f"{key!r} must be an object")
+        for name, entry in (data.get("components") or {}).items():
+            if (
+                not isinstance(entry, dict)
+                or entry.get("scope") not in SCOPES
+                or not isinstance(entry.get("files"), list)
+                or not all(isinstance(f, str) for f in entry["files"])
+            ):
+                raise ValueError(
+                    f"'components' entry {name!r} needs a scope ({', '.join(SCOPES)}) and a "
+                    "list of files"
+                )
+        known = {
+            "format_version",
+            "step",
+            "epoch",
+            "trainer",
+            "world",  # format 1's name for the topology
+            "created",
+            "metrics",
+            "topology",
+            "components",
+        }
         return cls(
             step=data["step"],
             epoch=data.get("epoch"),
             trainer=data.get("trainer", "plain"),
-            world=dict(data.get("world") or {}),
             created=data.get("created", ""),
             metrics=dict(data.get("metrics") or {}),
             files={k: FileEntry(size=v["size"], sha256=v["sha256"]) for k, v in files.items()},
             format_version=data["format_version"],
+            topology=dict(data.get("topology") or data.get("world") or {}),
+            components={k: dict(v) for k, v in (data.get("components") or {}).items()},
             extra={k: v for k, v in data.items() if k not in known | {"files"}},
         )
 
@@ -172,7 +219,8 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hashes: bool = True) 
     """Problems that make a checkpoint untrustworthy, each naming its file; [] when valid.
 
     Checks the manifest, that every listed file exists with the listed size (and sha256 when
-    ``verify_hashes``), and that per-rank state exists for every rank of the world.
+    ``verify_hashes``), that no unlisted file is present, and that every component has the
+    files its scope needs in the manifest's topology (a shard per stage, a file per rank).
     """
     return _inspect(Path(path), verify_hashes)[1]
 
@@ -223,14 +271,37 @@ def _inspect(path: Path, verify_hashes: bool) -> tuple[CheckpointManifest | None
 
         problems.extend(p for p in map_files(check, to_hash) if p)
 
-    world_size = manifest.world.get("world_size")
-    rank_files = {n for n in manifest.files if _RANK_STATE_RE.fullmatch(n)}
-    if rank_files and isinstance(world_size, int):
-        for rank in range(world_size):
-            name = rank_state_name(rank)
-            if name not in rank_files:
-                problems.append(f"{name}: not in manifest (world_size {world_size})")
+    problems.extend(_component_problems(manifest))
+    listed = set(manifest.files) | {MANIFEST_NAME}
+    for name in list_files(path):
+        if name not in listed:
+            problems.append(f"{name}: present but not in the manifest (an extra or stray file)")
     return manifest, problems
+
+
+def _component_problems(manifest: CheckpointManifest) -> list[str]:
+    """Files the components need, by the manifest's own topology, that it does not list."""
+    problems = []
+    topology = manifest.topology
+    for field_name in ("world_size", "num_stages"):
+        value = topology.get(field_name, 1)
+        if manifest.components and (not isinstance(value, int) or value < 1):
+            problems.append(f"{MANIFEST_NAME}: topology {field_name} {value!r} is not a count")
+            return problems
+    for name, entry in sorted(manifest.components.items()):
+        expected = component_file_names(name, entry["scope"], bool(entry.get("weights")), topology)
+        if expected and sorted(entry["files"]) != sorted(expected):
+            problems.append(
+                f"component '{name}' ({entry['scope']}): files {sorted(entry['files'])} do not "
+                f"match its topology (world_size {topology.get('world_size', 1)}, num_stages "
+                f"{topology.get('num_stages', 1)}), which needs {sorted(expected)}"
+            )
+        if entry.get("weights") and not entry["files"]:
+            problems.append(f"component '{name}': no weight files recorded")
+        for file in entry["files"]:
+            if file not in manifest.files:
+                problems.append(f"{file}: component '{name}' needs it, not in the manifest")
+    return problems
 
 
 # ---------------------------------------------------------------------------------------------
@@ -301,6 +372,52 @@ def find_latest_checkpoint(
                 return path
             logger.warning("skipping %s: %s (in %s)", path.name, _summary(problems), path.parent)
     return None
+
+
+def resume_search_dirs(output_dir: str | os.PathLike) -> list[Path]:
+    """Where ``resume_from_checkpoint: true`` looks: sibling ``run_*`` directories'
+    checkpoints, oldest run first, then this run's own (which wins when it has a valid one)."""
+    out = Path(output_dir)
+    own = out / "checkpoints"
+    if not _RUN_DIR_RE.fullmatch(out.name) or not out.parent.is_dir():
+        return [own]
+    runs = sorted(
+        (p for p in out.parent.iterdir() if p.is_dir() and _RUN_DIR_RE.fullmatch(p.name)),
+        key=lambda p: int(_RUN_DIR_RE.fullmatch(p.name).group(1)),
+    )
+    return [run / "checkpoints" for run in runs if run.name != out.name] + [own]
+
+
+def find_resume_checkpoint(
+    resume: bool | str | os.PathLike, output_dir: str | os.PathLike
+) -> Path | None:
+    """The checkpoint ``resume`` names: True, a checkpoint, or a run / checkpoints directory.
+
+    True with nothing found warns and returns None (train from scratch); a path that is not
+    a valid checkpoint raises CheckpointError listing its problems.
+    """
+    if resume is True:
+        dirs = resume_search_dirs(output_dir)
+        found = find_latest_checkpoint(dirs)
+        if found is None:
+            logger.warning(
+                "resume_from_checkpoint is set but there is no valid checkpoint in %s; "
+                "training from scratch",
+                ", ".join(str(d) for d in dirs),
+            )
+        return found
+    path = Path(resume)
+    if path.is_dir() and not (path / MANIFEST_NAME).exists():
+        if parse_checkpoint_step(path) is None:  # a run or checkpoints directory
+            found = find_latest_checkpoint(path)
+            if found is None:
+                raise CheckpointError(f"{path}: no valid checkpoint to resume from")
+            return found
+    problems = validate_checkpoint(path)
+    if problems:
+        listed = "\n".join(f"  - {p}" for p in problems)
+        raise CheckpointError(f"cannot resume from {path}:\n{listed}")
+    return path
 
 
 # ---------------------------------------------------------------------------------------------

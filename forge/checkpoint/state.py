@@ -1,4 +1,5 @@
-"""What a checkpoint holds besides weights: random-number state and safely loaded torch files."""
+"""Checkpoint components every trainer uses (weights, optimizer keyed by parameter name,
+random generators) and safe loading of torch files."""
 
 from __future__ import annotations
 
@@ -12,14 +13,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from forge.checkpoint.io import CheckpointError
+from forge.checkpoint.io import (
+    CheckpointError,
+    load_model_weights,
+    unwrap_model,
+)
 
 
-def capture_rng_state() -> dict[str, Any]:
+def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
     """The state of every random generator a training step draws from.
 
-    Python ``random``, numpy's global generator, torch CPU and (when CUDA is in use) the current
-    CUDA device, encoded as tensors and plain data so ``torch.load(weights_only=True)`` reads it.
+    Python ``random``, numpy's global generator, torch CPU and the CUDA generator of ``device``
+    (the trainer's; by default the current device, when CUDA is in use), encoded as tensors and
+    plain data so ``torch.load(weights_only=True)`` reads it.
     """
     version, internal, gauss_next = random.getstate()
     algorithm, keys, pos, has_gauss, cached_gaussian = np.random.get_state()
@@ -34,14 +40,16 @@ def capture_rng_state() -> dict[str, Any]:
         },
         "torch": torch.get_rng_state(),
     }
-    if torch.cuda.is_available() and torch.cuda.is_initialized():
-        # Only the current device: touching every device would create a CUDA context on each
-        # GPU from every rank.
+    if device is not None and device.type == "cuda":
+        state["cuda"] = torch.cuda.get_rng_state(device)
+    elif device is None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        # Only one device: touching every device would create a CUDA context on each GPU
+        # from every rank.
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def restore_rng_state(state: dict[str, Any]) -> None:
+def restore_rng_state(state: dict[str, Any], device: torch.device | None = None) -> None:
     """Put every generator back to a state from ``capture_rng_state``."""
     py = state["python"]
     random.setstate((py["version"], tuple(py["state"]), py["gauss_next"]))
@@ -57,7 +65,10 @@ def restore_rng_state(state: dict[str, Any]) -> None:
     )
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
+        if device is not None and device.type == "cuda":
+            torch.cuda.set_rng_state(state["cuda"], device)
+        else:
+            torch.cuda.set_rng_state(state["cuda"])
 
 
 _GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
@@ -92,3 +103,127 @@ def load_torch_state(path: str | os.PathLike) -> Any:
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         first = str(exc).strip().split(". ")[0] or type(exc).__name__
         raise CheckpointError(f"{path}: unreadable, corrupt or truncated ({first})") from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# components
+
+
+class RngState:
+    """Every random generator of this rank (a rank-scoped component, restored last)."""
+
+    def __init__(self, device: torch.device | None = None) -> None:
+        self.device = device
+
+    def state_dict(self) -> dict[str, Any]:
+        return capture_rng_state(self.device)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        restore_rng_state(state, self.device)
+
+
+def _plain_name(name: str) -> str:
+    """A parameter name without DDP's ``module.`` or torch.compile's ``_orig_mod.`` parts."""
+    return ".".join(p for p in name.split(".") if p not in ("module", "_orig_mod"))
+
+
+class OptimizerState:
+    """An optimizer's state keyed by parameter name (``state.<fqn>.exp_avg``), not by index.
+
+    Uses torch.distributed.checkpoint's flattened optimizer state dict, so a pipeline stage
+    can never load another stage's moments (same shapes, other parameters), and a checkpoint
+    of one split loads into another: each optimizer takes the names of its own parameters.
+    ``model`` is what the optimizer's parameters belong to (wrapped by DDP / FSDP or not).
+    """
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    @staticmethod
+    def _options() -> Any:
+        from torch.distributed.checkpoint.state_dict import StateDictOptions
+
+        return StateDictOptions(flatten_optimizer_state_dict=True)
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+
+        if not self.optimizer.state:
+            # no step taken yet: nothing to save, and the library would initialise the
+            # state with a zero step, which changes the first real step's bias correction
+            return {}
+        return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        if not state:
+            return
+        own = {_plain_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
+        saved = {
+            k.removeprefix("state.").rsplit(".", 1)[0] for k in state if k.startswith("state.")
+        }
+        if own and saved and not own & saved:
+            raise CheckpointError(
+                "the saved optimizer state names none of this model's parameters (saved e.g. "
+                f"{sorted(saved)[:3]}, this model has e.g. {sorted(own)[:3]})"
+            )
+        set_optimizer_state_dict(self.model, self.optimizer, state, options=self._options())
+
+
+class ModelWeights:
+    """A model's weights as a checkpoint component, in Hugging Face's safetensors layout.
+
+    ``state_fn`` gives the full state dict (every rank calls it; Accelerate's
+    ``get_state_dict`` gathers sharded weights there); by default the unwrapped model's own.
+    A single stage is written with ``save_pretrained`` (config and tokenizer beside it), so
+    ``from_pretrained`` loads the checkpoint directory; a pipeline stage writes its own
+    safetensors shard, keyed by the unsplit model's parameter names.
+    """
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        state_fn: Any = None,
+        *,
+        max_shard_size: int | str = "2GB",
+    ) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+        self.state_fn = state_fn
+        self.max_shard_size = max_shard_size
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        if self.state_fn is not None:
+            return self.state_fn()
+        return unwrap_model(self.model).state_dict()
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        unwrap_model(self.model).load_state_dict(state)
+
+    def write(self, writer: Any, state: dict[str, torch.Tensor], stage_file: str | None) -> None:
+        """Write on the owning rank: the whole model, or one stage's shard."""
+        if stage_file is not None:
+            writer.save_safetensors(stage_file, state)
+            if writer.is_main:
+                self._write_extras(writer)
+            return
+        writer.save_model(
+            self.model,
+            tokenizer=self.tokenizer,
+            state_dict=state,
+            max_shard_size=self.max_shard_size,
+        )
+
+    def _write_extras(self, writer: Any) -> None:
+        model = unwrap_model(self.model)
+        config = getattr(model, "config", None)
+        if config is not None and hasattr(config, "save_pretrained"):
+            config.save_pretrained(writer.path)
+        if self.tokenizer is not None:
+            self.tokenizer.save_pretrained(writer.path)
+
+    def load_checkpoint(self, checkpoint: Path, manifest: Any) -> None:
+        load_model_weights(self.model, checkpoint, strict=True)

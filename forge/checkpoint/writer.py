@@ -5,9 +5,9 @@ from __future__ import annotations
 import json
 import logging
 import os
-import re
 import shutil
 from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
 from types import TracebackType
@@ -17,11 +17,12 @@ import torch
 from torch import nn
 
 from forge.checkpoint.io import (
-    SAFE_WEIGHTS_INDEX_NAME,
-    SAFE_WEIGHTS_NAME,
     TEMP_PREFIX,
     CheckpointError,
     commit_directory,
+    directory_bytes,
+    disk_full_guard,
+    estimate_checkpoint_bytes,
     fsync_tree_dirs,
     list_files,
     map_files,
@@ -38,12 +39,11 @@ from forge.checkpoint.layout import (
     CheckpointManifest,
     FileEntry,
     checkpoint_name,
+    find_checkpoints,
     sweep_temp_dirs,
 )
 
 logger = logging.getLogger(__name__)
-
-_STAGE_FILE_RE = re.compile(r"model-stage-\d+-of-\d+\.safetensors")
 
 
 def _json_default(value: Any) -> Any:
@@ -73,7 +73,13 @@ class CheckpointWriter:
     Every rank enters the context. Files go to ``.path`` (``.tmp-checkpoint-000400``); on a
     clean exit rank 0 hashes and fsyncs them, writes ``manifest.json`` last and renames the
     directory to ``.final_path``. On an exception nothing is renamed and earlier checkpoints
-    stay as they were. ``barrier`` synchronises the ranks (``torch.distributed.barrier``).
+    stay as they were.
+
+    Ranks meet twice (after creating the directory, after writing) through ``any_failed``:
+    each passes whether it failed and learns whether any rank did, so a failure on one rank
+    ends the save with an error on every rank instead of leaving the others waiting. A bare
+    ``barrier`` (``torch.distributed.barrier``) may be given instead, for callers that cannot
+    fail between the meetings.
     """
 
     def __init__(
@@ -84,14 +90,15 @@ class CheckpointWriter:
         rank: int = 0,
         world_size: int = 1,
         barrier: Callable[[], None] | None = None,
+        any_failed: Callable[[bool], bool] | None = None,
         trainer: str = "plain",
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
-        if world_size > 1 and barrier is None:
+        if world_size > 1 and barrier is None and any_failed is None:
             raise ValueError(
-                f"CheckpointWriter needs a barrier when world_size is {world_size} "
-                "(pass barrier=torch.distributed.barrier)"
+                f"CheckpointWriter needs any_failed or a barrier when world_size is {world_size} "
+                "(e.g. barrier=torch.distributed.barrier)"
             )
         self.checkpoints_dir = Path(checkpoints_dir)
         self.step = step
@@ -101,18 +108,35 @@ class CheckpointWriter:
         self.final_path = self.checkpoints_dir / checkpoint_name(step)
         self.path = self.checkpoints_dir / f"{TEMP_PREFIX}{self.final_path.name}"
         self._barrier_fn = barrier
+        self._any_failed_fn = any_failed
         self._epoch: float | None = None
         self._metrics: dict[str, Any] = {}
-        self._world: dict[str, Any] = {}
+        self._topology: dict[str, Any] = {
+            "world_size": world_size,
+            "num_stages": 1,
+            "dp_size": world_size,
+        }
+        self._components: dict[str, Any] = {}
+        self._weights_index: list[str] = []
         self._extra: dict[str, Any] = {}
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
-    def _barrier(self) -> None:
+    def _any_failed(self, failed: bool) -> bool:
+        """Meet the other ranks; True when any rank (this one included) failed."""
+        if self._any_failed_fn is not None:
+            return bool(self._any_failed_fn(failed))
         if self._barrier_fn is not None:
             self._barrier_fn()
+        return failed
+
+    def _other_rank_failed(self, doing: str) -> CheckpointError:
+        return CheckpointError(
+            f"checkpoint {self.final_path.name} was not saved: another rank failed while "
+            f"{doing} it (its error is reported by that rank); earlier checkpoints are untouched"
+        )
 
     def _fail(self, exc: OSError, doing: str) -> CheckpointError:
         return CheckpointError(
@@ -120,17 +144,38 @@ class CheckpointWriter:
             + "; earlier checkpoints are untouched"
         )
 
+    def _space_guard(self, doing: str, pending: Any = None) -> AbstractContextManager:
+        """A failure for lack of space while ``doing`` becomes one DiskFullError."""
+        written = directory_bytes(self.path)
+        return disk_full_guard(
+            f"{doing} checkpoint {self.final_path}",
+            self.checkpoints_dir,
+            needed=lambda: estimate_checkpoint_bytes(
+                self.path, written=written, pending=pending, previous=self._previous_checkpoint()
+            ),
+            cleanup=self._abort if self.is_main else None,
+        )
+
+    def _previous_checkpoint(self) -> Path | None:
+        valid = [info.path for info in find_checkpoints(self.checkpoints_dir, verify_hashes=False)]
+        return valid[-1] if valid else None
+
     # -- context ---------------------------------------------------------------------------
 
     def __enter__(self) -> CheckpointWriter:
+        error: BaseException | None = None
         if self.is_main:
             try:
-                self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-                sweep_temp_dirs(self.checkpoints_dir)
-                self.path.mkdir()
-            except OSError as exc:
-                raise self._fail(exc, "start") from exc
-        self._barrier()
+                with self._space_guard("start"):
+                    self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
+                    sweep_temp_dirs(self.checkpoints_dir)
+                    self.path.mkdir()
+            except Exception as exc:  # re-raised after the others know
+                error = self._fail(exc, "start") if isinstance(exc, OSError) else exc
+        if self._any_failed(error is not None):
+            if error is not None:
+                raise error
+            raise self._other_rank_failed("starting")
         if not self.path.is_dir():
             raise CheckpointError(
                 f"{self.path}: not visible on rank {self.rank}; the checkpoints directory must be "
@@ -144,44 +189,62 @@ class CheckpointWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
-        if exc is not None:
+        if exc is not None and not isinstance(exc, Exception):
+            self._abort()  # KeyboardInterrupt, SystemExit: no meeting, the job is ending
+            return False
+        # every rank has written its files, or says it failed
+        if self._any_failed(exc is not None):
             self._abort()
             if isinstance(exc, OSError):
                 raise self._fail(exc, "write") from exc
-            return False
-        self._barrier()  # every rank has written its files
+            if exc is not None:
+                return False
+            raise self._other_rank_failed("writing")
         error: Exception | None = None
         if self.is_main:
             try:
-                self._commit()
-            except Exception as failure:  # re-raised after the barrier
+                with self._space_guard("commit"):
+                    self._commit()
+            except Exception as failure:  # re-raised after the others know
                 error = failure
                 self._abort()
-        self._barrier()  # the checkpoint is in place (or rank 0 is about to raise)
-        if isinstance(error, OSError):
-            raise self._fail(error, "commit") from error
-        if error is not None:
-            raise error
+        if self._any_failed(error is not None):  # the checkpoint is in place, or not
+            if isinstance(error, OSError):
+                raise self._fail(error, "commit") from error
+            if error is not None:
+                raise error
+            raise self._other_rank_failed("committing")
         return False
 
     def _abort(self) -> None:
-        if self.is_main:
+        if self.is_main and self.path.exists():
             shutil.rmtree(self.path, ignore_errors=True)
             logger.warning("checkpoint %s was not saved", self.final_path.name)
 
     def _commit(self) -> None:
-        names = list_files(self.path)
-        stage_files = [n for n in names if _STAGE_FILE_RE.fullmatch(n)]
-        if stage_files and not {SAFE_WEIGHTS_NAME, SAFE_WEIGHTS_INDEX_NAME} & set(names):
-            write_weights_index(self.path, stage_files)
-            names = list_files(self.path)
-        names = [n for n in names if n != MANIFEST_NAME]
+        if self._weights_index:
+            missing = [n for n in self._weights_index if not (self.path / n).is_file()]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {self.final_path.name}: weight shards {missing} were not "
+                    "written; the checkpoint is not saved"
+                )
+            write_weights_index(self.path, self._weights_index)
+        names = [n for n in list_files(self.path) if n != MANIFEST_NAME]
+        for component, entry in self._components.items():
+            missing = [f for f in entry["files"] if f not in names]
+            if missing:
+                raise CheckpointError(
+                    f"checkpoint {self.final_path.name}: component '{component}' is missing "
+                    f"{missing} (a rank did not write its file); the checkpoint is not saved"
+                )
         records = map_files(sync_and_hash, [self.path / n for n in names])
         manifest = CheckpointManifest(
             step=self.step,
             epoch=self._epoch,
             trainer=self.trainer,
-            world={"world_size": self.world_size, **self._world},
+            topology=self._topology,
+            components=self._components,
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             metrics=self._metrics,
             files={
@@ -206,7 +269,12 @@ class CheckpointWriter:
         return target
 
     def save_model(
-        self, model: nn.Module, tokenizer: Any = None, *, max_shard_size: int | str = "2GB"
+        self,
+        model: nn.Module,
+        tokenizer: Any = None,
+        *,
+        state_dict: Mapping[str, torch.Tensor] | None = None,
+        max_shard_size: int | str = "2GB",
     ) -> None:
         """Write the model's weights (and config / tokenizer) on rank 0; other ranks return.
 
@@ -216,9 +284,12 @@ class CheckpointWriter:
         if not self.is_main:
             return
         try:
-            save_model_weights(model, self.path, max_shard_size=max_shard_size)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(self.path)
+            with self._space_guard("write the model of", model):
+                save_model_weights(
+                    model, self.path, state_dict=state_dict, max_shard_size=max_shard_size
+                )
+                if tokenizer is not None:
+                    tokenizer.save_pretrained(self.path)
         except OSError as exc:
             raise self._fail(exc, "write the model of") from exc
 
@@ -226,7 +297,7 @@ class CheckpointWriter:
         """``torch.save`` ``obj`` as ``name``, on the calling rank (rank 0 for shared state)."""
         target = self._target(name)
         try:
-            with open(target, "wb") as f:
+            with self._space_guard(f"write {name} of", obj), open(target, "wb") as f:
                 torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
@@ -237,7 +308,8 @@ class CheckpointWriter:
         """Write ``obj`` as JSON to ``name``, on the calling rank."""
         target = self._target(name)
         try:
-            write_file_durably(target, _dumps(obj))
+            with self._space_guard(f"write {name} of"):
+                write_file_durably(target, _dumps(obj))
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 
@@ -246,14 +318,25 @@ class CheckpointWriter:
     ) -> None:
         """Write tensors as one safetensors file, on the calling rank (pipeline stages).
 
-        Stage files named ``stage_weights_name(stage, n)`` get a weight index at commit, so
+        Files named in ``index_weights`` get a weight index at commit, so
         ``load_model_weights`` and ``from_pretrained`` read them as one model.
         """
         target = self._target(name)
         try:
-            save_tensors(target, tensors, metadata)
+            with self._space_guard(f"write {name} of", tensors):
+                save_tensors(target, tensors, metadata)
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
+
+    def index_weights(self, weight_files: list[str]) -> None:
+        """Rank 0: at commit, index these safetensors files (written by any rank) as one model
+        (``model.safetensors.index.json``); a missing one fails the save."""
+        self._weights_index = list(weight_files)
+
+    def set_components(self, *, topology: Mapping[str, Any], components: Mapping[str, Any]) -> None:
+        """Rank 0: the job's topology and the components (scope, files) for the manifest."""
+        self._topology = dict(topology)
+        self._components = {name: dict(entry) for name, entry in components.items()}
 
     def set_meta(
         self,
@@ -263,7 +346,9 @@ class CheckpointWriter:
         world: Mapping[str, Any] | None = None,
         **extra: Any,
     ) -> None:
-        """Record manifest fields (only rank 0's values are written); extra keys go top level."""
+        """Record manifest fields (only rank 0's values are written); extra keys go top level.
+
+        ``world`` adds to the recorded topology (e.g. the backend)."""
         clashes = set(extra) & set(CheckpointManifest(step=0).to_dict())
         if clashes:
             raise ValueError(f"set_meta: {sorted(clashes)} are manifest fields set by the writer")
@@ -272,5 +357,5 @@ class CheckpointWriter:
         if metrics is not None:
             self._metrics.update(metrics)
         if world is not None:
-            self._world.update(world)
+            self._topology.update(world)
         self._extra.update(extra)

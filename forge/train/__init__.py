@@ -1,34 +1,46 @@
-"""Trainers: the shared loop, the plain / DDP trainer, their arguments and callbacks."""
+"""Trainers: the shared loop, the plain / DDP and Accelerate trainers, their arguments and
+callbacks.
 
-from forge.train.args import TrainingArguments, TrainingArgumentsError
-from forge.train.base import BaseTrainer, StepResult, TrainOutput
-from forge.train.callbacks import (
-    EarlyStoppingCallback,
-    JsonlMetricsCallback,
-    ProgressCallback,
-    TensorBoardCallback,
-    TrainerCallback,
-    TrainerControl,
-    TrainerState,
-)
-from forge.train.optim import set_seed
-from forge.train.signals import TrainingInterrupted
-from forge.train.trainer import Trainer
+Names are imported lazily, so ``forge.train.topology`` (used by the CLI) loads without torch.
+"""
 
-__all__ = [
-    "BaseTrainer",
-    "EarlyStoppingCallback",
-    "JsonlMetricsCallback",
-    "ProgressCallback",
-    "StepResult",
-    "TensorBoardCallback",
-    "TrainOutput",
-    "Trainer",
-    "TrainerCallback",
-    "TrainerControl",
-    "TrainerState",
-    "TrainingArguments",
-    "TrainingArgumentsError",
-    "TrainingInterrupted",
-    "set_seed",
-]
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_EXPORTS = {
+    "AccelTrainer": "accel",
+    "AccelTrainingArguments": "accel",
+    "TrainingArguments": "args",
+    "TrainingArgumentsError": "args",
+    "BaseTrainer": "base",
+    "StepResult": "base",
+    "TrainOutput": "base",
+    "EarlyStoppingCallback": "callbacks",
+    "JsonlMetricsCallback": "callbacks",
+    "ProgressCallback": "callbacks",
+    "TensorBoardCallback": "callbacks",
+    "TrainerCallback": "callbacks",
+    "TrainerControl": "callbacks",
+    "TrainerState": "callbacks",
+    "set_seed": "optim",
+    "TrainingInterrupted": "signals",
+    "Topology": "topology",
+    "Trainer": "trainer",
+}
+
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'forge.train' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"forge.train.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,15 +1,16 @@
 """The training loop every forge trainer shares.
 
 ``BaseTrainer.train`` reads top to bottom: batch, forward, backward, clip, step, log,
-evaluate, save, stop. What differs between trainers (how the model is wrapped, how a
-micro-batch runs, how values are reduced, which rank writes which checkpoint file) lives in
-a few small methods that subclasses override: ``distributed``, ``wrap_model``, ``no_sync``,
-``compute_loss``, ``backward``, ``clip_gradients``, ``optimizer_step``, ``reduce_step``,
-``write_checkpoint``.
+evaluate, save, stop. A trainer differs in two public seams: ``setup_components()`` (build,
+wrap, prepare or split the model; build the optimizer and grad scaler) and
+``forward_backward(window)`` (the micro-batches of one optimizer step), plus the small step
+methods they use (``backward``, ``clip_gradients``, ``optimizer_step``, ``reduce_step``,
+``distributed``) and what it registers as checkpoint state (``checkpoint_components``).
 
 Resume is exact: every piece of state a step reads (weights, optimizer, scheduler, grad
-scaler, step counters, callback state, data position, random generators) is saved at a step
-boundary and restored before the first resumed step, random generators last.
+scaler, step counters, callback state, data position, random generators) is a checkpoint
+component (forge/checkpoint/registry.py), saved at a step boundary and restored before the
+first resumed step in registration order, random generators last.
 """
 
 from __future__ import annotations
@@ -31,7 +32,19 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
-from forge.checkpoint import load_model_weights
+from forge.checkpoint import (
+    CheckpointError,
+    CheckpointRegistry,
+    CheckpointWriter,
+    Component,
+    ModelWeights,
+    OptimizerState,
+    RngState,
+    Scope,
+    find_resume_checkpoint,
+    load_model_weights,
+    rotate_checkpoints,
+)
 from forge.data import build_dataloader
 from forge.train import dist
 from forge.train.args import TrainingArguments, TrainingArgumentsError
@@ -45,15 +58,16 @@ from forge.train.callbacks import (
     TrainerControl,
     TrainerState,
 )
-from forge.train.checkpointing import CheckpointingMixin
+from forge.train.components import DataPosition
 from forge.train.loop_state import Batch, Position, StepResult, Tally, TrainOutput, count_tokens
 from forge.train.optim import build_optimizer, build_scheduler, current_lr, set_seed
 from forge.train.signals import StopSignals, TrainingInterrupted
+from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
 
 
-class BaseTrainer(CheckpointingMixin):
+class BaseTrainer:
     """The shared loop; see the module docstring. Subclasses set ``trainer_kind``.
 
     ``model`` is an ``nn.Module`` or a zero-argument callable that builds one (as Hugging Face's
@@ -96,11 +110,11 @@ class BaseTrainer(CheckpointingMixin):
         self.tokenizer = tokenizer
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
-        self.env = dist.DistEnv.from_env()
-        self.device = dist.resolve_device(args.device, self.env.local_rank)
+        self.topology = self.make_topology()
+        self.device = dist.resolve_device(args.device, self.topology.local_rank)
         self._check_eval_dataset()
 
-        self.state = TrainerState(is_world_process_zero=self.env.is_main)
+        self.state = TrainerState(is_world_process_zero=self.topology.is_main)
         self.control = TrainerControl()
         user_callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]
         self.callback_handler = CallbackHandler(
@@ -122,11 +136,16 @@ class BaseTrainer(CheckpointingMixin):
         self._tally = Tally()
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})
         self._last_save_step: int | None = None
+        self._data_position: DataPosition | None = None
 
     # ------------------------------------------------------------------ properties
+    def make_topology(self) -> Topology:
+        """This process's place in the job, from the launcher's environment."""
+        return Topology.from_env()
+
     @property
     def is_main_process(self) -> bool:
-        return self.env.is_main
+        return self.topology.is_main
 
     @property
     def checkpoints_dir(self) -> Path:
@@ -299,20 +318,21 @@ class BaseTrainer(CheckpointingMixin):
         return TrainOutput(state.global_step, run_tally.mean_loss, metrics)
 
     # ------------------------------------------------------------------ one step (overridable)
-    def forward_backward(self, micro_batches: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Forward and backward over one accumulation window; (mean loss, tokens) on this rank.
+    def forward_backward(self, window: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Forward and backward over one optimizer step's micro-batches; (mean loss, tokens)
+        on this rank.
 
         Each micro-batch's loss is divided by the window's length, so a short last window
         averages over what it has.
         """
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.long, device=self.device)
-        for index, batch in enumerate(micro_batches):
+        for index, batch in enumerate(window):
             batch = self._to_device(batch)
             tokens += count_tokens(batch).to(self.device)
-            with self.no_sync(last=index == len(micro_batches) - 1):
+            with self.no_sync(last=index == len(window) - 1):
                 with self.autocast():
-                    loss = self.compute_loss(self.wrapped_model, batch) / len(micro_batches)
+                    loss = self.compute_loss(self.wrapped_model, batch) / len(window)
                 self.backward(loss)
             loss_sum += loss.detach().float()
         return loss_sum, tokens
@@ -352,11 +372,15 @@ class BaseTrainer(CheckpointingMixin):
         already synchronised, so every rank takes the same skip decision.
         """
         stats = torch.stack([loss.double(), tokens.double()])
-        loss_sum, total_tokens = dist.all_reduce(stats).tolist()
+        loss_sum, total_tokens = self.all_reduce_sum(stats).tolist()
         norm = float(grad_norm)
         # with a grad scaler, overflowing gradients are the scaler's to skip, not ours
         finite = math.isfinite(loss_sum) and (math.isfinite(norm) or self.scaler is not None)
-        return StepResult(loss_sum / self.env.world_size, int(total_tokens), norm, finite)
+        return StepResult(loss_sum / self.topology.dp_size, int(total_tokens), norm, finite)
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sum ``tensor`` over the ranks (every rank gets the result)."""
+        return dist.all_reduce(tensor)
 
     def optimizer_step(self) -> None:
         if self.scaler is not None:
@@ -399,15 +423,15 @@ class BaseTrainer(CheckpointingMixin):
         destructor can deadlock with its worker thread, so it goes while the group is alive.
         """
         self.wrapped_model = None
-        if self.env.world_size > 1:
+        if self.topology.distributed:
             gc.collect()  # wrappers sit in reference cycles (hooks)
 
     def distributed(self) -> AbstractContextManager:
         """The process group for a torchrun job (created here if needed, then destroyed)."""
-        return dist.process_group(self.env, self.device, self.args.ddp_backend)
+        return dist.process_group(self.topology, self.device, self.args.ddp_backend)
 
     def _agree_max(self, value: float) -> float:
-        if self.env.world_size == 1:
+        if not self.topology.distributed:
             return value
         return dist.all_reduce(torch.tensor([float(value)], device=self.device), "max").item()
 
@@ -417,10 +441,8 @@ class BaseTrainer(CheckpointingMixin):
         set_seed(args.seed)
         if self.model_init is not None:
             self.model = self._call_model_init()
-        if self.env.world_size > 1:
-            set_seed(args.seed + self.env.rank)  # same weights, but each rank its own dropout
-        self.model.to(self.device)
-        self.wrapped_model = self.wrap_model(self.model)
+        if self.topology.distributed:
+            set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
         self.train_loader = self.build_train_loader()
         steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
         if args.max_steps > 0:
@@ -429,11 +451,10 @@ class BaseTrainer(CheckpointingMixin):
         else:
             self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
             self.num_epochs = math.ceil(args.num_train_epochs)
-        self.optimizer = build_optimizer(self.optimizer_factory, self.model, args)
+        self.setup_components()
         self.lr_scheduler = build_scheduler(
             self.lr_scheduler_factory, self.optimizer, args, self.max_steps
         )
-        self.scaler = torch.amp.GradScaler(self.device.type) if args.fp16 else None
         self.state = TrainerState(
             max_steps=self.max_steps,
             num_train_epochs=self.num_epochs,
@@ -442,6 +463,17 @@ class BaseTrainer(CheckpointingMixin):
         self.control = TrainerControl()
         self._position, self._resumed_batches, self._tally = Position(), None, Tally()
         self._last_eval, self._last_save_step = (None, {}), None
+
+    def setup_components(self) -> None:
+        """Place and wrap the model, build the optimizer and the grad scaler.
+
+        Sets ``wrapped_model`` (what the step calls), ``optimizer`` and ``scaler``; the
+        learning-rate schedule is built by the loop afterwards, on ``optimizer``.
+        """
+        self.model.to(self.device)
+        self.wrapped_model = self.wrap_model(self.model)
+        self.optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
+        self.scaler = torch.amp.GradScaler(self.device.type) if self.args.fp16 else None
 
     def _call_model_init(self) -> nn.Module:
         model = self.model_init()
@@ -452,16 +484,20 @@ class BaseTrainer(CheckpointingMixin):
             )
         return model
 
+    def per_rank_batch_size(self, field: str) -> int:
+        """The batch one rank loads, from the ``args`` field that sets it."""
+        return getattr(self.args, field)
+
     def build_train_loader(self) -> Any:
         args = self.args
         return build_dataloader(
             self.train_dataset,
-            batch_size=args.per_device_train_batch_size,
+            batch_size=self.per_rank_batch_size("per_device_train_batch_size"),
             collate_fn=self.data_collator,
             shuffle=True,
             seed=args.seed if args.data_seed is None else args.data_seed,
-            rank=self.env.rank,
-            world_size=self.env.world_size,
+            rank=self.topology.dp_rank,
+            world_size=self.topology.dp_size,
             drop_last=args.dataloader_drop_last,
             num_workers=args.dataloader_num_workers,
         )
@@ -470,11 +506,11 @@ class BaseTrainer(CheckpointingMixin):
         args = self.args
         return build_dataloader(
             self.eval_dataset,
-            batch_size=args.per_device_eval_batch_size,
+            batch_size=self.per_rank_batch_size("per_device_eval_batch_size"),
             collate_fn=self.data_collator,
             shuffle=False,
-            rank=self.env.rank,
-            world_size=self.env.world_size,
+            rank=self.topology.dp_rank,
+            world_size=self.topology.dp_size,
             drop_last=False,
             num_workers=args.dataloader_num_workers,
         )
@@ -499,6 +535,154 @@ class BaseTrainer(CheckpointingMixin):
                     for name in needs
                 ]
             )
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_components(self) -> list[Component]:
+        """What a checkpoint of this trainer holds, in restore order (random generators last).
+
+        Override to change how a part is saved or to add one (call super() and extend).
+        """
+        args, key = self.args, self.args.config_key
+
+        def fresh(flag: str) -> str:
+            return f"set {key}.{flag}: false to start it fresh"
+
+        data = DataPosition(self)
+        self._data_position = data
+        components = [
+            Component("model", ModelWeights(self.model, self.tokenizer), Scope.STAGE, weights=True),
+            Component(
+                "optimizer",
+                OptimizerState(self.model, self.optimizer),
+                Scope.STAGE,
+                save=args.save_optimizer_state,
+                restore=args.restore_optimizer_state,
+                fix=fresh("restore_optimizer_state"),
+            ),
+            Component(
+                "lr_scheduler",
+                self.lr_scheduler,
+                save=args.save_scheduler_state,
+                restore=args.restore_scheduler_state,
+                fix=fresh("restore_scheduler_state"),
+            ),
+            Component("trainer", self),
+            Component("callbacks", self.callback_handler),
+            Component(
+                "data",
+                data,
+                Scope.RANK,
+                save=args.save_dataloader_state,
+                restore=args.restore_dataloader_state,
+                fix=f"set {key}.restore_dataloader_state: false to restart the epoch",
+                on_reshape=data.on_reshape,
+            ),
+            Component(
+                "rng",
+                RngState(self.device),
+                Scope.RANK,
+                save=args.save_rng_state,
+                restore=args.restore_rng_state,
+                restore_last=True,
+                fix=fresh("restore_rng_state"),
+                on_reshape=lambda _: None,  # data's warning says it
+            ),
+        ]
+        if self.scaler is not None:
+            components.insert(3, Component("scaler", self.scaler, required=False))
+        return components
+
+    def state_dict(self) -> dict[str, Any]:
+        """The loop's own counters: a checkpoint component like any other."""
+        return {
+            "global_step": self.state.global_step,
+            "epoch": self.state.epoch,
+            "position": {"epoch": self._position.epoch, "batch": self._position.batch},
+            "trainer_state": self.state.state_dict(),
+            "log_tally": self._tally.state_dict(),
+        }
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        state = self.state
+        state.global_step = int(saved["global_step"])
+        state.epoch = float(saved["epoch"])
+        state.load_state_dict(saved.get("trainer_state", {}))
+        self._tally.load_state_dict(saved.get("log_tally", {}))
+        position = saved["position"]
+        self._position = Position(int(position["epoch"]), int(position["batch"]))
+
+    def _registry(self) -> CheckpointRegistry:
+        registry = CheckpointRegistry(self.topology)
+        registry.extend(self.checkpoint_components())
+        return registry
+
+    def save_checkpoint(self) -> Path:
+        """Write a checkpoint of the current step (every rank calls this); rotate old ones."""
+        args, state = self.args, self.state
+        step = state.global_step
+        if self._last_save_step == step and state.last_checkpoint:
+            return Path(state.last_checkpoint)  # already saved at this step
+        metrics = self._last_eval[1] if self._last_eval[0] == step else {}
+        any_failed = self._any_rank_failed if self.topology.distributed else None
+        with CheckpointWriter(
+            self.checkpoints_dir,
+            step,
+            rank=self.topology.rank,
+            world_size=self.topology.world_size,
+            any_failed=any_failed,
+            trainer=self.trainer_kind,
+        ) as ckpt:
+            final = ckpt.final_path
+            self._track_best(final, metrics)
+            state.last_checkpoint = str(final)
+            self._registry().save(ckpt)
+            ckpt.set_meta(epoch=state.epoch, metrics=metrics)
+        self._last_save_step = step
+        if self.is_main_process and args.save_total_limit:
+            protect = [state.best_checkpoint] if state.best_checkpoint else []
+            rotate_checkpoints(self.checkpoints_dir, args.save_total_limit, protect=protect)
+        self._call("on_save", checkpoint_path=final, metrics=metrics)
+        return final
+
+    def _any_rank_failed(self, failed: bool) -> bool:
+        return bool(self._agree_max(1.0 if failed else 0.0))
+
+    def _track_best(self, checkpoint: Path, metrics: dict[str, float]) -> None:
+        args, state = self.args, self.state
+        value = metrics.get(args.metric_for_best_model or "")
+        if value is None or not math.isfinite(value):
+            return
+        best = state.best_metric
+        better = best is None or (value > best if args.greater_is_better else value < best)
+        if better:
+            state.best_metric, state.best_checkpoint = float(value), str(checkpoint)
+
+    def _resolve_checkpoint(self, resume: bool | str | os.PathLike) -> Path | None:
+        """The checkpoint to resume from, found on rank 0 and shared with every rank."""
+        if resume is False or resume is None:
+            return None
+        found, error = None, None
+        if self.is_main_process:
+            try:
+                found = find_resume_checkpoint(resume, self.args.output_dir)
+            except CheckpointError as exc:
+                error = str(exc)
+        found, error = dist.broadcast_object((found, error))
+        if error is not None:
+            raise CheckpointError(error)
+        return found
+
+    def _load_checkpoint(self, path: Path) -> None:
+        """Restore every component; the random generators go last, so nothing draws from
+        them between the restore and the first resumed step."""
+        manifest = self._registry().load(path)
+        state = self.state
+        state.resumed_from = str(path)
+        if manifest.metrics:
+            self._last_eval = (state.global_step, dict(manifest.metrics))
+        self._last_save_step = state.global_step
+        if not self._data_position.restored and self._position.batch < len(self.train_loader):
+            self._position.batch = 0  # no data position restored: the epoch restarts
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict[str, float]:
@@ -532,7 +716,7 @@ class BaseTrainer(CheckpointingMixin):
                     loss = self.compute_loss(model, self._to_device(batch))
                 totals += torch.stack([loss.detach().double(), totals.new_ones(())])
         model.train(was_training)
-        loss_sum, batches = dist.all_reduce(totals).tolist()
+        loss_sum, batches = self.all_reduce_sum(totals).tolist()
         loss = loss_sum / batches if batches else float("nan")
         return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
 
@@ -563,17 +747,17 @@ class BaseTrainer(CheckpointingMixin):
 
     def _log_start(self) -> None:
         args, state = self.args, self.state
-        batch = args.per_device_train_batch_size
+        batch = self.per_rank_batch_size("per_device_train_batch_size")
         self._info(
             "training for %d steps (%d epochs of %d batches per rank); batch %d x accumulation "
-            "%d x world %d = %d sequences per step",
+            "%d x data-parallel %d = %d sequences per step",
             self.max_steps,
             self.num_epochs,
             len(self.train_loader),
             batch,
             args.gradient_accumulation_steps,
-            self.env.world_size,
-            batch * args.gradient_accumulation_steps * self.env.world_size,
+            self.topology.dp_size,
+            batch * args.gradient_accumulation_steps * self.topology.dp_size,
         )
         if state.resumed_from:
             self._info("resumed from %s at step %d", state.resumed_from, state.global_step)

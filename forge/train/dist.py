@@ -3,37 +3,16 @@
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from forge.train.topology import Topology
+
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class DistEnv:
-    """This process's place in the job, as torchrun describes it in the environment."""
-
-    rank: int = 0
-    world_size: int = 1
-    local_rank: int = 0
-
-    @classmethod
-    def from_env(cls) -> DistEnv:
-        return cls(
-            rank=int(os.environ.get("RANK", "0")),
-            world_size=int(os.environ.get("WORLD_SIZE", "1")),
-            local_rank=int(os.environ.get("LOCAL_RANK", "0")),
-        )
-
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
 
 
 def resolve_device(spec: str, local_rank: int = 0) -> torch.device:
@@ -52,19 +31,19 @@ def is_distributed() -> bool:
 
 
 @contextmanager
-def process_group(env: DistEnv, device: torch.device, backend: str | None) -> Iterator[bool]:
+def process_group(topology: Topology, device: torch.device, backend: str | None) -> Iterator[bool]:
     """Initialise the default process group for a multi-rank job unless one exists.
 
     Yields whether this call created it; a group it created is destroyed on exit.
     ``backend`` None means nccl on CUDA, gloo otherwise.
     """
-    if env.world_size <= 1 or dist.is_initialized():
+    if not topology.distributed or dist.is_initialized():
         yield False
         return
     if device.type == "cuda":
         torch.cuda.set_device(device)
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend=backend, rank=env.rank, world_size=env.world_size)
+    dist.init_process_group(backend=backend, rank=topology.rank, world_size=topology.world_size)
     try:
         yield True
         dist.barrier()  # no collective is still in flight when the group goes

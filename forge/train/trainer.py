@@ -27,7 +27,7 @@ class Trainer(BaseTrainer):
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """DDP when there are several ranks, then ``torch.compile`` when requested."""
         self._ddp = None
-        if self.env.world_size > 1:
+        if self.topology.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(model, device_ids=device_ids)
             model = self._ddp

@@ -45,8 +45,8 @@ def main() -> None:
                 p.normal_()
         with CheckpointWriter(checkpoints_dir, step) as writer:
             writer.save_model(model)
-            writer.save_torch("training_state.pt", {"step": step, "noise": torch.randn(250_000)})
-            writer.save_torch("rank_state_00000.pt", {"step": step})
+            writer.save_torch("training.pt", {"step": step, "noise": torch.randn(250_000)})
+            writer.save_torch("data-rank-00000.pt", {"step": step})
             writer.set_meta(epoch=0, metrics={"loss": 1.0 / (step + 1)})
         rotate_checkpoints(checkpoints_dir, 3)
         print(step, flush=True)

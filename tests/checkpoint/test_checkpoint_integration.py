@@ -79,8 +79,8 @@ def _assert_loadable(path: Path) -> None:
         for p in expected.parameters():
             p.normal_()
     assert torch.equal(model.weight, expected.weight) and torch.equal(model.bias, expected.bias)
-    assert load_torch_state(path / "training_state.pt")["step"] == step
-    assert load_torch_state(path / "rank_state_00000.pt")["step"] == step
+    assert load_torch_state(path / "training.pt")["step"] == step
+    assert load_torch_state(path / "data-rank-00000.pt")["step"] == step
 
 
 def test_sigkill_mid_save_leaves_only_valid_checkpoints(tmp_path: Path) -> None:
@@ -133,19 +133,25 @@ def test_two_ranks_write_one_checkpoint_with_torchrun(tmp_path: Path) -> None:
     assert info.valid, info.problems
     assert info.path.name == "checkpoint-000012"
     manifest = info.manifest
-    assert manifest.world == {"world_size": 2, "backend": "gloo"}
+    assert manifest.topology == {"world_size": 2, "num_stages": 2, "dp_size": 1, "backend": "gloo"}
     assert manifest.epoch == 1
     assert {
-        "rank_state_00000.pt",
-        "rank_state_00001.pt",
-        "training_state.pt",
+        "rng-rank-00000.pt",
+        "rng-rank-00001.pt",
+        "progress.pt",
         "model-stage-00000-of-00002.safetensors",
         "model-stage-00001-of-00002.safetensors",
         "model.safetensors.index.json",
     } == set(manifest.files)
+    assert {name: e["scope"] for name, e in manifest.components.items()} == {
+        "model": "stage",
+        "progress": "shared",
+        "rng": "rank",
+    }
     assert [p.name for p in checkpoints_dir.iterdir()] == ["checkpoint-000012"]
     for rank in (0, 1):
-        assert load_torch_state(info.path / f"rank_state_{rank:05d}.pt")["rank"] == rank
+        header = load_torch_state(info.path / f"rng-rank-{rank:05d}.pt")["forge_component"]
+        assert (header["rank"], header["name"], header["step"]) == (rank, "rng", 12)
 
     torch.manual_seed(0)
     expected = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))

@@ -40,13 +40,18 @@ def test_manifest_lists_every_file_with_size_and_hash(write_checkpoint) -> None:
     manifest = read_manifest(path)
     on_disk = sorted(p.name for p in path.iterdir() if p.name != "manifest.json")
     assert sorted(manifest.files) == on_disk
-    assert {"model.safetensors", "training_state.pt", "rank_state_00000.pt"} <= set(on_disk)
+    assert {"model.safetensors", "training.pt", "data-rank-00000.pt"} <= set(on_disk)
     for name, entry in manifest.files.items():
         assert (entry["size"], entry["sha256"]) == sync_and_hash(path / name)
     assert manifest.step == 400
-    assert manifest.format_version == 1
+    assert manifest.format_version == 2  # components and topology (forge/checkpoint/registry.py)
     assert manifest.trainer == "plain"
-    assert manifest.world == {"world_size": 1}
+    assert manifest.topology == {"world_size": 1, "num_stages": 1, "dp_size": 1}
+    assert manifest.components["data"] == {
+        "scope": "rank",
+        "weights": False,
+        "files": ["data-rank-00000.pt"],
+    }
     assert manifest.metrics == {"loss": 0.5}
     raw = json.loads((path / "manifest.json").read_text())
     assert CheckpointManifest.from_dict(raw) == manifest
@@ -67,18 +72,18 @@ def test_truncated_file_is_reported_by_name(write_checkpoint) -> None:
 
 def test_altered_byte_is_a_hash_mismatch(write_checkpoint) -> None:
     path = write_checkpoint(100)
-    state = path / "training_state.pt"
+    state = path / "training.pt"
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0xFF
     state.write_bytes(bytes(data))
-    assert validate_checkpoint(path) == ["training_state.pt: sha256 mismatch"]
+    assert validate_checkpoint(path) == ["training.pt: sha256 mismatch"]
     assert validate_checkpoint(path, verify_hashes=False) == []
 
 
 def test_missing_manifest_and_missing_listed_file(write_checkpoint) -> None:
     first = write_checkpoint(100)
-    (first / "rank_state_00000.pt").unlink()
-    assert validate_checkpoint(first) == ["rank_state_00000.pt: listed in manifest but missing"]
+    (first / "data-rank-00000.pt").unlink()
+    assert validate_checkpoint(first) == ["data-rank-00000.pt: listed in manifest but missing"]
 
     second = write_checkpoint(200)
     (second / "manifest.json").unlink()
@@ -110,11 +115,12 @@ def test_step_must_match_directory_and_ranks_must_be_complete(write_checkpoint) 
     path = write_checkpoint(100)
     raw = json.loads((path / "manifest.json").read_text())
     raw["step"] = 99
-    raw["world"]["world_size"] = 2
+    raw["topology"]["world_size"] = 2
     (path / "manifest.json").write_text(json.dumps(raw))
     assert validate_checkpoint(path) == [
         "manifest.json: step 99 does not match checkpoint-000100",
-        "rank_state_00001.pt: not in manifest (world_size 2)",
+        "component 'data' (rank): files ['data-rank-00000.pt'] do not match its topology "
+        "(world_size 2, num_stages 1), which needs ['data-rank-00000.pt', 'data-rank-00001.pt']",
     ]
 
 

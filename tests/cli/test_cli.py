@@ -21,7 +21,19 @@ def _untagged(loader, _suffix, node):
 
 TagIgnoringLoader.add_multi_constructor("!", _untagged)
 
-COMMANDS = ("ls", "render", "build", "train", "resume", "runs", "checkpoints", "generate", "env")
+COMMANDS = (
+    "ls",
+    "render",
+    "build",
+    "train",
+    "resume",
+    "runs",
+    "checkpoints",
+    "generate",
+    "new",
+    "new-config",
+    "env",
+)
 
 
 def test_help_lists_every_command_with_examples():
@@ -119,11 +131,31 @@ def test_verbose_shows_the_traceback():
     assert "Traceback" in result.stderr
 
 
-def test_ls_checks_every_config():
+def test_ls_checks_every_config_and_renders_only_with_no_check():
+    result = run_forge("ls", "-p", str(TINY_LM), "--no-check")
+    assert result.returncode == 0, result.stderr
+    assert "train.yaml*" in result.stdout and "renders" in result.stdout
+    assert "--no-check" in result.stderr
     result = run_forge("ls", "-p", str(TINY_LM))
     assert result.returncode == 0, result.stderr
-    assert "train.yaml" in result.stdout
-    assert "ok" in result.stdout
+    assert "train.yaml*" in result.stdout
+    assert "ok" in result.stdout.split("train.yaml*")[1]
+
+
+def test_ls_reports_a_bad_callable_that_ls_no_check_cannot_see(tmp_path):
+    (tmp_path / "templates" / "configs").mkdir(parents=True)
+    (tmp_path / "meta.yaml").write_text("name: p\n")
+    bad = "optimizer: !partial:torch.optim:AdamWW {lr: 0.1}\n"
+    (tmp_path / "templates" / "configs" / "bad.yaml").write_text(bad)
+    (tmp_path / "templates" / "configs" / "tag.yaml").write_text("x: !nosuchtag 1\n")
+    plain = run_forge("ls", "-p", str(tmp_path), "--no-check")
+    assert plain.returncode == 2
+    assert "bad.yaml" in plain.stdout and "tag.yaml" in plain.stderr
+    assert "AdamWW" not in plain.stderr
+    checked = run_forge("ls", "-p", str(tmp_path), "--check")
+    assert checked.returncode == 2
+    assert "AdamW" in checked.stderr and "bad.yaml" in checked.stderr
+    assert "Traceback" not in checked.stderr
 
 
 def test_project_found_from_nested_cwd():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import re
+import shlex
 
 from tests.helpers import REPO, run_forge
 
@@ -33,3 +34,20 @@ def test_readme_broken_config_reports_its_three_problems(tmp_path):
 def test_readme_tiny_lm_config_is_the_shipped_one():
     shipped = (REPO / "projects/tiny_lm/templates/configs/train.yaml").read_text().rstrip()
     assert shipped in README
+
+
+def readme_commands(first: str) -> list[list[str]]:
+    """The `forge ...` lines of the README's bash block whose first line starts with ``first``."""
+    match = re.search(r"```bash\n(" + re.escape(first) + r".*?)```", README, re.S)
+    assert match, f"README has no bash block starting with {first!r}"
+    lines = [line.split("  #")[0].strip() for line in match.group(1).splitlines()]
+    return [shlex.split(line)[1:] for line in lines if line.startswith("forge ")]
+
+
+def test_readme_new_project_example_runs(tmp_path):
+    commands = readme_commands("forge new demo_cls")
+    assert len(commands) == 4
+    for command in commands:
+        result = run_forge(*command, cwd=tmp_path)
+        assert result.returncode == 0, (command, result.stderr)
+    assert (tmp_path / "demo_cls" / "output" / "wide" / "run_001" / "checkpoints").is_dir()

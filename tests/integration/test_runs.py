@@ -85,7 +85,7 @@ def test_resume_without_checkpoint_exits_1_and_changes_nothing(project):
 
 def test_training_state_with_pickled_code_is_refused(trained):
     project, run_dir, _ = trained
-    path = run_dir / "checkpoints" / "checkpoint-000040" / "training_state.pt"
+    path = run_dir / "checkpoints" / "checkpoint-000040" / "trainer.pt"
     torch.save({"hook": print}, path)  # weights_only refuses callables
     from forge.checkpoint import CheckpointError, load_torch_state
 

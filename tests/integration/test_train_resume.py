@@ -16,12 +16,11 @@ import time
 from pathlib import Path
 
 import pytest
-import torch
 from safetensors.torch import load_file
 
 from tests.helpers import REPO, run_forge
 from tests.integration.conftest import SMALL
-from tests.train.common import assert_same_tensors
+from tests.train.common import assert_same_tensors, component_state
 
 pytestmark = pytest.mark.integration
 
@@ -53,8 +52,7 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
 def final_state(run_dir: Path, step: int = 40) -> tuple[dict, dict]:
     ckpt = run_dir / "checkpoints" / f"checkpoint-{step:06d}"
     weights = load_file(ckpt / "model.safetensors")
-    state = torch.load(ckpt / "training_state.pt", weights_only=True)
-    return weights, state["optimizer"]
+    return weights, component_state(ckpt, "optimizer")
 
 
 def train_straight(project: Path, *extra: str) -> Path:
@@ -102,4 +100,4 @@ def test_stop_and_resume_is_bit_identical_with_two_processes(project):
     weights_b, optim_b = final_state(resumed)
     assert_same_tensors(weights_a, weights_b, "weights")
     assert_same_tensors(optim_a, optim_b, "optimizer")
-    assert (resumed / "checkpoints" / "checkpoint-000040" / "rank_state_00001.pt").exists()
+    assert (resumed / "checkpoints" / "checkpoint-000040" / "rng-rank-00001.pt").exists()

@@ -124,6 +124,17 @@ class StopAfterSave(TrainerCallback):
             control.should_training_stop = True
 
 
+def component_state(checkpoint: Path, name: str, rank: int | None = None) -> Any:
+    """The saved state of one checkpoint component (its file found through the manifest)."""
+    from forge.checkpoint import read_manifest
+
+    files = read_manifest(checkpoint).components[name]["files"]
+    if rank is not None:
+        files = [f for f in files if f.endswith(f"-rank-{rank:05d}.pt")]
+    (file,) = files
+    return torch.load(checkpoint / file, weights_only=True)["state"]
+
+
 def checkpoint_dir(output_dir: Path, step: int) -> Path:
     return Path(output_dir) / "checkpoints" / f"checkpoint-{step:06d}"
 

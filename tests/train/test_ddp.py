@@ -13,7 +13,13 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.train.common import assert_same_tensors, checkpoint_dir, make_args, make_trainer
+from tests.train.common import (
+    assert_same_tensors,
+    checkpoint_dir,
+    component_state,
+    make_args,
+    make_trainer,
+)
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
 
@@ -47,9 +53,9 @@ def final_state(output_dir: Path) -> dict:
     ckpt = checkpoint_dir(output_dir, 40)
     return {
         "weights": load_file(ckpt / "model.safetensors"),
-        "optimizer": torch.load(ckpt / "training_state.pt", weights_only=True)["optimizer"],
-        "rank0": torch.load(ckpt / "rank_state_00000.pt", weights_only=True),
-        "rank1": torch.load(ckpt / "rank_state_00001.pt", weights_only=True),
+        "optimizer": component_state(ckpt, "optimizer"),
+        "rank0": {n: component_state(ckpt, n, rank=0) for n in ("data", "rng")},
+        "rank1": {n: component_state(ckpt, n, rank=1) for n in ("data", "rng")},
     }
 
 

@@ -15,6 +15,7 @@ from tests.train.common import (
     StopAtStep,
     TokenDataset,
     checkpoint_dir,
+    component_state,
     make_args,
     make_trainer,
     tiny_llama_init,
@@ -265,8 +266,8 @@ def test_early_stopping_state_survives_resume(tmp_path):
     )
     first.train()
     assert first.state.global_step == 15
-    saved = torch.load(checkpoint_dir(tmp_path, 15) / "training_state.pt", weights_only=True)
-    assert saved["callbacks"]["EarlyStoppingCallback"] == {
+    saved = component_state(checkpoint_dir(tmp_path, 15), "callbacks")
+    assert saved["EarlyStoppingCallback"] == {
         "best": 2.0,
         "evals_without_improvement": 1,
     }
@@ -308,8 +309,8 @@ def test_fp16_grad_scaler_state_is_checkpointed(tmp_path):
     trainer = make_trainer(args)
     trainer.train()
     assert trainer.scaler is not None
-    saved = torch.load(checkpoint_dir(tmp_path, 2) / "training_state.pt", weights_only=True)
-    assert saved["scaler"]["scale"] == trainer.scaler.get_scale()
+    saved = component_state(checkpoint_dir(tmp_path, 2), "scaler")
+    assert saved["scale"] == trainer.scaler.get_scale()
 
 
 @pytest.mark.slow

@@ -130,15 +130,24 @@ def test_resume_true_finds_a_sibling_runs_checkpoint(straight, tmp_path):
 
 def test_checkpoint_files_load_with_weights_only(straight):
     ckpt = checkpoint_dir(straight.args.output_dir, 20)
-    state = torch.load(ckpt / "training_state.pt", weights_only=True)
-    assert state["global_step"] == 20
-    assert state["trainer"] == "plain"
-    assert {"optimizer", "lr_scheduler", "trainer_state", "callbacks", "position"} <= set(state)
-    rank_state = torch.load(ckpt / "rank_state_00000.pt", weights_only=True)
-    assert {"rng", "dataloader", "epoch"} <= set(rank_state)
-    assert rank_state["epoch"] == 1
     manifest = read_manifest(ckpt)
-    assert manifest.world["world_size"] == 1
+    assert manifest.trainer == "plain"
+    assert {"model", "optimizer", "lr_scheduler", "trainer", "callbacks", "data", "rng"} <= set(
+        manifest.components
+    )
+    for name, entry in manifest.components.items():
+        for file in entry["files"]:
+            if file.endswith(".pt"):
+                payload = torch.load(ckpt / file, weights_only=True)
+                assert payload["forge_component"]["name"] == name
+                assert payload["forge_component"]["step"] == 20
+    state = torch.load(ckpt / "trainer.pt", weights_only=True)["state"]
+    assert state["global_step"] == 20
+    assert state["position"]["epoch"] == 1
+    optimizer = torch.load(ckpt / "optimizer.pt", weights_only=True)["state"]
+    assert any(key.startswith("state.") and key.endswith(".exp_avg") for key in optimizer)
+    assert {"rng", "data"} == {n for n, e in manifest.components.items() if e["scope"] == "rank"}
+    assert manifest.topology["world_size"] == 1
     assert "eval_loss" in manifest.metrics
 
 

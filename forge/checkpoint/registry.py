@@ -1,0 +1,339 @@
+"""Named checkpoint components with scopes: what a checkpoint holds and who writes it.
+
+A trainer registers components (objects with ``state_dict()`` / ``load_state_dict()``), each
+with a scope (DESIGN.md, "Checkpoint state"):
+
+====== ======================================= =================================
+scope  written by                              file
+====== ======================================= =================================
+shared rank 0                                  ``NAME.pt``
+stage  data-parallel rank 0 of each stage      ``NAME.pt`` (one stage) or ``NAME-stage-K-of-N.pt``
+rank   every rank                              ``NAME-rank-RRRRR.pt``
+====== ======================================= =================================
+
+Model weights are the one component written as Hugging Face safetensors
+(``model.safetensors``, or ``model-stage-K-of-N.safetensors`` with an index).
+
+Saving: every rank calls every component's ``state_dict()`` in registration order (so
+collective state-dict calls under FSDP / DeepSpeed / Accelerate line up across ranks); only
+the owner writes. Each torch file carries a header naming the component, scope, step, rank and
+stage that wrote it, checked on load, so a file from another rank, stage or step is reported by
+name instead of being restored silently. The manifest records the job's topology and every
+component with its scope and files.
+
+Loading runs in registration order, components marked ``restore_last`` (random generators) at
+the end. A stage-scoped component saved with another number of stages is resharded (its shards
+are keyed by parameter name and merged); a rank-scoped one saved by another number of ranks goes
+to the component's ``on_reshape`` handler, or fails naming the component and what to do.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from enum import Enum
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
+
+from forge.checkpoint.io import CheckpointError, list_files
+from forge.checkpoint.layout import (
+    FORMAT_VERSION,
+    CheckpointManifest,
+    component_file_names,
+    read_manifest,
+    stage_weights_name,
+)
+from forge.checkpoint.state import load_torch_state
+
+logger = logging.getLogger(__name__)
+
+HEADER_KEY = "forge_component"
+
+
+class Scope(str, Enum):
+    SHARED = "shared"
+    STAGE = "stage"
+    RANK = "rank"
+
+
+@runtime_checkable
+class Stateful(Protocol):
+    def state_dict(self) -> Any: ...
+
+    def load_state_dict(self, state: Any) -> None: ...
+
+
+class WeightsStateful(Stateful, Protocol):
+    """A model-weights component: written as safetensors, loaded from a checkpoint directory."""
+
+    def write(self, writer: Any, state: Any, stage_file: str | None) -> None: ...
+
+    def load_checkpoint(self, checkpoint: Path, manifest: CheckpointManifest) -> None: ...
+
+
+class TopologyView(Protocol):
+    """What the registry reads of ``forge.train.topology.Topology``."""
+
+    rank: int
+    world_size: int
+    num_stages: int
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def dp_rank(self) -> int: ...
+
+    @property
+    def dp_size(self) -> int: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def merge_shards(shards: list[Any]) -> Any:
+    """Default resharding of a stage-scoped dict keyed by parameter name: the union."""
+    merged: dict[str, Any] = {}
+    for shard in shards:
+        merged.update(shard)
+    return merged
+
+
+@dataclass
+class Component:
+    """One named part of a checkpoint.
+
+    ``required``: a checkpoint without it cannot resume this job (else a warning, and the
+    component starts fresh). ``fix`` completes the error message when it cannot be restored
+    (e.g. "set trainer.args.restore_optimizer_state: false to start it fresh").
+    ``on_reshape`` (rank scope): called with a description instead of loading when the
+    checkpoint was written by another number of ranks; without it that is an error.
+    ``reshard`` (stage scope): merges the shards of another split (default: dict union).
+    ``save`` / ``restore`` False leave the component out of checkpoints / out of a resume.
+    """
+
+    name: str
+    obj: Stateful
+    scope: Scope = Scope.SHARED
+    weights: bool = False
+    save: bool = True
+    restore: bool = True
+    required: bool = True
+    restore_last: bool = False
+    fix: str = ""
+    on_reshape: Callable[[str], None] | None = None
+    reshard: Callable[[list[Any]], Any] | None = merge_shards
+
+    def __post_init__(self) -> None:
+        self.scope = Scope(self.scope)
+        if not self.name.replace("_", "").isalnum():
+            raise ValueError(f"component name {self.name!r} must be letters, digits and _")
+        if self.weights and self.scope is Scope.RANK:
+            raise ValueError(f"component {self.name!r}: weights are shared or stage-scoped")
+
+
+def owns(component: Component, topology: TopologyView) -> bool:
+    """Whether this rank writes the component's file."""
+    if component.scope is Scope.SHARED:
+        return topology.rank == 0
+    if component.scope is Scope.STAGE:
+        return topology.dp_rank == 0
+    return True
+
+
+def own_file(component: Component, topology: TopologyView) -> str:
+    """The torch file this rank writes / reads for a component."""
+    if component.scope is Scope.SHARED:
+        return f"{component.name}.pt"
+    if component.scope is Scope.STAGE:
+        if topology.num_stages == 1:
+            return f"{component.name}.pt"
+        return f"{component.name}-stage-{topology.stage:05d}-of-{topology.num_stages:05d}.pt"
+    return f"{component.name}-rank-{topology.rank:05d}.pt"
+
+
+class CheckpointRegistry:
+    """The components of one trainer's checkpoints; knows no trainer."""
+
+    def __init__(self, topology: TopologyView) -> None:
+        self.topology = topology
+        self.components: dict[str, Component] = {}
+
+    def register(self, component: Component) -> None:
+        if component.name in self.components:
+            raise ValueError(f"checkpoint component {component.name!r} is registered twice")
+        self.components[component.name] = component
+
+    def extend(self, components: Iterable[Component]) -> None:
+        for component in components:
+            self.register(component)
+
+    def load_order(self) -> list[Component]:
+        """Registration order, with ``restore_last`` components (random generators) at the end."""
+        restored = [c for c in self.components.values() if c.restore]
+        return [c for c in restored if not c.restore_last] + [c for c in restored if c.restore_last]
+
+    # ------------------------------------------------------------------ saving
+    def save(self, writer: Any) -> None:
+        """Every rank: take every component's state; owners write their files.
+
+        Rank 0 records the topology and the components (scope, files) in the manifest.
+        """
+        topo = self.topology
+        weights_files: dict[str, list[str]] = {}
+        saved = [c for c in self.components.values() if c.save]
+        for component in saved:
+            state = component.obj.state_dict()  # on every rank: collective-safe
+            if not owns(component, topo):
+                continue
+            if component.weights:
+                weights_files[component.name] = self._write_weights(writer, component, state)
+            else:
+                header = {
+                    "name": component.name,
+                    "scope": component.scope.value,
+                    "step": writer.step,
+                    "rank": topo.rank,
+                    "stage": topo.stage,
+                    "num_stages": topo.num_stages,
+                    "world_size": topo.world_size,
+                }
+                writer.save_torch(own_file(component, topo), {HEADER_KEY: header, "state": state})
+        if topo.rank == 0:
+            writer.set_components(
+                topology=topo.to_dict(),
+                components={
+                    c.name: {
+                        "scope": c.scope.value,
+                        "weights": c.weights,
+                        "files": weights_files.get(c.name)
+                        or component_file_names(c.name, c.scope.value, c.weights, topo.to_dict()),
+                    }
+                    for c in saved
+                },
+            )
+
+    def _write_weights(self, writer: Any, component: Component, state: Any) -> list[str]:
+        """Write a weights component; returns its files when rank 0 wrote all of them."""
+        topo = self.topology
+        if topo.num_stages == 1:
+            before = set(list_files(writer.path))
+            component.obj.write(writer, state, None)
+            return sorted(set(list_files(writer.path)) - before)
+        component.obj.write(writer, state, stage_weights_name(topo.stage, topo.num_stages))
+        if topo.rank == 0:
+            writer.index_weights(
+                [stage_weights_name(k, topo.num_stages) for k in range(topo.num_stages)]
+            )
+        return []
+
+    # ------------------------------------------------------------------ loading
+    def load(self, path: str | os.PathLike) -> CheckpointManifest:
+        """Restore every component from a validated checkpoint directory."""
+        path = Path(path)
+        manifest = read_manifest(path)
+        if manifest.format_version < FORMAT_VERSION or not manifest.components:
+            raise CheckpointError(
+                f"{path}: written by an older forge (checkpoint format "
+                f"{manifest.format_version}, this forge reads {FORMAT_VERSION}); its weights "
+                "still load (load_model_weights, from_pretrained), but its training state "
+                "cannot resume here: resume it with the forge that wrote it, or start a new run "
+                "from its weights"
+            )
+        for component in self.load_order():
+            entry = manifest.components.get(component.name)
+            if entry is None:
+                self._absent(path, component)
+                continue
+            if entry.get("scope") != component.scope.value:
+                raise CheckpointError(
+                    f"{path}: component '{component.name}' was saved with scope "
+                    f"{entry.get('scope')!r}, this trainer uses {component.scope.value!r}"
+                    + (f"; {component.fix}" if component.fix else "")
+                )
+            if component.weights:
+                component.obj.load_checkpoint(path, manifest)
+                continue
+            state = self._read_state(path, manifest, component)
+            if state is not _SKIPPED:
+                component.obj.load_state_dict(state)
+        return manifest
+
+    def _absent(self, path: Path, component: Component) -> None:
+        message = f"{path.name}: has no '{component.name}' component"
+        if component.required:
+            raise CheckpointError(
+                f"{path}: has no '{component.name}' component, which this job restores"
+                + (f"; {component.fix}" if component.fix else "")
+            )
+        logger.warning("%s; it starts fresh", message)
+
+    def _read_state(self, path: Path, manifest: CheckpointManifest, component: Component) -> Any:
+        topo, saved = self.topology, manifest.topology
+        saved_stages = int(saved.get("num_stages", 1))
+        saved_world = int(saved.get("world_size", 1))
+        if component.scope is Scope.SHARED:
+            return self._read_file(path / f"{component.name}.pt", manifest, component, {})
+        if component.scope is Scope.STAGE:
+            if saved_stages == topo.num_stages:
+                expect = {"stage": topo.stage, "num_stages": topo.num_stages}
+                return self._read_file(
+                    path / own_file(component, topo), manifest, component, expect
+                )
+            if component.reshard is None:
+                raise CheckpointError(
+                    f"{path}: component '{component.name}' was saved by {saved_stages} pipeline "
+                    f"stage(s) and cannot be resharded to {topo.num_stages}; resume with "
+                    f"{saved_stages} stage(s)" + (f", or {component.fix}" if component.fix else "")
+                )
+            shards = []
+            for name in component_file_names(component.name, "stage", False, saved):
+                shards.append(self._read_file(path / name, manifest, component, {}))
+            return component.reshard(shards)
+        # rank scope
+        if saved_world != topo.world_size:
+            description = (
+                f"{path.name} was written by {saved_world} rank(s), this job has {topo.world_size}"
+            )
+            if component.on_reshape is None:
+                raise CheckpointError(
+                    f"{path}: component '{component.name}' is per rank and {description}; "
+                    f"resume with {saved_world} process(es)"
+                    + (f", or {component.fix}" if component.fix else "")
+                )
+            component.on_reshape(description)
+            return _SKIPPED
+        expect = {"rank": topo.rank}
+        return self._read_file(path / own_file(component, topo), manifest, component, expect)
+
+    def _read_file(
+        self,
+        file: Path,
+        manifest: CheckpointManifest,
+        component: Component,
+        expect: dict[str, int],
+    ) -> Any:
+        if file.name not in manifest.files:
+            raise CheckpointError(
+                f"{file}: component '{component.name}' has no such file in the manifest "
+                "(missing shard)"
+            )
+        payload = load_torch_state(file)
+        header = payload.get(HEADER_KEY) if isinstance(payload, dict) else None
+        if not isinstance(header, dict) or "state" not in payload:
+            raise CheckpointError(f"{file}: not a forge component file (no {HEADER_KEY} header)")
+        wanted = {"name": component.name, "step": manifest.step, **expect}
+        wrong = {k: (header.get(k), v) for k, v in wanted.items() if header.get(k) != v}
+        if wrong:
+            detail = ", ".join(
+                f"{k} {got!r} (expected {want!r})" for k, (got, want) in wrong.items()
+            )
+            raise CheckpointError(
+                f"{file}: component '{component.name}' was written by another "
+                f"{'/'.join(wrong)}: {detail}; the checkpoint is inconsistent"
+            )
+        return payload["state"]
+
+
+_SKIPPED = object()

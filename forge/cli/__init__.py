@@ -1,0 +1,93 @@
+"""The ``forge`` command line: parse, dispatch, and turn every failure into an exit code.
+
+Stdout carries data (rendered YAML, tables, the run directory); stderr carries logs and
+progress. Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 128+N on signal N
+(130 Ctrl-C, 143 SIGTERM). The argument parser lives in :mod:`forge.cli.parser`, the thin
+command functions in :mod:`forge.cli.commands`; each command's work lives with the part it
+drives (forge.config, forge.runs, forge.launch, ...). Heavy modules (torch, transformers) are
+imported only by the commands that need them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from forge.cli.commands import COMMANDS
+from forge.cli.parser import build_parser, split_torchrun_args
+from forge.errors import EXIT_USAGE, exit_code_for, is_expected
+
+__all__ = ["main"]
+
+
+def setup_logging(verbose: bool) -> None:
+    """Log to stderr; rank 0 at INFO (DEBUG with -v), other ranks only warnings, prefixed."""
+    from forge.train.topology import Topology
+
+    topology = Topology.from_env()
+    rank = topology.rank
+    prefix = f"[rank {rank}] " if topology.distributed and rank else ""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_Formatter(prefix))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    level = logging.DEBUG if verbose else logging.INFO
+    root.setLevel(level if rank == 0 else logging.WARNING)
+    for noisy in ("urllib3", "filelock", "torch.distributed.elastic"):
+        logging.getLogger(noisy).setLevel(logging.WARNING)
+
+
+class _Formatter(logging.Formatter):
+    def __init__(self, prefix: str):
+        super().__init__()
+        self.prefix = prefix
+
+    def format(self, record: logging.LogRecord) -> str:
+        message = record.getMessage()
+        if record.exc_info and logging.getLogger().isEnabledFor(logging.DEBUG):
+            message += "\n" + self.formatException(record.exc_info)
+        if record.levelno >= logging.WARNING:
+            return f"{self.prefix}{record.levelname.lower()}: {message}"
+        return f"{self.prefix}{message}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, torchrun_args = split_torchrun_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not args.command:
+        parser.print_help(sys.stderr)
+        return EXIT_USAGE
+    if args.command in ("train", "resume"):
+        args.torchrun_args = torchrun_args
+    elif torchrun_args:
+        parser.error("arguments after -- are only for `forge train` and `forge resume`")
+    verbose = getattr(args, "verbose", False)
+    setup_logging(verbose)
+    return _run(COMMANDS[args.command], args, verbose)
+
+
+def _run(command, args: argparse.Namespace, verbose: bool) -> int:
+    try:
+        return command(args)
+    except KeyboardInterrupt:
+        if verbose:
+            raise
+        print("interrupted", file=sys.stderr)
+        return 130
+    except Exception as err:  # every failure becomes a message and an exit code
+        if verbose:
+            raise
+        from forge.train.topology import Topology
+
+        rank = Topology.from_env().rank
+        if is_expected(err):
+            if rank == 0:  # every rank sees the same config error; one message is enough
+                print(f"error: {err}", file=sys.stderr)
+        else:
+            prefix = f"[rank {rank}] " if rank else ""
+            print(f"{prefix}error: {type(err).__name__}: {err}", file=sys.stderr)
+            print("(run again with -v for the traceback)", file=sys.stderr)
+        return exit_code_for(err)

@@ -1,0 +1,278 @@
+"""The ``forge`` argument parser: every command, its options and its worked examples.
+
+Only argparse lives here; the parsed ``args.command`` names the function in
+:data:`forge.cli.commands.COMMANDS` that runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import textwrap
+
+from forge import __version__
+from forge.scaffold import SCAFFOLDS
+
+EXAMPLES = {
+    "ls": """
+        examples:
+          forge ls                          # the project that contains the working directory
+          forge ls -p projects/tiny_lm      # an explicit project
+          forge ls -p projects/tiny_lm --no-check   # render and parse only (no imports)
+    """,
+    "render": """
+        examples:
+          forge render -p projects/tiny_lm                    # the default config, as YAML
+          forge render train -p projects/tiny_lm -D max_steps=50
+          forge render train -p projects/tiny_lm --set trainer.args.save_steps=25
+          forge render train -p projects/tiny_lm --chain      # which templates, in order
+          forge render train -p projects/tiny_lm --graph      # nodes with callables resolved
+    """,
+    "build": """
+        examples:
+          forge build train -p projects/tiny_lm --target meta
+          forge build train -p projects/tiny_lm --target optimizer
+    """,
+    "train": """
+        examples:
+          forge train -p projects/tiny_lm                         # default config, 1 process
+          forge train train -p projects/tiny_lm -D max_steps=100 -D save_steps=25
+          forge train train -p projects/tiny_lm --set trainer.args.learning_rate=1e-3
+          forge train train -p projects/tiny_lm --nproc 2        # DDP under torchrun (gloo on CPU)
+          forge train train -p projects/tiny_lm --dry-run        # render and check only
+          forge train train --nproc 8 -- --nnodes 2 --rdzv-endpoint host:29400   # multi-node
+    """,
+    "resume": """
+        examples:
+          forge resume -p projects/tiny_lm                          # newest run, newest checkpoint
+          forge resume -p projects/tiny_lm --run 3
+          forge resume --run-dir projects/tiny_lm/output/train/run_003
+          forge resume -p projects/tiny_lm --set trainer.args.max_steps=800   # train longer
+          forge resume -p projects/tiny_lm --from path/to/checkpoint-000400
+    """,
+    "runs": """
+        examples:
+          forge runs -p projects/tiny_lm
+    """,
+    "checkpoints": """
+        examples:
+          forge checkpoints -p projects/tiny_lm             # sizes checked
+          forge checkpoints -p projects/tiny_lm --verify    # hashes too
+          forge checkpoints -p projects/tiny_lm --run 2
+    """,
+    "generate": """
+        examples:
+          forge generate projects/tiny_lm/output/train/run_001 --prompt "def "
+          forge generate path/to/checkpoint-000400 --prompt "import " --num 3
+    """,
+    "new": """
+        examples:
+          forge new my_lm                              # a tiny Llama LM project in ./my_lm
+          forge new demo_cls --from classifier         # MLP classifier, synthetic data
+          forge new scratch --from blank -p projects   # an empty config to fill, in projects/
+          forge train -p demo_cls -D max_steps=50
+    """,
+    "new-config": """
+        examples:
+          forge new-config long --extends train -p projects/tiny_lm
+          forge new-config lm --extends projects/causal_lm.yaml -p my_project
+    """,
+    "code": """
+        examples:
+          forge code train -p projects/tiny_lm > train.py     # the script, on stdout
+          forge code train -p projects/tiny_lm -D max_steps=50 -o train.py
+          python train.py --output-dir runs/a                 # trains as `forge train` would
+    """,
+    "env": """
+        examples:
+          forge env            # paste this into a bug report
+    """,
+}
+
+
+def _sub(subparsers, name: str, help_text: str) -> argparse.ArgumentParser:
+    parser = subparsers.add_parser(
+        name,
+        help=help_text,
+        description=help_text,
+        epilog=textwrap.dedent(EXAMPLES.get(name, "")),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "-v", "--verbose", action="store_true", help="show tracebacks and debug logs"
+    )
+    return parser
+
+
+def _add_project(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "-p",
+        "--project",
+        metavar="DIR",
+        help="project directory (default: nearest ancestor of the cwd with a meta.yaml)",
+    )
+
+
+def _add_config_inputs(parser: argparse.ArgumentParser, *, config: bool = True) -> None:
+    if config:
+        parser.add_argument(
+            "config",
+            nargs="?",
+            metavar="CONFIG",
+            help="config name (default: meta.yaml's default_config)",
+        )
+    _add_project(parser)
+    parser.add_argument(
+        "-D",
+        "--define",
+        action="append",
+        metavar="VAR=VALUE",
+        help="template variable (value parsed as YAML)",
+    )
+    parser.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY.PATH=VALUE",
+        help="override a key of the rendered YAML",
+    )
+    parser.add_argument(
+        "--allow", action="append", metavar="MODULE", help="allow callables from this module root"
+    )
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="forge",
+        description="Turn inheritable Jinja/YAML templates into resumable PyTorch training jobs.",
+        epilog=textwrap.dedent(
+            """
+            quick start:
+              forge ls -p projects/tiny_lm
+              forge render -p projects/tiny_lm
+              forge train -p projects/tiny_lm -D max_steps=100
+              forge resume -p projects/tiny_lm
+              forge generate projects/tiny_lm/output/train/run_001 --prompt "def "
+
+            `forge COMMAND --help` shows worked examples for each command.
+            Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 130 Ctrl-C, 143 SIGTERM.
+            """
+        ),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"forge {__version__}")
+    subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
+
+    p = _sub(subparsers, "ls", "list a project's configs, each rendered and checked")
+    _add_project(p)
+    p.add_argument(
+        "--check",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="import every callable and check its arguments (default; loads torch); "
+        "--no-check only renders and parses, which is faster",
+    )
+    p.add_argument("-D", "--define", action="append", metavar="VAR=VALUE", help="template variable")
+    p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
+
+    p = _sub(
+        subparsers, "render", "print a config's rendered YAML (or its graph or template chain)"
+    )
+    _add_config_inputs(p)
+    view = p.add_mutually_exclusive_group()
+    view.add_argument(
+        "--graph", action="store_true", help="show the node tree with callables resolved"
+    )
+    view.add_argument("--chain", action="store_true", help="show the template files used, in order")
+
+    p = _sub(subparsers, "build", "build one target of a config and print its repr")
+    _add_config_inputs(p)
+    p.add_argument("--target", required=True, metavar="NAME", help="top-level key to build")
+    p.add_argument("--run-dir", metavar="DIR", help="value of !var run_dir (default: output/build)")
+
+    p = _sub(subparsers, "train", "train a config in a new run directory")
+    _add_config_inputs(p)
+    p.add_argument("--nproc", metavar="N|auto", help="processes (>1 runs under torchrun)")
+    p.add_argument("--dry-run", action="store_true", help="render and check, do not train")
+
+    p = _sub(subparsers, "resume", "continue a run from its newest valid checkpoint")
+    _add_project(p)
+    which = p.add_mutually_exclusive_group()
+    which.add_argument("--run", type=int, metavar="N", help="run number (default: newest run)")
+    which.add_argument("--run-dir", metavar="DIR", help="run directory")
+    p.add_argument("--config", metavar="NAME", help="config whose runs --run numbers")
+    p.add_argument(
+        "--from", dest="from_checkpoint", metavar="CKPT", help="checkpoint to resume from"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        metavar="KEY.PATH=VALUE",
+        help="override a key of the run's config",
+    )
+    p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
+    p.add_argument("--nproc", metavar="N|auto", help="processes (default: as the run was started)")
+
+    p = _sub(subparsers, "runs", "table of a project's runs")
+    _add_project(p)
+
+    p = _sub(subparsers, "checkpoints", "table of checkpoints and whether each is valid")
+    _add_project(p)
+    p.add_argument("--run", type=int, metavar="N", help="only this run number")
+    p.add_argument("--run-dir", metavar="DIR", help="only this run directory")
+    p.add_argument(
+        "--verify", action="store_true", help="check every file's hash, not only its size"
+    )
+
+    p = _sub(subparsers, "generate", "sample text from a checkpoint (or a run's newest one)")
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or run directory")
+    p.add_argument("--prompt", default="", help="text to continue")
+    p.add_argument("--num", type=int, default=1, help="number of samples")
+    p.add_argument("--max-new-tokens", type=int, default=80)
+    p.add_argument("--temperature", type=float, default=0.8)
+    p.add_argument("--top-k", type=int, default=50)
+    p.add_argument("--seed", type=int, default=0)
+
+    p = _sub(subparsers, "new", "create a project that trains at once (from a scaffold)")
+    p.add_argument("name", metavar="NAME", help="project name; the directory PARENT/NAME")
+    p.add_argument(
+        "--from",
+        dest="template",
+        choices=list(SCAFFOLDS),
+        default="tiny_lm",
+        help="scaffold: tiny_lm (default), classifier or blank",
+    )
+    p.add_argument("-p", "--parent", metavar="PARENT", help="where to create it (default: .)")
+
+    p = _sub(subparsers, "new-config", "add a config to a project that extends another config")
+    p.add_argument("name", metavar="NAME", help="the new config (templates/configs/NAME.yaml)")
+    p.add_argument(
+        "--extends",
+        required=True,
+        metavar="CONFIG",
+        help="a config of the project, or a library template such as projects/causal_lm.yaml",
+    )
+    _add_project(p)
+
+    p = _sub(subparsers, "code", "write a standalone Python script that builds and trains a config")
+    _add_config_inputs(p)
+    p.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
+    p.add_argument(
+        "--target", default="trainer", metavar="NAME", help="target to build (default: trainer)"
+    )
+
+    _sub(subparsers, "env", "versions, devices and backends (for bug reports)")
+
+    p = subparsers.add_parser("_worker")  # internal: one rank of a launched job
+    p.add_argument("--run-dir", required=True)
+    p.add_argument("-p", "--project", required=True)
+    p.add_argument("--resume-from")
+    p.add_argument("--allow", action="append")
+    p.add_argument("-v", "--verbose", action="store_true")
+    return parser
+
+
+def split_torchrun_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """``forge train ... -- TORCHRUN_ARGS``: the arguments before and after ``--``."""
+    if "--" in argv:
+        index = argv.index("--")
+        return argv[:index], argv[index + 1 :]
+    return argv, []

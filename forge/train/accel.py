@@ -1,0 +1,237 @@
+"""The Accelerate trainer: the shared loop with Hugging Face Accelerate doing the device work.
+
+The model and optimizer go through ``accelerator.prepare`` (device placement, DDP / FSDP /
+DeepSpeed wrapping as Accelerate is configured, mixed precision); backward, gradient
+unscaling and clipping, skipped synchronisation during accumulation, metric reduction and
+main-process checks go through the accelerator.
+
+Two things deliberately do not: forge's learning-rate schedule and data loader are not
+prepared (Accelerate's scheduler wrapper steps once per process and its loader wrapper
+re-shards and re-seeds the data, which would change what a step sees and break exact
+resume), and checkpoints do not use ``save_state`` (it pickles random states that
+``torch.load(weights_only=True)`` refuses). The trainer's state goes through forge's
+checkpoint registry like every trainer's: the weights from ``accelerator.get_state_dict``
+(collective under FSDP / DeepSpeed, so every rank takes it), the optimizer keyed by
+parameter name, Accelerate's grad scaler as a shared component.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from forge.checkpoint import Component, ModelWeights, OptimizerState
+from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.base import BaseTrainer
+from forge.train.optim import build_optimizer
+
+logger = logging.getLogger(__name__)
+
+MIXED_PRECISION = ("no", "fp16", "bf16")
+
+
+@dataclass
+class AccelTrainingArguments(TrainingArguments):
+    """TrainingArguments plus Accelerate's own settings.
+
+    ``mixed_precision`` (``no``, ``fp16``, ``bf16``) defaults to what ``bf16`` / ``fp16``
+    say. ``split_batches``: ``per_device_train_batch_size`` (and the eval one) is the batch of
+    all processes together, split evenly between them (Accelerate's meaning), instead of each
+    process's. ``dispatch_batches`` is Accelerate's option for iterable datasets read on the main
+    process; forge's datasets are map-style and each process reads its own shard, so only
+    null / false apply.
+    """
+
+    mixed_precision: str | None = None
+    split_batches: bool = False
+    dispatch_batches: bool | None = None
+
+    def validate(self) -> list[str]:
+        p = super().validate()
+        self._bool("split_batches", p)
+        if self.mixed_precision is None:
+            self.mixed_precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
+        elif self.mixed_precision not in MIXED_PRECISION:
+            self._choice("mixed_precision", MIXED_PRECISION, p, fix="or null to follow bf16/fp16")
+        else:
+            implied = "bf16" if self.bf16 else "fp16" if self.fp16 else None
+            if implied is not None and implied != self.mixed_precision:
+                p.append(
+                    f"{self._key('mixed_precision')} is {self.mixed_precision!r} but "
+                    f"{self._key(implied)} is true; set one of them"
+                )
+            self.bf16 = self.mixed_precision == "bf16"
+            self.fp16 = self.mixed_precision == "fp16"
+        if self.dispatch_batches not in (None, False):
+            p.append(
+                f"{self._key('dispatch_batches')} must be null or false (got "
+                f"{self.dispatch_batches!r}): forge's datasets are map-style and every process "
+                "reads its own shard"
+            )
+        return p
+
+
+class AccelTrainer(BaseTrainer):
+    """Train with Hugging Face Accelerate, in one process or under ``torchrun`` /
+    ``accelerate launch`` (the ranks come from the environment either sets).
+
+    ``args`` may be ``AccelTrainingArguments`` (mixed precision, ``split_batches``) or plain
+    ``TrainingArguments``. See ``BaseTrainer`` for the other arguments.
+    """
+
+    trainer_kind: ClassVar[str] = "accelerate"
+
+    #: the ``accelerate.Accelerator`` while ``train()`` / ``evaluate()`` runs, else None
+    accelerator: Any = None
+
+    # ------------------------------------------------------------------ process group
+    @contextmanager
+    def _accelerated(self) -> Iterator[bool]:
+        """Create the Accelerator (which starts the process group of a multi-process job);
+        at the end, end the group it started so that the next job in this process starts clean."""
+        from accelerate import Accelerator, DataLoaderConfiguration
+        from accelerate.state import AcceleratorState
+
+        args = self.args
+        created_group = self.topology.distributed and not torch.distributed.is_initialized()
+        self.accelerator = Accelerator(
+            mixed_precision=getattr(args, "mixed_precision", None)
+            or ("bf16" if args.bf16 else "fp16" if args.fp16 else "no"),
+            # forge divides each micro-batch's loss by the window it belongs to
+            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            cpu=self.device.type == "cpu",
+            dataloader_config=DataLoaderConfiguration(
+                split_batches=getattr(args, "split_batches", False)
+            ),
+            step_scheduler_with_optimizer=False,
+        )
+        accel = self.accelerator
+        if accel.num_processes != self.topology.world_size or (
+            accel.process_index != self.topology.rank
+        ):
+            raise RuntimeError(
+                f"Accelerate sees process {accel.process_index} of {accel.num_processes}, the "
+                f"launcher's environment says rank {self.topology.rank} of "
+                f"{self.topology.world_size}; start the job with `forge train --nproc N`, "
+                "torchrun or `accelerate launch`, not a mix"
+            )
+        self.device = accel.device
+        try:
+            yield created_group
+            if created_group:
+                accel.wait_for_everyone()  # no collective is still in flight
+        finally:
+            if created_group and torch.distributed.is_initialized():
+                torch.distributed.destroy_process_group()
+            AcceleratorState._reset_state(reset_partial_state=True)
+            self.accelerator = None
+
+    def distributed(self) -> AbstractContextManager:
+        if self.accelerator is not None:  # evaluate() inside train()
+            return nullcontext(False)
+        return self._accelerated()
+
+    @property
+    def is_main_process(self) -> bool:
+        if self.accelerator is not None:
+            return self.accelerator.is_main_process
+        return self.topology.is_main
+
+    # ------------------------------------------------------------------ setup
+    def setup_components(self) -> None:
+        """Model and optimizer through ``accelerator.prepare``; Accelerate's grad scaler."""
+        optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
+        self.wrapped_model, self.optimizer = self.accelerator.prepare(self.model, optimizer)
+        if self.args.torch_compile:
+            self.wrapped_model = torch.compile(self.wrapped_model)
+        self.scaler = self.accelerator.scaler
+
+    def per_rank_batch_size(self, field: str) -> int:
+        """With ``split_batches``, the configured batch is all processes' together."""
+        args, total = self.args, getattr(self.args, field)
+        if not getattr(args, "split_batches", False):
+            return total
+        processes = self.topology.dp_size
+        if total % processes:
+            raise TrainingArgumentsError(
+                [
+                    f"{args.config_key}.{field} {total} cannot be split evenly between "
+                    f"{processes} processes (split_batches is true); use a multiple of {processes}"
+                ]
+            )
+        return total // processes
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, window: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
+        """As the plain trainer's, with ``accelerator.no_sync`` / ``backward`` / ``autocast``.
+
+        ``accelerator.backward`` divides by ``gradient_accumulation_steps``; a short last
+        window (the end of an epoch) scales its losses so the gradient is still the mean
+        over the micro-batches it has.
+        """
+        accel = self.accelerator
+        scale = accel.gradient_accumulation_steps / len(window)
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        for index, batch in enumerate(window):
+            batch = self._to_device(batch)
+            tokens += self._count_tokens(batch)
+            last = index == len(window) - 1
+            with nullcontext() if last else accel.no_sync(self.wrapped_model):
+                with accel.autocast():
+                    loss = self.compute_loss(self.wrapped_model, batch)
+                accel.backward(loss if scale == 1 else loss * scale)
+            loss_sum += loss.detach().float() / len(window)
+        return loss_sum, tokens
+
+    def _count_tokens(self, batch: Any) -> torch.Tensor:
+        from forge.train.loop_state import count_tokens
+
+        return count_tokens(batch).to(self.device)
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Unscale (fp16) and clip through the accelerator; the norm before clipping."""
+        max_norm = self.args.max_grad_norm or math.inf  # inf: measure only (clip factor 1)
+        norm = self.accelerator.clip_grad_norm_(self.wrapped_model.parameters(), max_norm)
+        if norm is None:  # DeepSpeed clips inside its step
+            return torch.tensor(float("nan"))
+        return norm
+
+    def optimizer_step(self) -> None:
+        self.optimizer.step()  # Accelerate's optimizer steps and updates its grad scaler
+
+    def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum")
+
+    def autocast(self) -> AbstractContextManager:
+        return self.accelerator.autocast() if self.accelerator is not None else nullcontext()
+
+    def wrap_model(self, model: nn.Module) -> nn.Module:
+        return model  # prepare() wraps; see setup_components
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_components(self) -> list[Component]:
+        components = super().checkpoint_components()
+        accel = self.accelerator
+        wrapped = self.wrapped_model
+        for index, component in enumerate(components):
+            if component.name == "model":
+                components[index].obj = ModelWeights(
+                    self.model, self.tokenizer, state_fn=lambda: accel.get_state_dict(wrapped)
+                )
+            elif component.name == "optimizer":
+                inner = getattr(self.optimizer, "optimizer", self.optimizer)
+                components[index].obj = OptimizerState(self.model, inner)
+        return components
+
+    def release_wrappers(self) -> None:
+        if self.accelerator is not None:
+            self.accelerator.free_memory()
+        super().release_wrappers()

@@ -1,0 +1,87 @@
+"""Commands that do not train start without loading torch (measured with -X importtime)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from forge.runs import create_run
+from tests.helpers import REPO, TINY_LM, run_forge
+
+
+def imported_modules(stderr: str) -> set[str]:
+    """Module names from `-X importtime` output (``import time: self | cumulative | name``)."""
+    names = set()
+    for line in stderr.splitlines():
+        if line.startswith("import time:") and "|" in line:
+            names.add(line.rsplit("|", 1)[1].strip())
+    return names
+
+
+def forge_imports(*args: str) -> set[str]:
+    result = run_forge(*args, env={"PYTHONPROFILEIMPORTTIME": "1"})
+    assert result.returncode == 0, result.stderr
+    modules = imported_modules(result.stderr)
+    assert "forge.cli" in modules  # the measurement itself works
+    return modules
+
+
+@pytest.fixture
+def project_with_a_checkpoint(tmp_path):
+    """A project with one run holding one (damaged) checkpoint, so the table has a row."""
+    project = tmp_path / "p"
+    (project / "templates" / "configs").mkdir(parents=True)
+    (project / "meta.yaml").write_text("name: p\n")
+    run_dir = create_run(
+        project / "output" / "train",
+        config_name="train.yaml",
+        config_text="meta: 1\n",
+        project_root=project,
+        overrides=[],
+        variables={},
+        nproc=1,
+    )
+    (run_dir / "checkpoints" / "checkpoint-000010").mkdir(parents=True)
+    return project
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("--help",),
+        ("ls", "-p", str(TINY_LM), "--no-check"),
+        ("render", "-p", str(TINY_LM)),
+        ("render", "-p", str(TINY_LM), "--chain"),
+        ("runs", "-p", str(TINY_LM)),
+    ],
+    ids=lambda args: " ".join(a for a in args if "/" not in a),
+)
+def test_command_does_not_import_torch(args):
+    modules = forge_imports(*args)
+    assert "torch" not in modules
+    assert "transformers" not in modules
+
+
+def test_ls_checks_by_importing_the_callables():
+    modules = forge_imports("ls", "-p", str(TINY_LM))
+    assert "torch" in modules and "forge.train.base" in modules
+
+
+def test_checkpoints_does_not_import_torch(project_with_a_checkpoint):
+    modules = forge_imports("checkpoints", "-p", str(project_with_a_checkpoint))
+    assert "forge.checkpoint.layout" in modules  # the table was really made
+    if "torch" in modules and _layout_imports_torch():
+        pytest.xfail("forge.checkpoint.layout still imports torch (through forge.checkpoint.io)")
+    assert "torch" not in modules
+
+
+def _layout_imports_torch() -> bool:
+    result = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", "import forge.checkpoint.layout"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    return "torch" in imported_modules(result.stderr)
