@@ -17,7 +17,7 @@ import jinja2
 import yaml
 from jinja2.sandbox import SecurityError
 
-from .analysis import TemplateInfo, check_inheritance, unused_variables
+from .analysis import TemplateInfo, check_inheritance, unused_variables, variables_read
 from .errors import ConfigError, Problem, display_path, suggestion
 from .project import Project
 from .sandbox import TemplateEnvironment, UnsafeTemplateError
@@ -178,7 +178,7 @@ def render_config(
     used = [template for template, _ in loader.chain]
     problems = check_inheritance(env.template_info, used)
     if check_variables:
-        problems += unused_variables(variables or {}, env.template_info, used)
+        problems += unused_variables(variables or {}, variables_read(env.template_info, used))
     if problems:
         raise ConfigError(problems, config=name)
     text, origins = strip_markers(output, loader.token)
