@@ -207,6 +207,9 @@ def directory_bytes(path: str | os.PathLike) -> int:
 
 def tensor_bytes(obj: Any) -> int:
     """Bytes of the tensors in ``obj`` (a module, or nested dicts / lists), shared ones once."""
+    import torch
+    from torch import nn
+
     if isinstance(obj, nn.Module):
         obj = obj.state_dict()
     seen: set[tuple[int, int]] = set()
