@@ -17,6 +17,7 @@ from typing import Any
 
 from forge.config import ConfigError, Project, find_project, load_config, load_project
 from forge.config import parse_define as _parse_define
+from forge.config.analysis import unused_variables
 from forge.errors import EXIT_USAGE, UsageError, exit_code_for
 from forge.train.topology import Topology
 
@@ -78,6 +79,10 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _clip(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _human_size(size: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1024 or unit == "GB":
@@ -91,10 +96,15 @@ def _human_size(size: float) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     project = _project(args)
-    rows, broken = [], []
+    defines = _defines(args)
+    rows, broken, read = [], [], set()
     for name in project.list_configs():
         try:
-            cfg = load_config(project, name, variables=_defines(args), allow=args.allow or [])
+            # A -D needs to be read by some config, not by each of them (checked below).
+            cfg = load_config(
+                project, name, variables=defines, allow=args.allow or [], check_variables=False
+            )
+            read |= cfg.variables_read()
             # Checking imports every callable (and so torch); without --check only the
             # render, the YAML and the graph are checked.
             problems = cfg.check() if args.check else _graph_problems(cfg)
@@ -105,6 +115,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             broken.append((name, problems))
         default = "*" if name == project.default_config else ""
         rows.append([name + default, status])
+    unread = unused_variables(defines, read, "config of this project") if rows else []
+    if unread:
+        raise ConfigError(unread)
     print(f"project {project.name}: {project.description}".rstrip(": "))
     print(_table(rows, ["CONFIG", "CHECK"]) if rows else "(no configs in templates/configs/)")
     for name, problems in broken:
@@ -125,8 +138,24 @@ def cmd_render(args: argparse.Namespace) -> int:
             print(f"{index:2d}  {template:40s} {path}")
     elif args.graph:
         print(cfg.describe_graph())
+    elif args.resolved:
+        sys.stdout.write(cfg.resolved_text())
     else:
         sys.stdout.write(cfg.text if cfg.text.endswith("\n") else cfg.text + "\n")
+    return EXIT_OK
+
+
+def cmd_vars(args: argparse.Namespace) -> int:
+    from forge.config.render import builtin_variables, render_config
+    from forge.config.variables import variable_rows
+
+    project = _project(args)
+    name = _config_name(args, project)
+    defines = _defines(args)
+    rendered = render_config(project, name, defines)
+    rows = variable_rows(rendered, defines, builtin_variables(project, name))
+    table = [[r.name, _clip(r.value), _clip(r.default), r.where] for r in rows]
+    print(_table(table, ["VARIABLE", "VALUE", "DEFAULT", "WHERE"]))
     return EXIT_OK
 
 
@@ -427,6 +456,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 COMMANDS = {
     "ls": cmd_ls,
     "render": cmd_render,
+    "vars": cmd_vars,
     "build": cmd_build,
     "train": cmd_train,
     "resume": cmd_resume,

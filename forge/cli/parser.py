@@ -26,6 +26,12 @@ EXAMPLES = {
           forge render train -p projects/tiny_lm --set trainer.args.save_steps=25
           forge render train -p projects/tiny_lm --chain      # which templates, in order
           forge render train -p projects/tiny_lm --graph      # nodes with callables resolved
+          forge render train -p projects/tiny_lm --resolved   # each key once, with its line
+    """,
+    "vars": """
+        examples:
+          forge vars train -p projects/tiny_lm                # every variable the config reads
+          forge vars train -p projects/tiny_lm -D max_steps=50
     """,
     "build": """
         examples:
@@ -182,6 +188,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--graph", action="store_true", help="show the node tree with callables resolved"
     )
     view.add_argument("--chain", action="store_true", help="show the template files used, in order")
+    view.add_argument(
+        "--resolved",
+        action="store_true",
+        help="each key once (the value that wins) with the template line it came from",
+    )
+
+    p = _sub(
+        subparsers,
+        "vars",
+        "every template variable a config reads, its value or default, and where it is set",
+    )
+    _add_config_inputs(p)
 
     p = _sub(subparsers, "build", "build one target of a config and print its repr")
     _add_config_inputs(p)
