@@ -378,6 +378,53 @@ def cmd_code(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_dir(project: Project, run: str | None) -> Path:
+    """RUN as a run directory, a path under the project's output, a run number, or the newest."""
+    from forge.runs import find_run
+
+    if run is None:
+        return find_run(project.output_dir)
+    for candidate in (Path(run), project.output_dir / run):
+        if (candidate / "run.json").is_file():
+            return candidate.resolve()
+    if run.isdigit():
+        return find_run(project.output_dir, number=int(run))
+    raise UsageError(
+        f"RUN {run!r} is neither a run directory, a path under {project.output_dir} "
+        "(e.g. train/run_001) nor a run number; `forge runs` lists them"
+    )
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from forge.plot import save_plot
+
+    project = _project(args)
+    run_dir = _run_dir(project, args.run)
+    metrics = [m.strip() for m in args.metric.split(",") if m.strip()] if args.metric else None
+    output = Path(args.output) if args.output else run_dir / "metrics.png"
+    print(save_plot(run_dir, metrics, output))
+    return EXIT_OK
+
+
+def cmd_tb(args: argparse.Namespace) -> int:
+    from forge.plot import require_tensorboard, tensorboard_command
+    from forge.runs import RunError
+
+    project = _project(args)
+    logdir = _run_dir(project, args.run) if args.run else project.output_dir
+    if not logdir.is_dir():
+        raise RunError(f"no runs under {logdir}; start one with `forge train CONFIG`")
+    command = tensorboard_command(logdir, port=args.port, host=args.host)
+    if args.print_command:
+        print(shlex.join(command))
+        return EXIT_OK
+    require_tensorboard()
+    logger.info("serving %s: %s", logdir, shlex.join(command))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)  # TensorBoard takes over this process and its Ctrl-C
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from forge.envinfo import environment_report
 
@@ -398,6 +445,8 @@ COMMANDS = {
     "new": cmd_new,
     "new-config": cmd_new_config,
     "code": cmd_code,
+    "plot": cmd_plot,
+    "tb": cmd_tb,
     "env": cmd_env,
     "_worker": cmd_worker,
 }

@@ -32,6 +32,9 @@ COMMANDS = (
     "generate",
     "new",
     "new-config",
+    "code",
+    "plot",
+    "tb",
     "env",
 )
 
