@@ -185,9 +185,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from forge.launch import launch_training, resolve_nproc
     from forge.runs import (
         RunRecord,
-        apply_config_overrides,
         find_resume_checkpoint,
         find_run,
+        nothing_to_resume,
+        parse_run_config,
         record_resume,
     )
 
@@ -201,10 +202,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
     )
     from_checkpoint = Path(args.from_checkpoint) if args.from_checkpoint else None
     checkpoint = find_resume_checkpoint(run_dir, from_checkpoint)
+    overrides = args.set or []
+    cfg = parse_run_config(run_dir, project, overrides, args.allow or [])
+    done = nothing_to_resume(run_dir, checkpoint, cfg, changed=bool(overrides or from_checkpoint))
+    if done:
+        logger.info("%s", done)
+        return EXIT_OK
     recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
     nproc = resolve_nproc(args.nproc, default=recorded)
-    overrides = args.set or []
-    apply_config_overrides(run_dir, project, overrides, args.allow or [])
+    if overrides:
+        (run_dir / "config.yaml").write_text(cfg.text)
     record_resume(run_dir, checkpoint, overrides=overrides, world_size=nproc)
     print(run_dir, flush=True)
     logger.info("resuming %s from %s", run_dir, checkpoint)
@@ -228,7 +235,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from forge.runs import RunRecord, all_run_dirs
+    from forge.runs import RunRecord, all_run_dirs, checkpoint_count
 
     project = _project(args)
     rows = []
@@ -244,7 +251,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 data.get("config", "?"),
                 data.get("status", "?"),
                 str(data.get("step", 0)),
-                str(len(data.get("checkpoints", []))),
+                str(checkpoint_count(run_dir)),
                 best_text,
                 data.get("created", "")[:19],
             ]
