@@ -141,16 +141,22 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch import launch_training, resolve_nproc
+    from forge.preflight import check_training_contract
     from forge.runs import config_output_dir, create_run, discard_unstarted_run
+    from forge.worker import build_variables
 
     project = _project(args)
     name, cfg = _load(args, project)
     nproc = resolve_nproc(args.nproc)
     if "trainer" not in cfg.targets:
         raise UsageError(f"config '{name}' has no 'trainer' target; nothing to train")
+    # Before any run directory exists: do the batches fit the model's forward?
+    next_run = config_output_dir(project.output_dir, name) / "run_NNN"
+    variables = build_variables(next_run, project, name)
+    check_training_contract(cfg, variables, args.allow or [], config=name)
     if args.dry_run:
         print(f"config {name} renders and checks; would train with {nproc} process(es) in")
-        print(f"  {config_output_dir(project.output_dir, name)}/run_NNN/")
+        print(f"  {next_run}/")
         return EXIT_OK
     run_dir = create_run(
         config_output_dir(project.output_dir, name),
