@@ -164,6 +164,10 @@ def build_parser() -> argparse.ArgumentParser:
               forge resume -p projects/tiny_lm
               forge generate projects/tiny_lm/output/train/run_001 --prompt "def "
 
+            a project of your own:
+              forge new my_project --from classifier     # or tiny_lm, blank
+              forge train -p my_project
+
             `forge COMMAND --help` shows worked examples for each command.
             Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 130 Ctrl-C, 143 SIGTERM.
             """
@@ -173,7 +177,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--version", action="version", version=f"forge {__version__}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
 
-    p = _sub(subparsers, "ls", "list a project's configs, each rendered (and checked with --check)")
+    p = _sub(subparsers, "ls", "list a project's configs, each rendered (--check: and checked)")
     _add_project(p)
     p.add_argument(
         "--check",
