@@ -172,7 +172,9 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch import launch_training, resolve_nproc
+    from forge.preflight import check_training_contract
     from forge.runs import config_output_dir, create_run, discard_unstarted_run
+    from forge.worker import build_variables
 
     project = _project(args)
     name, cfg = _load(args, project)
@@ -185,10 +187,14 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"this process is already rank {topology.rank} of {topology.world_size} started by "
             "another launcher (accelerate launch, torchrun); drop --nproc"
         )
+    # Before any run directory exists: do the batches fit the model's forward?
+    next_run = config_output_dir(project.output_dir, name) / "run_NNN"
+    variables = build_variables(next_run, project, name)
+    check_training_contract(cfg, variables, args.allow or [], config=name)
     if args.dry_run:
         nproc = topology.world_size if topology.distributed else nproc
         print(f"config {name} renders and checks; would train with {nproc} process(es) in")
-        print(f"  {config_output_dir(project.output_dir, name)}/run_NNN/")
+        print(f"  {next_run}/")
         return EXIT_OK
 
     def make_run() -> Path:
@@ -252,9 +258,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from forge.launch import launch_training, resolve_nproc
     from forge.runs import (
         RunRecord,
-        apply_config_overrides,
         find_resume_checkpoint,
         find_run,
+        nothing_to_resume,
+        parse_run_config,
         record_resume,
     )
 
@@ -268,10 +275,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
     )
     from_checkpoint = Path(args.from_checkpoint) if args.from_checkpoint else None
     checkpoint = find_resume_checkpoint(run_dir, from_checkpoint)
+    overrides = args.set or []
+    cfg = parse_run_config(run_dir, project, overrides, args.allow or [])
+    done = nothing_to_resume(run_dir, checkpoint, cfg, changed=bool(overrides or from_checkpoint))
+    if done:
+        logger.info("%s", done)
+        return EXIT_OK
     recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
     nproc = resolve_nproc(args.nproc, default=recorded)
-    overrides = args.set or []
-    apply_config_overrides(run_dir, project, overrides, args.allow or [])
+    if overrides:
+        (run_dir / "config.yaml").write_text(cfg.text)
     record_resume(run_dir, checkpoint, overrides=overrides, world_size=nproc)
     print(run_dir, flush=True)
     logger.info("resuming %s from %s", run_dir, checkpoint)
@@ -295,7 +308,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from forge.runs import RunRecord, all_run_dirs
+    from forge.runs import RunRecord, all_run_dirs, checkpoint_count
 
     project = _project(args)
     rows = []
@@ -311,7 +324,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 data.get("config", "?"),
                 data.get("status", "?"),
                 str(data.get("step", 0)),
-                str(len(data.get("checkpoints", []))),
+                str(checkpoint_count(run_dir)),
                 best_text,
                 data.get("created", "")[:19],
             ]
@@ -445,6 +458,53 @@ def cmd_code(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_dir(project: Project, run: str | None) -> Path:
+    """RUN as a run directory, a path under the project's output, a run number, or the newest."""
+    from forge.runs import find_run
+
+    if run is None:
+        return find_run(project.output_dir)
+    for candidate in (Path(run), project.output_dir / run):
+        if (candidate / "run.json").is_file():
+            return candidate.resolve()
+    if run.isdigit():
+        return find_run(project.output_dir, number=int(run))
+    raise UsageError(
+        f"RUN {run!r} is neither a run directory, a path under {project.output_dir} "
+        "(e.g. train/run_001) nor a run number; `forge runs` lists them"
+    )
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from forge.plot import save_plot
+
+    project = _project(args)
+    run_dir = _run_dir(project, args.run)
+    metrics = [m.strip() for m in args.metric.split(",") if m.strip()] if args.metric else None
+    output = Path(args.output) if args.output else run_dir / "metrics.png"
+    print(save_plot(run_dir, metrics, output))
+    return EXIT_OK
+
+
+def cmd_tb(args: argparse.Namespace) -> int:
+    from forge.plot import require_tensorboard, tensorboard_command
+    from forge.runs import RunError
+
+    project = _project(args)
+    logdir = _run_dir(project, args.run) if args.run else project.output_dir
+    if not logdir.is_dir():
+        raise RunError(f"no runs under {logdir}; start one with `forge train CONFIG`")
+    command = tensorboard_command(logdir, port=args.port, host=args.host)
+    if args.print_command:
+        print(shlex.join(command))
+        return EXIT_OK
+    require_tensorboard()
+    logger.info("serving %s: %s", logdir, shlex.join(command))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)  # TensorBoard takes over this process and its Ctrl-C
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from forge.envinfo import environment_report
 
@@ -466,6 +526,8 @@ COMMANDS = {
     "new": cmd_new,
     "new-config": cmd_new_config,
     "code": cmd_code,
+    "plot": cmd_plot,
+    "tb": cmd_tb,
     "env": cmd_env,
     "_worker": cmd_worker,
 }
