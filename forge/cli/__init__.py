@@ -34,7 +34,8 @@ def setup_logging(verbose: bool) -> None:
     root.handlers[:] = [handler]
     level = logging.DEBUG if verbose else logging.INFO
     root.setLevel(level if rank == 0 else logging.WARNING)
-    for noisy in ("urllib3", "filelock", "torch.distributed.elastic"):
+    # huggingface_hub logs "Model weights successfully saved" at every checkpoint
+    for noisy in ("urllib3", "filelock", "torch.distributed.elastic", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 

@@ -44,6 +44,7 @@ from forge.checkpoint import (
     find_resume_checkpoint,
     load_model_weights,
     rotate_checkpoints,
+    unwrap_model,
 )
 from forge.data import build_dataloader
 from forge.train import dist
@@ -344,9 +345,17 @@ class BaseTrainer:
         if loss is None and isinstance(outputs, Mapping):
             loss = outputs.get("loss")
         if loss is None:
+            name = type(unwrap_model(model)).__name__
+            if isinstance(outputs, torch.Tensor):
+                raise ValueError(
+                    f"{name}.forward must return an object with .loss or a dict with 'loss' "
+                    "(got Tensor); return the loss from forward, or override "
+                    "Trainer.compute_loss to compute it from the tensor"
+                )
             raise ValueError(
-                f"{type(model).__name__} returned no loss: give the batches labels (e.g. "
-                "data_collator: CausalLMCollator) or override Trainer.compute_loss"
+                f"{name} returned no loss (got {type(outputs).__name__} without 'loss'): give "
+                "the batches labels (e.g. data_collator: CausalLMCollator) or override "
+                "Trainer.compute_loss"
             )
         return loss
 
