@@ -9,7 +9,12 @@ count host reads of tensors per step on CPU (tests/train/host_reads.py).
 from __future__ import annotations
 
 import functools
+import json
 import logging
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -18,6 +23,8 @@ from forge.data import CausalLMCollator
 from forge.train import Trainer, TrainerCallback
 from tests.train.common import TokenDataset, make_args
 from tests.train.host_reads import HostReads, SmallLM, quiet_steps
+
+REPO = Path(__file__).resolve().parents[2]
 
 
 class Weights(TrainerCallback):
@@ -115,3 +122,31 @@ def test_device_skip_matches_the_host_decision(tmp_path, fused):
     assert a.state.nonfinite_skipped == b.state.nonfinite_skipped == 1
     for name, value in a.model.state_dict().items():
         assert torch.equal(value, b.model.state_dict()[name]), name
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_ddp_ranks_agree_on_a_signal_without_reads_on_quiet_steps(tmp_path):
+    """Rank 0 is signalled at quiet step 5; both ranks stop together at logging step 8, and
+    neither read anything on the host during steps 1-3 and 5-7 (no per-step agreement)."""
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+        str(Path(__file__).with_name("ddp_sync_script.py")), str(tmp_path),
+    ]  # fmt: skip
+    proc = subprocess.run(
+        command, cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    results = sorted(
+        (json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")),
+        key=lambda r: r["rank"],
+    )
+    assert [r["rank"] for r in results] == [0, 1], proc.stdout + proc.stderr
+    for result in results:
+        assert result["stopped_at"] == 8, result
+        assert result["quiet_reads"] == {}, result
+        assert result["logging_step_reads"] > 0, result
+    assert (tmp_path / "checkpoints" / "checkpoint-000008").is_dir()
