@@ -10,6 +10,9 @@ Contenders (all in this process, on the CPU, one at a time):
   reporting to the progress log and ``metrics.jsonl`` every ``--logging-steps``. Also measured:
   ``forge report_to=[]`` (no reporting callbacks) and ``forge default report_to`` (progress,
   jsonl and TensorBoard).
+* ``accelerate loop``: the raw loop with the model and optimizer through
+  ``accelerator.prepare`` and ``accelerator.backward`` / ``clip_grad_norm_``: the bare
+  Accelerate baseline. ``forge accel``: ``forge.train.AccelTrainer``, configured as ``forge``.
 * ``HF Trainer``: ``transformers.Trainer`` with equivalent arguments (``report_to="none"``,
   no eval, no saves, ``use_cpu``, ``disable_tqdm``, the same logging steps and HF's default
   optimizer, the fused AdamW kernel that forge and the raw loop use too).
@@ -29,7 +32,8 @@ the median over ``--repeat`` runs of N / (time of the window), and, as a check t
 robust to load from other processes, steps/s from the median time of the blocks of
 ``--logging-steps`` steps of all runs (each block holds one log, so logging is still paid).
 
-Targets (on the medians): forge / raw loop >= 0.97 and forge / HF Trainer >= 1.0.
+Targets (on the medians): forge / raw loop >= 0.97, forge / HF Trainer >= 1.0 and
+forge accel / accelerate loop >= 0.97.
 
     .venv/bin/python bench/train_speed.py [--model-size small|medium|null] [--repeat 3]
         [--warmup 5 --steps 40] [--threads N] [--contenders raw,forge,hf] [--quick]
@@ -228,13 +232,67 @@ def run_raw_loop(setup: Setup, dataset: Dataset, clock: StepClock) -> None:
                 break
 
 
-def forge_runner(report_to: tuple[str, ...] | None) -> Callable[[Setup, Dataset, StepClock], None]:
-    """A forge contender; ``report_to`` None keeps the default (every reporter)."""
+def run_accelerate_loop(setup: Setup, dataset: Dataset, clock: StepClock) -> None:
+    from accelerate import Accelerator
+    from accelerate.state import AcceleratorState
+
+    accelerator = Accelerator(cpu=True)
+    model = build_model(setup)
+    model.train()
+    loader = DataLoader(
+        dataset,
+        batch_size=setup.batch_size,
+        shuffle=True,
+        drop_last=True,
+        collate_fn=CausalLMCollator(pad_token_id=0),
+        generator=torch.Generator().manual_seed(setup.seed),
+    )
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(
+        [
+            {"params": [p for p in params if p.ndim >= 2], "weight_decay": setup.weight_decay},
+            {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0},
+        ],
+        lr=setup.learning_rate,
+        fused=True,
+    )
+    model, optimizer = accelerator.prepare(model, optimizer)
+    scheduler = get_scheduler(
+        setup.lr_scheduler_type,
+        optimizer,
+        num_warmup_steps=setup.lr_warmup_steps,
+        num_training_steps=setup.total_steps,
+    )
+    step = 0
+    try:
+        while step < setup.total_steps:
+            for batch in loader:
+                loss = model(**batch).loss
+                accelerator.backward(loss)
+                accelerator.clip_grad_norm_(model.parameters(), setup.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad(set_to_none=True)
+                step += 1
+                clock.tick(step)
+                if step == setup.total_steps:
+                    break
+    finally:
+        AcceleratorState._reset_state(reset_partial_state=True)
+
+
+def forge_runner(
+    report_to: tuple[str, ...] | None, accel: bool = False
+) -> Callable[[Setup, Dataset, StepClock], None]:
+    """A forge contender; ``report_to`` None keeps the default (every reporter); ``accel``
+    runs the Accelerate trainer."""
 
     def run(setup: Setup, dataset: Dataset, clock: StepClock) -> None:
         output_dir = tempfile.mkdtemp(prefix="forge-", dir=setup.workdir)
         extra = {} if report_to is None else {"report_to": report_to}
-        args = forge.train.TrainingArguments(
+        arguments = forge.train.AccelTrainingArguments if accel else forge.train.TrainingArguments
+        trainer_class = forge.train.AccelTrainer if accel else forge.train.Trainer
+        args = arguments(
             output_dir=output_dir,
             max_steps=setup.total_steps,
             per_device_train_batch_size=setup.batch_size,
@@ -252,7 +310,7 @@ def forge_runner(report_to: tuple[str, ...] | None) -> Callable[[Setup, Dataset,
             disable_tqdm=True,
             **extra,
         )
-        trainer = forge.train.Trainer(
+        trainer = trainer_class(
             build_model(setup),
             args,
             train_dataset=dataset,
@@ -306,6 +364,8 @@ CONTENDERS: dict[str, Callable[[Setup, Dataset, StepClock], None]] = {
     "forge": forge_runner(("progress", "jsonl")),
     "forge report_to=[]": forge_runner(()),
     "forge default report_to": forge_runner(None),
+    "accelerate loop": run_accelerate_loop,
+    "forge accel": forge_runner(("progress", "jsonl"), accel=True),
     "HF Trainer": hf_runner(None),
     "HF Trainer for-loop AdamW": hf_runner("adamw_torch"),
 }
@@ -314,6 +374,8 @@ SHORT_NAMES = {
     "forge": "forge",
     "forge-quiet": "forge report_to=[]",
     "forge-default": "forge default report_to",
+    "accel-loop": "accelerate loop",
+    "forge-accel": "forge accel",
     "hf": "HF Trainer",
     "hf-forloop": "HF Trainer for-loop AdamW",
 }
@@ -404,20 +466,28 @@ def print_report(
             f"   {each}"
         )
     forge_s, hf = summaries.get("forge"), summaries.get("HF Trainer")
+    forge_accel, accel_loop = summaries.get("forge accel"), summaries.get("accelerate loop")
     if setup.model_size == "null":  # no compute: the targets mean nothing, the costs do
         for name, s in summaries.items():
             if raw and name != "raw loop":
                 extra = 1e3 / s.median - 1e3 / raw.median
                 print(f"{name}: {extra:+.3f} ms per step beyond the raw loop's own")
     else:
-        for label, other, target in (("raw loop", raw, 0.97), ("HF Trainer", hf, 1.0)):
-            if forge_s and other:
-                ratio, robust = forge_s.median / other.median, forge_s.robust / other.robust
-                verdict = "meets" if ratio >= target else "misses"
-                print(
-                    f"forge / {label} = {ratio:.3f} (target >= {target:g}): {verdict}"
-                    f"   [robust: {robust:.3f}]"
+        pairs = (
+            ("forge", forge_s, "raw loop", raw, 0.97),
+            ("forge", forge_s, "HF Trainer", hf, 1.0),
+            ("forge accel", forge_accel, "accelerate loop", accel_loop, 0.97),
+            ("forge accel", forge_accel, "forge", forge_s, None),
+        )
+        for name, ours, label, other, target in pairs:
+            if ours and other:
+                ratio, robust = ours.median / other.median, ours.robust / other.robust
+                verdict = (
+                    ""
+                    if target is None
+                    else (f" (target >= {target:g}): {'meets' if ratio >= target else 'misses'}")
                 )
+                print(f"{name} / {label} = {ratio:.3f}{verdict}   [robust: {robust:.3f}]")
     spread = max(max(s.runs) / min(s.runs) for s in summaries.values()) - 1
     if spread > 0.1:
         print(

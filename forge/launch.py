@@ -14,10 +14,12 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from forge.errors import EXIT_FAILURE, EXIT_USAGE, UsageError
+from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
 
@@ -108,6 +110,49 @@ def launch_training(
         for s, handler in previous.items():
             signal.signal(s, handler)
     return exit_code_from_record(run_dir, code)
+
+
+def join_launched_job(make_run: Callable[[], Path] | None, topology: Topology) -> Path:
+    """In a job another launcher started (``accelerate launch``, a user's torchrun): start the
+    process group, let rank 0 create the run (``make_run``) and tell every rank its directory.
+
+    The group stays up for the trainer (which then neither creates nor ends one); the caller
+    ends it with ``leave_launched_job``. Gloo carries CPU tensors and NCCL CUDA ones, so the
+    group suits whichever device the config trains on.
+    """
+    import torch
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        raise UsageError("forge train must start before any torch.distributed process group")
+    backend = "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(topology.local_rank)
+        backend = "cpu:gloo,cuda:nccl"
+    dist.init_process_group(backend, rank=topology.rank, world_size=topology.world_size)
+    box: list[Any] = [None]
+    if topology.is_main:
+        try:
+            box = [str(make_run())]
+        except Exception as err:  # the others learn that there is no run, and stop
+            dist.broadcast_object_list([f"error: {err}"], src=0)
+            leave_launched_job(ok=False)
+            raise
+    dist.broadcast_object_list(box, src=0)
+    if box[0].startswith("error: "):
+        leave_launched_job(ok=False)
+        raise UsageError(f"rank 0 could not create the run ({box[0][7:]})")
+    return Path(box[0])
+
+
+def leave_launched_job(*, ok: bool) -> None:
+    """End the group ``join_launched_job`` started (after a last barrier when all went well)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        if ok:
+            dist.barrier()
+        dist.destroy_process_group()
 
 
 def exit_code_from_record(run_dir: Path, code: int) -> int:

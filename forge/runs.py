@@ -298,15 +298,13 @@ def find_resume_checkpoint(run_dir: Path, from_checkpoint: Path | None = None) -
     return checkpoint
 
 
-def apply_config_overrides(
-    run_dir: Path, project: Any, overrides: list[str], allow: list[str] = ()
-) -> None:
-    """Apply ``--set`` overrides to a run's ``config.yaml`` (checked first; ConfigError lists
-    every problem and leaves the file as it was)."""
+def parse_run_config(
+    run_dir: Path, project: Any, overrides: list[str] = (), allow: list[str] = ()
+) -> Any:
+    """A run's ``config.yaml`` with ``--set`` overrides applied, checked (ConfigError lists
+    every problem). Nothing is written."""
     from forge.config import ConfigError, parse_config
 
-    if not overrides:
-        return
     config_path = run_dir / "config.yaml"
     cfg = parse_config(
         config_path.read_text(),
@@ -315,10 +313,53 @@ def apply_config_overrides(
         allow=list(allow),
         origin=str(config_path),
     )
-    problems = cfg.check()
-    if problems:
-        raise ConfigError(problems, config=str(config_path))
-    config_path.write_text(cfg.text)
+    if overrides:
+        problems = cfg.check()
+        if problems:
+            raise ConfigError(problems, config=str(config_path))
+    return cfg
+
+
+def checkpoint_count(run_dir: Path) -> int:
+    """Checkpoints run.json records that are still on disk (rotation deletes old ones)."""
+    entries = RunRecord.load(run_dir).data.get("checkpoints", [])
+    return sum((Path(run_dir) / entry["path"]).is_dir() for entry in entries if "path" in entry)
+
+
+def configured_max_steps(cfg: Any) -> int | None:
+    """``trainer.args.max_steps`` of a parsed config when it is a positive literal, else None
+    (e.g. a run sized by ``num_train_epochs``)."""
+    from forge.config.graph import CallNode
+
+    trainer = cfg.targets.get("trainer")
+    args = trainer.kwargs.get("args") if isinstance(trainer, CallNode) else None
+    value = args.kwargs.get("max_steps") if isinstance(args, CallNode) else None
+    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+        return value
+    return None
+
+
+def nothing_to_resume(run_dir: Path, checkpoint: Path, cfg: Any, *, changed: bool) -> str | None:
+    """Why resuming ``run_dir`` from ``checkpoint`` would train nothing, or None.
+
+    A completed run is complete unless the resume changes something (``--set`` or ``--from``);
+    any run whose checkpoint has reached the config's ``max_steps`` is complete too.
+    """
+    from forge.checkpoint.layout import parse_checkpoint_step
+
+    data = RunRecord.load(run_dir).data
+    max_steps = configured_max_steps(cfg)
+    finished = data.get("status") == "completed" and not changed
+    step = parse_checkpoint_step(checkpoint)
+    if finished or step is None:
+        step = int(data.get("step") or 0)
+    if not finished and not (max_steps is not None and step >= max_steps):
+        return None
+    of = f" of {max_steps}" if max_steps is not None else ""
+    return (
+        f"{Path(run_dir).name} is complete (step {step}{of}); nothing to do. "
+        "To train longer: forge resume --set trainer.args.max_steps=N"
+    )
 
 
 def record_resume(

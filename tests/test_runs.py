@@ -3,11 +3,22 @@
 from __future__ import annotations
 
 import json
+import shutil
 import threading
 
 import pytest
 
-from forge.runs import RunError, RunRecord, create_run, find_run, list_run_dirs
+from forge.runs import (
+    RunError,
+    RunRecord,
+    checkpoint_count,
+    configured_max_steps,
+    create_run,
+    find_run,
+    list_run_dirs,
+    nothing_to_resume,
+    parse_run_config,
+)
 
 
 def make_run(config_dir, project_root, name="train.yaml"):
@@ -76,3 +87,61 @@ def test_find_run_newest_by_number_and_ambiguity(tmp_path):
 def test_no_runs_is_a_clear_error(tmp_path):
     with pytest.raises(RunError, match="forge train"):
         find_run(tmp_path / "output")
+
+
+def test_checkpoint_count_skips_rotated_checkpoints(tmp_path):
+    run = make_run(tmp_path / "c", tmp_path)
+    record = RunRecord.load(run)
+    for step in (10, 20, 30):
+        path = run / "checkpoints" / f"checkpoint-{step:06d}"
+        path.mkdir(parents=True)
+        record.add_checkpoint(path, step, {}, None)
+    shutil.rmtree(run / "checkpoints" / "checkpoint-000010")  # as rotation does
+    assert len(RunRecord.load(run).data["checkpoints"]) == 3
+    assert checkpoint_count(run) == 2
+
+
+RUN_CONFIG = (
+    "trainer: !singleton:builtins:dict\n    args: !singleton:builtins:dict {max_steps: 40}\n"
+)
+
+
+def resumable_run(tmp_path, *, status: str, step: int):
+    run = create_run(
+        tmp_path / "output" / "train",
+        config_name="train.yaml",
+        config_text=RUN_CONFIG,
+        project_root=tmp_path,
+        overrides=[],
+        variables={},
+        nproc=1,
+    )
+    RunRecord.load(run).set_status(status, step=step)
+    return run, run / "checkpoints" / f"checkpoint-{step:06d}"
+
+
+def test_configured_max_steps_reads_the_trainer_args(tmp_path):
+    run, _ = resumable_run(tmp_path, status="completed", step=40)
+    assert configured_max_steps(parse_run_config(run, None)) == 40
+    longer = parse_run_config(run, None, ["trainer.args.max_steps=80"])
+    assert configured_max_steps(longer) == 80
+    assert configured_max_steps(parse_run_config(run, None, ["trainer.args.max_steps=-1"])) is None
+
+
+def test_a_completed_run_has_nothing_to_resume_unless_it_can_go_further(tmp_path):
+    run, checkpoint = resumable_run(tmp_path, status="completed", step=40)
+    cfg = parse_run_config(run, None)
+    message = nothing_to_resume(run, checkpoint, cfg, changed=False)
+    assert message.startswith("run_001 is complete (step 40 of 40); nothing to do")
+    longer = parse_run_config(run, None, ["trainer.args.max_steps=80"])
+    assert nothing_to_resume(run, checkpoint, longer, changed=True) is None
+    other = parse_run_config(run, None, ["trainer.args.max_steps=40"])
+    assert nothing_to_resume(run, checkpoint, other, changed=True) is not None
+
+
+def test_an_interrupted_run_resumes_until_its_last_step(tmp_path):
+    run, checkpoint = resumable_run(tmp_path, status="interrupted", step=20)
+    cfg = parse_run_config(run, None)
+    assert nothing_to_resume(run, checkpoint, cfg, changed=False) is None
+    at_end = checkpoint.with_name("checkpoint-000040")
+    assert "step 40 of 40" in nothing_to_resume(run, at_end, cfg, changed=False)

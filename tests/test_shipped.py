@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
 import zipfile
@@ -134,6 +136,74 @@ def test_wheel_ships_the_template_library(tmp_path):
     names = set(zipfile.ZipFile(wheel).namelist())
     for template in LIBRARY_TEMPLATES:
         assert f"forge/templates/{template}" in names
+    assert not any(name.startswith("templates/") for name in names)
+
+
+def fresh_venv(tmp_path: Path) -> tuple[Path, Path, dict]:
+    """A venv without pip whose .pth file puts the running environment's site-packages
+    (torch, transformers, pip, setuptools, ...) on its path: nothing is downloaded.
+    Returns its python, its site-packages and an environment without PYTHONPATH."""
+    venv = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True)
+    python = venv / "bin" / "python"
+    purelib = "import sysconfig; print(sysconfig.get_paths()['purelib'])"
+    site = subprocess.run([python, "-c", purelib], capture_output=True, text=True, check=True)
+    here = subprocess.run([sys.executable, "-c", purelib], capture_output=True, text=True)
+    Path(site.stdout.strip(), "forge_test_deps.pth").write_text(here.stdout.strip() + "\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update(OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false")
+    return python, Path(site.stdout.strip()), env
+
+
+def pip_install(python: Path, env: dict, *args: str) -> None:
+    # --ignore-installed: never touch the forge installed in the running environment
+    command = [python, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation"]
+    subprocess.run([*command, "--no-index", "--ignore-installed", *args], check=True, env=env)
+
+
+@pytest.mark.slow
+def test_editable_install_uses_the_source_tree_library(tmp_path):
+    python, _, env = fresh_venv(tmp_path)
+    pip_install(python, env, "-e", str(REPO))
+    code = "from forge.config import LIBRARY_DIR; print(LIBRARY_DIR)"
+    shown = subprocess.run(
+        [python, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, check=True
+    )
+    assert Path(shown.stdout.strip()) == REPO / "templates"
+
+
+@pytest.mark.slow
+def test_installed_package_renders_and_trains_tiny_lm_from_elsewhere(tmp_path):
+    """A NON-editable `pip install .` into a fresh venv (see fresh_venv: its dependencies
+    come from the running environment through a .pth file), used from another directory
+    without PYTHONPATH, so only the installed forge and the library inside it are found.
+    """
+    python, site, env = fresh_venv(tmp_path)
+    pip_install(python, env, str(REPO))
+    venv = python.parent.parent
+
+    project = tmp_path / "tiny_lm"
+    shutil.copytree(REPO / "projects" / "tiny_lm", project, ignore=shutil.ignore_patterns("output"))
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    forge = str(venv / "bin" / "forge")
+
+    def run(*args):
+        result = subprocess.run(
+            [forge, *args], cwd=elsewhere, env=env, capture_output=True, text=True
+        )
+        assert result.returncode == 0, result.stderr
+        return result.stdout
+
+    chain = run("render", "-p", str(project), "--chain")
+    library = site / "forge" / "templates"
+    assert f"{library / 'base.yaml'}" in chain
+    assert str(REPO) not in chain
+    assert "trainer: &trainer !singleton:forge.train:Trainer" in run("render", "-p", str(project))
+    quick = ["-D", "max_files=40", "-D", "vocab_size=512", "-D", "max_steps=2"]
+    quick += ["-D", "save_steps=2", "-D", "eval_steps=2", "-D", "logging_steps=1"]
+    run_dir = Path(run("train", "-p", str(project), *quick).splitlines()[0])
+    assert (run_dir / "checkpoints" / "checkpoint-000002" / "manifest.json").is_file()
 
 
 def library_references():

@@ -17,7 +17,9 @@ from typing import Any
 
 from forge.config import ConfigError, Project, find_project, load_config, load_project
 from forge.config import parse_define as _parse_define
+from forge.config.analysis import unused_variables
 from forge.errors import EXIT_USAGE, UsageError, exit_code_for
+from forge.train.topology import Topology
 
 logger = logging.getLogger("forge")
 
@@ -77,6 +79,10 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
+def _clip(text: str, width: int = 40) -> str:
+    return text if len(text) <= width else text[: width - 3] + "..."
+
+
 def _human_size(size: float) -> str:
     for unit in ("B", "KB", "MB", "GB"):
         if size < 1024 or unit == "GB":
@@ -90,10 +96,15 @@ def _human_size(size: float) -> str:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     project = _project(args)
-    rows, broken = [], []
+    defines = _defines(args)
+    rows, broken, read = [], [], set()
     for name in project.list_configs():
         try:
-            cfg = load_config(project, name, variables=_defines(args), allow=args.allow or [])
+            # A -D needs to be read by some config, not by each of them (checked below).
+            cfg = load_config(
+                project, name, variables=defines, allow=args.allow or [], check_variables=False
+            )
+            read |= cfg.variables_read()
             # Checking imports every callable (and so torch); without --check only the
             # render, the YAML and the graph are checked.
             problems = cfg.check() if args.check else _graph_problems(cfg)
@@ -104,6 +115,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             broken.append((name, problems))
         default = "*" if name == project.default_config else ""
         rows.append([name + default, status])
+    unread = unused_variables(defines, read, "config of this project") if rows else []
+    if unread:
+        raise ConfigError(unread)
     print(f"project {project.name}: {project.description}".rstrip(": "))
     print(_table(rows, ["CONFIG", "CHECK"]) if rows else "(no configs in templates/configs/)")
     for name, problems in broken:
@@ -124,8 +138,24 @@ def cmd_render(args: argparse.Namespace) -> int:
             print(f"{index:2d}  {template:40s} {path}")
     elif args.graph:
         print(cfg.describe_graph())
+    elif args.resolved:
+        sys.stdout.write(cfg.resolved_text())
     else:
         sys.stdout.write(cfg.text if cfg.text.endswith("\n") else cfg.text + "\n")
+    return EXIT_OK
+
+
+def cmd_vars(args: argparse.Namespace) -> int:
+    from forge.config.render import builtin_variables, render_config
+    from forge.config.variables import variable_rows
+
+    project = _project(args)
+    name = _config_name(args, project)
+    defines = _defines(args)
+    rendered = render_config(project, name, defines)
+    rows = variable_rows(rendered, defines, builtin_variables(project, name))
+    table = [[r.name, _clip(r.value), _clip(r.default), r.where] for r in rows]
+    print(_table(table, ["VARIABLE", "VALUE", "DEFAULT", "WHERE"]))
     return EXIT_OK
 
 
@@ -142,26 +172,45 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch import launch_training, resolve_nproc
+    from forge.preflight import check_training_contract
     from forge.runs import config_output_dir, create_run, discard_unstarted_run
+    from forge.worker import build_variables
 
     project = _project(args)
     name, cfg = _load(args, project)
     nproc = resolve_nproc(args.nproc)
     if "trainer" not in cfg.targets:
         raise UsageError(f"config '{name}' has no 'trainer' target; nothing to train")
+    topology = Topology.from_env()
+    if topology.distributed and args.nproc not in (None, "1"):
+        raise UsageError(
+            f"this process is already rank {topology.rank} of {topology.world_size} started by "
+            "another launcher (accelerate launch, torchrun); drop --nproc"
+        )
+    # Before any run directory exists: do the batches fit the model's forward?
+    next_run = config_output_dir(project.output_dir, name) / "run_NNN"
+    variables = build_variables(next_run, project, name)
+    check_training_contract(cfg, variables, args.allow or [], config=name)
     if args.dry_run:
+        nproc = topology.world_size if topology.distributed else nproc
         print(f"config {name} renders and checks; would train with {nproc} process(es) in")
-        print(f"  {config_output_dir(project.output_dir, name)}/run_NNN/")
+        print(f"  {next_run}/")
         return EXIT_OK
-    run_dir = create_run(
-        config_output_dir(project.output_dir, name),
-        config_name=name,
-        config_text=cfg.text,
-        project_root=project.root,
-        overrides=args.set or [],
-        variables=_defines(args),
-        nproc=nproc,
-    )
+
+    def make_run() -> Path:
+        return create_run(
+            config_output_dir(project.output_dir, name),
+            config_name=name,
+            config_text=cfg.text,
+            project_root=project.root,
+            overrides=args.set or [],
+            variables=_defines(args),
+            nproc=topology.world_size if topology.distributed else nproc,
+        )
+
+    if topology.distributed:  # every rank of a job another launcher started runs this
+        return _train_in_launched_job(project, make_run, topology, args)
+    run_dir = make_run()
     print(run_dir, flush=True)
     logger.info("run directory: %s", run_dir)
     try:
@@ -182,13 +231,37 @@ def cmd_train(args: argparse.Namespace) -> int:
     return code
 
 
+def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
+    """``accelerate launch -m forge.cli train ...``: rank 0 creates the run, each rank trains."""
+    from forge.launch import join_launched_job, leave_launched_job
+    from forge.runs import discard_unstarted_run
+    from forge.worker import run_worker
+
+    run_dir = join_launched_job(make_run if topology.is_main else None, topology)
+    if topology.is_main:
+        print(run_dir, flush=True)
+        logger.info("run directory: %s (rank 0 of %d)", run_dir, topology.world_size)
+    ok = False
+    try:
+        code = run_worker(run_dir, project, allow=args.allow or [])
+        ok = True
+    except Exception as err:
+        if topology.is_main and exit_code_for(err) == EXIT_USAGE:
+            discard_unstarted_run(run_dir)
+        raise
+    finally:
+        leave_launched_job(ok=ok)
+    return code
+
+
 def cmd_resume(args: argparse.Namespace) -> int:
     from forge.launch import launch_training, resolve_nproc
     from forge.runs import (
         RunRecord,
-        apply_config_overrides,
         find_resume_checkpoint,
         find_run,
+        nothing_to_resume,
+        parse_run_config,
         record_resume,
     )
 
@@ -202,10 +275,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
     )
     from_checkpoint = Path(args.from_checkpoint) if args.from_checkpoint else None
     checkpoint = find_resume_checkpoint(run_dir, from_checkpoint)
+    overrides = args.set or []
+    cfg = parse_run_config(run_dir, project, overrides, args.allow or [])
+    done = nothing_to_resume(run_dir, checkpoint, cfg, changed=bool(overrides or from_checkpoint))
+    if done:
+        logger.info("%s", done)
+        return EXIT_OK
     recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
     nproc = resolve_nproc(args.nproc, default=recorded)
-    overrides = args.set or []
-    apply_config_overrides(run_dir, project, overrides, args.allow or [])
+    if overrides:
+        (run_dir / "config.yaml").write_text(cfg.text)
     record_resume(run_dir, checkpoint, overrides=overrides, world_size=nproc)
     print(run_dir, flush=True)
     logger.info("resuming %s from %s", run_dir, checkpoint)
@@ -229,7 +308,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from forge.runs import RunRecord, all_run_dirs
+    from forge.runs import RunRecord, all_run_dirs, checkpoint_count
 
     project = _project(args)
     rows = []
@@ -245,7 +324,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 data.get("config", "?"),
                 data.get("status", "?"),
                 str(data.get("step", 0)),
-                str(len(data.get("checkpoints", []))),
+                str(checkpoint_count(run_dir)),
                 best_text,
                 data.get("created", "")[:19],
             ]
@@ -379,6 +458,53 @@ def cmd_code(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _run_dir(project: Project, run: str | None) -> Path:
+    """RUN as a run directory, a path under the project's output, a run number, or the newest."""
+    from forge.runs import find_run
+
+    if run is None:
+        return find_run(project.output_dir)
+    for candidate in (Path(run), project.output_dir / run):
+        if (candidate / "run.json").is_file():
+            return candidate.resolve()
+    if run.isdigit():
+        return find_run(project.output_dir, number=int(run))
+    raise UsageError(
+        f"RUN {run!r} is neither a run directory, a path under {project.output_dir} "
+        "(e.g. train/run_001) nor a run number; `forge runs` lists them"
+    )
+
+
+def cmd_plot(args: argparse.Namespace) -> int:
+    from forge.plot import save_plot
+
+    project = _project(args)
+    run_dir = _run_dir(project, args.run)
+    metrics = [m.strip() for m in args.metric.split(",") if m.strip()] if args.metric else None
+    output = Path(args.output) if args.output else run_dir / "metrics.png"
+    print(save_plot(run_dir, metrics, output))
+    return EXIT_OK
+
+
+def cmd_tb(args: argparse.Namespace) -> int:
+    from forge.plot import require_tensorboard, tensorboard_command
+    from forge.runs import RunError
+
+    project = _project(args)
+    logdir = _run_dir(project, args.run) if args.run else project.output_dir
+    if not logdir.is_dir():
+        raise RunError(f"no runs under {logdir}; start one with `forge train CONFIG`")
+    command = tensorboard_command(logdir, port=args.port, host=args.host)
+    if args.print_command:
+        print(shlex.join(command))
+        return EXIT_OK
+    require_tensorboard()
+    logger.info("serving %s: %s", logdir, shlex.join(command))
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(command[0], command)  # TensorBoard takes over this process and its Ctrl-C
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from forge.envinfo import environment_report
 
@@ -390,6 +516,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 COMMANDS = {
     "ls": cmd_ls,
     "render": cmd_render,
+    "vars": cmd_vars,
     "build": cmd_build,
     "train": cmd_train,
     "resume": cmd_resume,
@@ -399,6 +526,8 @@ COMMANDS = {
     "new": cmd_new,
     "new-config": cmd_new_config,
     "code": cmd_code,
+    "plot": cmd_plot,
+    "tb": cmd_tb,
     "env": cmd_env,
     "_worker": cmd_worker,
 }

@@ -26,6 +26,12 @@ EXAMPLES = {
           forge render train -p projects/tiny_lm --set trainer.args.save_steps=25
           forge render train -p projects/tiny_lm --chain      # which templates, in order
           forge render train -p projects/tiny_lm --graph      # nodes with callables resolved
+          forge render train -p projects/tiny_lm --resolved   # each key once, with its line
+    """,
+    "vars": """
+        examples:
+          forge vars train -p projects/tiny_lm                # every variable the config reads
+          forge vars train -p projects/tiny_lm -D max_steps=50
     """,
     "build": """
         examples:
@@ -81,6 +87,18 @@ EXAMPLES = {
           forge code train -p projects/tiny_lm > train.py     # the script, on stdout
           forge code train -p projects/tiny_lm -D max_steps=50 -o train.py
           python train.py --output-dir runs/a                 # trains as `forge train` would
+    """,
+    "plot": """
+        examples:
+          forge plot -p projects/tiny_lm                      # the newest run -> RUN_DIR/metrics.png
+          forge plot train/run_001 -p projects/tiny_lm --metric loss,eval_loss -o curves.png
+          forge plot 3 -p projects/tiny_lm --metric learning_rate
+    """,
+    "tb": """
+        examples:
+          forge tb -p projects/tiny_lm                        # every run of the project
+          forge tb train/run_002 -p projects/tiny_lm --port 6007
+          forge tb -p projects/tiny_lm --print-command        # show the command, start nothing
     """,
     "env": """
         examples:
@@ -152,6 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
               forge resume -p projects/tiny_lm
               forge generate projects/tiny_lm/output/train/run_001 --prompt "def "
 
+            a project of your own:
+              forge new my_project --from classifier     # or tiny_lm, blank
+              forge train -p my_project
+
             `forge COMMAND --help` shows worked examples for each command.
             Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 130 Ctrl-C, 143 SIGTERM.
             """
@@ -182,6 +204,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--graph", action="store_true", help="show the node tree with callables resolved"
     )
     view.add_argument("--chain", action="store_true", help="show the template files used, in order")
+    view.add_argument(
+        "--resolved",
+        action="store_true",
+        help="each key once (the value that wins) with the template line it came from",
+    )
+
+    p = _sub(
+        subparsers,
+        "vars",
+        "every template variable a config reads, its value or default, and where it is set",
+    )
+    _add_config_inputs(p)
 
     p = _sub(subparsers, "build", "build one target of a config and print its repr")
     _add_config_inputs(p)
@@ -257,6 +291,30 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", metavar="FILE", help="write the script here (default: stdout)")
     p.add_argument(
         "--target", default="trainer", metavar="NAME", help="target to build (default: trainer)"
+    )
+
+    p = _sub(subparsers, "plot", "draw a run's metric curves (metrics.jsonl) as a PNG")
+    p.add_argument(
+        "run",
+        nargs="?",
+        metavar="RUN",
+        help="run directory, path under output/ (train/run_001) or number (default: newest)",
+    )
+    _add_project(p)
+    p.add_argument(
+        "--metric",
+        metavar="NAME[,NAME...]",
+        help="metrics to draw, comma-separated (default: loss,eval_loss)",
+    )
+    p.add_argument("-o", "--output", metavar="PNG", help="image file (default: RUN/metrics.png)")
+
+    p = _sub(subparsers, "tb", "start TensorBoard on a project's runs (or one run)")
+    p.add_argument("run", nargs="?", metavar="RUN", help="only this run (default: every run)")
+    _add_project(p)
+    p.add_argument("--port", type=int, help="TensorBoard's port (default: its own, 6006)")
+    p.add_argument("--host", help="address to bind (default: localhost)")
+    p.add_argument(
+        "--print-command", action="store_true", help="print the command instead of running it"
     )
 
     _sub(subparsers, "env", "versions, devices and backends (for bug reports)")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from jinja2 import nodes
 
 from .errors import Problem, display_path, suggestion
-from .syntax import MARK_RE
+from .syntax import ANY_MARK_RE
 
 _KEY_LINE_RE = re.compile(r"""^(\s*)(?:[A-Za-z_.][\w.\-]*|"[^"]*"|'[^']*')\s*:(?:\s|$)""")
 
@@ -122,7 +122,7 @@ def _text_lines(body: list[nodes.Node], lines: list[str]) -> list[tuple[int, str
             for offset, piece in enumerate(node.data.split("\n")):
                 number = node.lineno + offset
                 if piece.strip() and 0 < number <= len(lines):
-                    found.setdefault(number, MARK_RE.sub("", lines[number - 1]))
+                    found.setdefault(number, ANY_MARK_RE.sub("", lines[number - 1]))
     return sorted(found.items())
 
 
@@ -172,25 +172,28 @@ def check_inheritance(infos: dict[str, TemplateInfo], used: Iterable[str]) -> li
     return problems
 
 
-def unused_variables(
-    variables: Iterable[str], infos: dict[str, TemplateInfo], used: Iterable[str]
-) -> list[Problem]:
-    """A problem for each `-D` variable that no template of the render reads."""
+def variables_read(infos: dict[str, TemplateInfo], used: Iterable[str]) -> set[str]:
+    """Every name the templates `used` (of `infos`) read, defaults included."""
     read: set[str] = set()
     for name in used:
         if name in infos:
             read |= infos[name].reads()
-    problems = []
-    for var in variables:
-        if var not in read:
-            problems.append(
-                Problem(
-                    f"-D {var}: no template of this config reads a variable {var!r}, so it "
-                    f"would change nothing{suggestion(var, read)}",
-                    hint="`forge vars CONFIG` lists the variables a config reads",
-                )
-            )
-    return problems
+    return read
+
+
+def unused_variables(
+    variables: Iterable[str], read: set[str], scope: str = "template of this config"
+) -> list[Problem]:
+    """A problem for each `-D` variable not in `read`."""
+    return [
+        Problem(
+            f"-D {var}: no {scope} reads a variable {var!r}, so it would change nothing"
+            f"{suggestion(var, read)}",
+            hint="`forge vars CONFIG` lists the variables a config reads",
+        )
+        for var in variables
+        if var not in read
+    ]
 
 
 def _ancestors(info: TemplateInfo, infos: dict[str, TemplateInfo]) -> list[TemplateInfo] | None:

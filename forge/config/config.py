@@ -8,6 +8,7 @@ from typing import Any
 
 import yaml
 
+from .analysis import TemplateInfo, variables_read
 from .build import CycleError, Materializer, missing_variables
 from .check import check_graph, keywords_of
 from .describe import describe_graph
@@ -18,7 +19,7 @@ from .project import Project
 from .render import RenderedConfig, SourceMap, render_config
 from .resolve import Resolver
 from .resolved import resolved_yaml
-from .yaml_io import compose, serialize
+from .yaml_io import compose, describe_yaml_error, serialize
 
 logger = logging.getLogger(__name__)
 
@@ -47,6 +48,7 @@ class Config:
         self.text = text
         self.targets = targets
         self.chain = chain or []
+        self.templates: dict[str, TemplateInfo] = {}  # what each rendered template does
         self.source_map = source_map
         self.origin = origin
         self.project = project
@@ -135,6 +137,10 @@ class Config:
             return self.location_text(Loc("", mark.line + 1)) or None if mark else None
 
         return resolved_yaml(self._root, locate)
+
+    def variables_read(self) -> set[str]:
+        """Every template variable the render of this config read (empty if not rendered)."""
+        return variables_read(self.templates, self.templates)
 
     def describe_graph(self) -> str:
         """The node tree: each target, its nodes, what they resolve to, and where they came from."""
@@ -236,9 +242,16 @@ def load_config(
     variables: Mapping[str, Any] | None = None,
     overrides: Iterable[str] = (),
     allow: Iterable[str] = (),
+    *,
+    check_variables: bool = True,
 ) -> Config:
-    """Render a project's config, parse it and apply `--set` overrides."""
-    rendered: RenderedConfig = render_config(project, config, variables)
+    """Render a project's config, parse it and apply `--set` overrides.
+
+    With `check_variables`, a variable in `variables` that no template reads is an error.
+    """
+    rendered: RenderedConfig = render_config(
+        project, config, variables, check_variables=check_variables
+    )
     parsed = parse_config(
         rendered.text,
         project=project,
@@ -248,19 +261,16 @@ def load_config(
         origin=rendered.config,
     )
     parsed.chain = rendered.chain
+    parsed.templates = rendered.templates
     return parsed
 
 
 def _yaml_problem(
     err: yaml.YAMLError, text: str, source_map: SourceMap | None, origin: str
 ) -> Problem:
-    mark = getattr(err, "problem_mark", None)
-    detail = getattr(err, "problem", None) or str(err)
-    context = getattr(err, "context", None)
-    message = f"invalid YAML: {detail}" + (f" ({context})" if context else "")
-    if mark is None:
+    message, line = describe_yaml_error(err, text)
+    if line is None:
         return Problem(message, file=origin)
-    line = mark.line + 1
     if source_map is None:
         return Problem(message, file=origin, line=line)
     found = source_map.get(line)

@@ -11,11 +11,27 @@ import yaml
 import forge
 
 from .errors import ConfigError, Problem, did_you_mean, suggestion
+from .yaml_io import describe_yaml_error
 
 logger = logging.getLogger(__name__)
 
 META_FILE = "meta.yaml"
-LIBRARY_DIR = Path(forge.__file__).parent / "templates"
+
+
+def _library_dir() -> Path:
+    """forge's template library: `forge/templates` in an installed package, else the
+    `templates/` directory beside the `forge` package of a source tree (or an editable
+    install of one). Looked up on disk next to the imported forge, never through the
+    import system, so a source tree never picks up the library of another install."""
+    package = Path(forge.__file__).resolve().parent
+    installed = package / "templates"
+    root = package.parent
+    if not installed.is_dir() and (root / "pyproject.toml").is_file():
+        return root / "templates"
+    return installed
+
+
+LIBRARY_DIR = _library_dir()
 META_KEYS = (
     "name",
     "description",
@@ -108,12 +124,12 @@ def load_project(root: str | Path) -> Project:
         raise ConfigError(
             Problem(f"{root} is not a forge project: no {META_FILE}", hint="create meta.yaml")
         )
+    text = _read_text(meta_file)
     try:
-        meta = yaml.safe_load(meta_file.read_text(encoding="utf-8"))
+        meta = yaml.safe_load(text)
     except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        line = mark.line + 1 if mark is not None else None
-        raise ConfigError(Problem(f"invalid YAML: {err}", file=str(meta_file), line=line)) from None
+        message, line = describe_yaml_error(err, text)
+        raise ConfigError(Problem(message, file=str(meta_file), line=line)) from None
     meta = {} if meta is None else meta
     if not isinstance(meta, dict):
         raise ConfigError(Problem("must be a mapping of settings", file=str(meta_file)))
@@ -170,6 +186,18 @@ def load_project(root: str | Path) -> Project:
         code_paths=code_paths,
         allowed_modules=allowed,
     )
+
+
+def _read_text(path: Path) -> str:
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as err:
+        line = path.read_bytes()[: err.start].count(b"\n") + 1
+        raise ConfigError(
+            Problem(f"not UTF-8 text: {err.reason} at byte {err.start}", file=str(path), line=line)
+        ) from None
+    except OSError as err:
+        raise ConfigError(Problem(f"cannot read it: {err.strerror}", file=str(path))) from None
 
 
 def find_project(start: str | Path | None = None) -> Project:

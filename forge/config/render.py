@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import logging
 import re
+import secrets
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,7 +17,7 @@ import jinja2
 import yaml
 from jinja2.sandbox import SecurityError
 
-from .analysis import TemplateInfo, check_inheritance, unused_variables
+from .analysis import TemplateInfo, check_inheritance, unused_variables, variables_read
 from .errors import ConfigError, Problem, display_path, suggestion
 from .project import Project
 from .sandbox import TemplateEnvironment, UnsafeTemplateError
@@ -59,6 +60,7 @@ class TemplateLoader(jinja2.BaseLoader):
         self.inline: dict[str, tuple[str, str]] = {}  # name -> (Jinja source, file)
         self.files: list[str] = []  # file id (as used in markers) -> path
         self.chain: list[tuple[str, str]] = []
+        self.token = secrets.token_hex(8)  # signs this render's provenance markers
 
     def get_source(
         self, environment: jinja2.Environment, template: str
@@ -94,7 +96,13 @@ class TemplateLoader(jinja2.BaseLoader):
     def _load_file(self, name: str, path: Path) -> str:
         file_id = len(self.files)
         self.files.append(str(path))
-        parts = split_templates(path.read_text(encoding="utf-8"), name)
+        try:
+            source = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError as err:
+            line = path.read_bytes()[: err.start].count(b"\n") + 1
+            message = f"not UTF-8 text: {err.reason} at byte {err.start}"
+            raise jinja2.TemplateSyntaxError(message, line, name, str(path)) from None
+        parts = split_templates(source, name)
         for part in parts[1:]:
             if part.name in self.inline:
                 logger.warning(
@@ -105,8 +113,8 @@ class TemplateLoader(jinja2.BaseLoader):
                     display_path(self.inline[part.name][1]),
                 )
                 continue
-            self.inline[part.name] = (translate(part, file_id), str(path))
-        return translate(parts[0], file_id)
+            self.inline[part.name] = (translate(part, file_id, self.token), str(path))
+        return translate(parts[0], file_id, self.token)
 
     def available(self) -> list[str]:
         """Every template name the search path and the inline templates offer."""
@@ -160,7 +168,7 @@ def render_config(
         output = env.get_template(f"configs/{name}").render()
         _parse_unused_inline(env, loader)
     except jinja2.TemplateSyntaxError as err:
-        raise ConfigError(_syntax_problem(err), config=name) from None
+        raise ConfigError(_syntax_problem(err, loader), config=name) from None
     except SecurityError as err:
         raise ConfigError(_unsafe_problem(err, loader), config=name) from None
     except jinja2.TemplateNotFound as err:
@@ -170,10 +178,10 @@ def render_config(
     used = [template for template, _ in loader.chain]
     problems = check_inheritance(env.template_info, used)
     if check_variables:
-        problems += unused_variables(variables or {}, env.template_info, used)
+        problems += unused_variables(variables or {}, variables_read(env.template_info, used))
     if problems:
         raise ConfigError(problems, config=name)
-    text, origins = strip_markers(output)
+    text, origins = strip_markers(output, loader.token)
     source_map: SourceMap = {
         number: (loader.files[o[0]], o[1]) if o else None
         for number, o in enumerate(origins, start=1)
@@ -218,7 +226,9 @@ def parse_define(text: str) -> tuple[str, Any]:
         return name, raw  # not a YAML value: keep the text as given
 
 
-def _syntax_problem(err: jinja2.TemplateSyntaxError) -> Problem:
+def _syntax_problem(err: jinja2.TemplateSyntaxError, loader: TemplateLoader) -> Problem:
+    if err.filename is None and err.name in loader.files:
+        err.filename = err.name  # Jinja's lexer passes the file as the name for some errors
     context = _source_line(err.filename, err.lineno)
     where = f" (in template {err.name!r})" if err.name and err.name != err.filename else ""
     return Problem(
@@ -273,7 +283,8 @@ def _source_line(file: str | None, line: int | None) -> str | None:
     if not file or not line:
         return None
     try:
-        return f"{line} | {Path(file).read_text(encoding='utf-8').split(chr(10))[line - 1]}"
+        text = Path(file).read_text(encoding="utf-8", errors="replace")
+        return f"{line} | {text.split(chr(10))[line - 1]}"
     except (OSError, IndexError):
         return None
 

@@ -23,7 +23,9 @@ from dataclasses import dataclass
 
 MARK_OPEN = "\ue000"
 MARK_CLOSE = "\ue001"
-MARK_RE = re.compile(f"{MARK_OPEN}(\\d+)\\.(\\d+){MARK_CLOSE}")
+# Every render signs its markers with a random token, so text a template writes can never
+# pass for one (`{{ "\ue0001.2\ue001" }}` is text, not provenance).
+ANY_MARK_RE = re.compile(f"{MARK_OPEN}[0-9a-f]*:\\d+\\.\\d+{MARK_CLOSE}")
 STRIP_NEWLINES_FILTER = "_forge_strip_newlines"
 
 _LINE_RE = re.compile(r"^(\s*)(--|<<|>>|==|=>) (.*?)\s*$")
@@ -56,8 +58,14 @@ def split_templates(source: str, main_name: str) -> list[SubTemplate]:
     return parts
 
 
-def translate(part: SubTemplate, file_id: int) -> str:
-    """Jinja source for one (sub-)template, starting on its real file line."""
+def marker(token: str, file_id: int, line: int) -> str:
+    """The invisible provenance marker for `line` of file `file_id`, signed with `token`."""
+    return f"{MARK_OPEN}{token}:{file_id}.{line}{MARK_CLOSE}"
+
+
+def translate(part: SubTemplate, file_id: int, token: str = "") -> str:
+    """Jinja source for one (sub-)template, starting on its real file line; its markers
+    are signed with `token`."""
     out = []
     open_tag: str | None = None  # the closing delimiter we are waiting for, across lines
     in_section = False  # inside a block opened by a `[name]` line
@@ -73,7 +81,7 @@ def translate(part: SubTemplate, file_id: int) -> str:
         line = raw if open_tag else _translate_line(raw)
         open_tag, literal = _scan_tags(line, open_tag)
         if open_tag is None and _wants_marker(line, literal):
-            line = f"{line}{MARK_OPEN}{file_id}.{number}{MARK_CLOSE}"
+            line = line + marker(token, file_id, number)
         out.append(line)
     if in_section:
         out[-1] += "{% endblock %}"
@@ -165,15 +173,17 @@ def _wants_marker(line: str, literal: bool) -> bool:
     return literal and not end.endswith(("-%}", "-}}"))
 
 
-def strip_markers(text: str) -> tuple[str, list[tuple[int, int] | None]]:
-    """Rendered text without markers, and per output line the first (file id, line) seen."""
+def strip_markers(text: str, token: str = "") -> tuple[str, list[tuple[int, int] | None]]:
+    """Rendered text without the markers signed with `token`, and per output line the
+    first (file id, line) seen."""
+    mark_re = re.compile(f"{MARK_OPEN}{re.escape(token)}:(\\d+)\\.(\\d+){MARK_CLOSE}")
     lines = text.split("\n")
     clean = []
     origins: list[tuple[int, int] | None] = []
     for line in lines:
-        match = MARK_RE.search(line)
+        match = mark_re.search(line)
         origins.append((int(match.group(1)), int(match.group(2))) if match else None)
-        clean.append(MARK_RE.sub("", line) if match else line)
+        clean.append(mark_re.sub("", line) if match else line)
     return "\n".join(clean), origins
 
 

@@ -61,3 +61,17 @@ def compose(text: str) -> yaml.Node | None:
 def serialize(node: yaml.Node) -> str:
     """YAML text for a node tree, keeping tags and turning shared nodes into anchors."""
     return yaml.serialize(node, Dumper=ForgeDumper, allow_unicode=True)
+
+
+def describe_yaml_error(err: yaml.YAMLError, text: str) -> tuple[str, int | None]:
+    """`invalid YAML: ...` for a PyYAML error in `text`, and its 1-based line if known."""
+    if isinstance(err, yaml.reader.ReaderError):  # a character YAML does not allow
+        character = err.character
+        shown = f"#x{character:04x}" if isinstance(character, int) else repr(character)
+        line = text.count("\n", 0, max(err.position, 0)) + 1
+        return f"invalid YAML: character {shown} is not allowed ({err.reason})", line
+    detail = getattr(err, "problem", None) or str(err)
+    context = getattr(err, "context", None)
+    message = f"invalid YAML: {detail}" + (f" ({context})" if context else "")
+    mark = getattr(err, "problem_mark", None)
+    return message, None if mark is None else mark.line + 1

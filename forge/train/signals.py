@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from types import FrameType, TracebackType
 from typing import Any
+
+logger = logging.getLogger(__name__)
 
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 
@@ -43,9 +46,13 @@ class StopSignals:
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
+        name = signal.Signals(signum).name
         if self.received:
+            logger.info("received %s again: stopping now, without a checkpoint", name)
             raise KeyboardInterrupt
         self.received = signum
+        # Said at once: the step in progress (and the save) may take a while.
+        logger.info("received %s: saving a checkpoint at the next step", name)
 
     def __enter__(self) -> StopSignals:
         self.received = 0

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shutil
+
 import yaml
 
 from tests.helpers import TINY_LM, run_forge
@@ -32,6 +34,9 @@ COMMANDS = (
     "generate",
     "new",
     "new-config",
+    "code",
+    "plot",
+    "tb",
     "env",
 )
 
@@ -192,9 +197,13 @@ def test_env_reports_versions():
 
 
 def test_train_dry_run_checks_without_creating_a_run(tmp_path):
-    result = run_forge("train", "-p", str(TINY_LM), "--dry-run")
+    project = tmp_path / "tiny_lm"
+    shutil.copytree(TINY_LM, project, ignore=shutil.ignore_patterns("output"))
+    small = ["-D", "max_files=4", "-D", "vocab_size=512", "-D", "block_size=32"]
+    result = run_forge("train", "-p", str(project), "--dry-run", *small)
     assert result.returncode == 0, result.stderr
     assert "run_NNN" in result.stdout
+    assert not (project / "output" / "train").exists()
 
 
 def test_resume_without_runs_exits_1_and_touches_nothing(tmp_path):

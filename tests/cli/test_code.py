@@ -12,24 +12,10 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.small_lm import SMALL_LM, defines
 from tests.helpers import TINY_LM, run_forge
 
-SMALL_LM = {
-    "vocab_size": 512,
-    "block_size": 32,
-    "hidden_size": 32,
-    "num_layers": 2,
-    "num_heads": 2,
-    "max_files": 4,
-    "batch_size": 4,
-    "eval_steps": 5,
-    "save_steps": 5,
-    "warmup_steps": 2,
-}
-
-
-def defines(values: dict) -> list[str]:
-    return [arg for key, value in values.items() for arg in ("-D", f"{key}={value}")]
+TRAINING = {"batch_size": 4, "eval_steps": 5, "save_steps": 5, "warmup_steps": 2}
 
 
 def logged(run_dir: Path, key: str) -> list[tuple[int, float]]:
@@ -78,7 +64,7 @@ def lm_project(tmp_path):
 
 
 def test_script_trains_the_small_lm_with_the_same_losses(lm_project, tmp_path):
-    args = [*defines(SMALL_LM), "-D", "max_steps=10", "-D", "logging_steps=1"]
+    args = [*defines(SMALL_LM | TRAINING), "-D", "max_steps=10", "-D", "logging_steps=1"]
     forge_run, script_run = train_both_ways(lm_project, *args, tmp_path=tmp_path)
     assert_same_curves(forge_run, script_run, steps=10)
     assert (script_run / "checkpoints" / "checkpoint-000010" / "manifest.json").is_file()

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shlex
+import subprocess
+import sys
 
 from tests.helpers import REPO, run_forge
 
@@ -51,3 +54,45 @@ def test_readme_new_project_example_runs(tmp_path):
         result = run_forge(*command, cwd=tmp_path)
         assert result.returncode == 0, (command, result.stderr)
     assert (tmp_path / "demo_cls" / "output" / "wide" / "run_001" / "checkpoints").is_dir()
+    loading = re.search(r"```python\n(import sys\n.*?)```", README, re.S).group(1)
+    loaded = subprocess.run(
+        [sys.executable, "-c", loading + "\nprint(sorted(model.state_dict()))"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
+    assert loaded.returncode == 0, loaded.stderr
+    assert "net.0.weight" in loaded.stdout
+
+
+def test_readme_optimizer_and_scheduler_partials_train(tmp_path):
+    assert run_forge("new", "demo_cls", "--from", "classifier", cwd=tmp_path).returncode == 0
+    configs = tmp_path / "demo_cls" / "templates" / "configs"
+    (configs / "sgd.yaml").write_text(readme_block("# templates/configs/sgd.yaml"))
+    result = run_forge("train", "sgd", "-p", "demo_cls", "-D", "max_steps=40", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run_dir = tmp_path / "demo_cls" / "output" / "sgd" / "run_001"
+    logs = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    rates = [m["learning_rate"] for m in logs if "learning_rate" in m]
+    losses = [m["loss"] for m in logs if "loss" in m]
+    assert rates == sorted(rates, reverse=True) and rates[0] < 0.1  # cosine, from 0.1 down
+    assert losses[-1] < 0.5 * losses[0]
+    bad = readme_block("# templates/configs/sgd.yaml").replace(
+        "eta_min:", "T_max: 100\n    eta_min:"
+    )
+    (configs / "bad.yaml").write_text(bad)
+    result = run_forge("train", "bad", "-p", "demo_cls", "-D", "max_steps=4", cwd=tmp_path)
+    assert result.returncode == 2
+    assert "multiple values for argument 'T_max'" in result.stderr
+    assert "leave out 'T_max': the trainer passes num_training_steps" in result.stderr
+    assert not (tmp_path / "demo_cls" / "output" / "bad").exists()
+
+
+def test_readme_contract_error_is_what_forge_prints(tmp_path):
+    assert run_forge("new", "demo_cls", "--from", "classifier", cwd=tmp_path).returncode == 0
+    data = tmp_path / "demo_cls" / "data.py"
+    data.write_text(data.read_text().replace('{"features":', '{"inputs":'))
+    result = run_forge("train", "-p", "demo_cls", "--dry-run", cwd=tmp_path)
+    assert result.returncode == 2
+    shown = re.search(r"\$ forge train -p demo_cls --dry-run\n(.*?)\n```", README, re.S).group(1)
+    assert result.stderr.strip() == shown

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.cli.small_lm import SMALL_LM, defines
 from tests.helpers import run_forge
 
 
@@ -34,13 +35,7 @@ def test_classifier_scaffold_trains_and_its_loss_falls(tmp_path):
 def test_tiny_lm_scaffold_trains_a_few_steps(tmp_path):
     created = run_forge("new", "lm", "-p", str(tmp_path))
     assert created.returncode == 0, created.stderr
-    small = {
-        "vocab_size": 512,
-        "block_size": 32,
-        "hidden_size": 32,
-        "num_layers": 2,
-        "num_heads": 2,
-        "max_files": 4,
+    training = {
         "batch_size": 8,
         "max_steps": 20,
         "logging_steps": 5,
@@ -49,8 +44,7 @@ def test_tiny_lm_scaffold_trains_a_few_steps(tmp_path):
         "warmup_steps": 1,
         "learning_rate": 0.01,
     }
-    defines = [arg for key, value in small.items() for arg in ("-D", f"{key}={value}")]
-    trained = run_forge("train", "-p", str(tmp_path / "lm"), *defines)
+    trained = run_forge("train", "-p", str(tmp_path / "lm"), *defines(SMALL_LM | training))
     assert trained.returncode == 0, trained.stderr
     losses = logged_losses(Path(trained.stdout.splitlines()[0]))
     assert len(losses) == 4

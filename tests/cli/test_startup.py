@@ -64,8 +64,17 @@ def test_command_does_not_import_torch(args):
     assert "transformers" not in modules
 
 
+def test_new_and_tb_do_not_import_torch(tmp_path):
+    new = forge_imports("new", "p", "--from", "classifier", "-p", str(tmp_path))
+    assert "torch" not in new
+    (tmp_path / "p" / "output").mkdir()
+    tb = forge_imports("tb", "-p", str(tmp_path / "p"), "--print-command")
+    assert "torch" not in tb
+
+
 def test_ls_checks_by_importing_the_callables():
     modules = forge_imports("ls", "-p", str(TINY_LM))
+
     assert "torch" in modules and "forge.train.base" in modules
 
 

@@ -94,8 +94,24 @@ def test_list_and_resolve_configs(make_project):
     assert problem.hint == "did you mean 'train.yaml'?"
 
 
-def test_library_dir():
-    assert LIBRARY_DIR == Path(forge.__file__).parent / "templates"
+def test_library_dir_of_a_source_tree_is_the_top_level_templates():
+    assert LIBRARY_DIR == Path(forge.__file__).resolve().parent.parent / "templates"
+    assert (LIBRARY_DIR / "base.yaml").is_file()
+
+
+def test_library_dir_of_an_installed_package_is_inside_it(tmp_path, monkeypatch):
+    from forge.config.project import _library_dir
+
+    site = tmp_path / "site-packages"
+    package = site / "forge"
+    (package / "templates").mkdir(parents=True)
+    (site / "templates").mkdir()  # some other distribution's: never used
+    monkeypatch.setattr(forge, "__file__", str(package / "__init__.py"))
+    assert _library_dir() == package / "templates"
+    (package / "templates").rmdir()
+    assert _library_dir() == package / "templates"  # broken install: not the stray one
+    (site / "pyproject.toml").write_text("")  # a source tree after all
+    assert _library_dir() == site / "templates"
 
 
 def test_import_does_not_load_torch():

@@ -281,3 +281,12 @@ def test_missing_config_suggests(config_project):
         render_config(project, "trian")
     message = str(info.value)
     assert "no config 'trian'" in message and "train.yaml" in message
+
+
+def test_unclosed_comment_is_located_in_its_file(config_project):
+    project = config_project("a: 1\nb: 2 {# never closed\nc: 3\n")
+    with pytest.raises(ConfigError) as info:
+        render_config(project, "train")
+    (problem,) = info.value.problems
+    assert (problem.file, problem.line) == (str(project.configs_dir / "train.yaml"), 2)
+    assert "Missing end of comment tag" in problem.message

@@ -43,6 +43,10 @@ def test_runs_and_checkpoints_tables(trained_once):
     runs = run_forge("runs", "-p", str(project))
     assert runs.returncode == 0, runs.stderr
     assert "train/run_001" in runs.stdout and "completed" in runs.stdout
+    header, row = runs.stdout.splitlines()[:2]
+    on_disk = len(list((run_dir / "checkpoints").glob("checkpoint-*")))
+    assert on_disk == 3  # save_total_limit: 3 of the 4 saved are kept
+    assert row.split()[header.split().index("CKPTS")] == str(on_disk)
     ckpts = run_forge("checkpoints", "-p", str(project), "--verify")
     assert ckpts.returncode == 0, ckpts.stderr
     assert "checkpoint-000040" in ckpts.stdout and "INVALID" not in ckpts.stdout
@@ -154,3 +158,24 @@ def test_bad_training_argument_exits_2_and_leaves_no_run(project):
     assert "trainer.args.save_steps must be a positive integer (got 0)" in result.stderr
     assert "Traceback" not in result.stderr
     assert not (project / "output" / "train" / "run_001").exists()
+
+
+def test_sigterm_is_acknowledged_at_once_and_a_complete_run_has_nothing_to_resume(project):
+    proc = start_forge("train", "-p", str(project), *SMALL, "-D", "max_steps=400", cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000010", proc)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=300)
+    assert proc.returncode == 143, stderr
+    said = stderr.index("received SIGTERM: saving a checkpoint at the next step")
+    assert said < stderr.index("saved checkpoint", stderr.index("checkpoint-000010") + 1)
+    finished = run_forge(
+        "resume", "-p", str(project), "--set", "trainer.args.max_steps=20", cwd=REPO
+    )
+    assert finished.returncode == 0, finished.stderr
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    again = run_forge("resume", "-p", str(project), cwd=REPO)
+    assert again.returncode == 0, again.stderr
+    assert "run_001 is complete (step 20 of 20); nothing to do" in again.stderr
+    assert again.stdout == ""
+    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before

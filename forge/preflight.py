@@ -1,0 +1,281 @@
+"""The model/data contract, checked before ``forge train`` creates a run directory.
+
+The trainer calls ``model(**batch)`` on every batch and reads ``.loss`` (or ``["loss"]``) from
+what it returns. A mismatch would otherwise surface only once the run has started: this builds
+the training dataset and the collator, collates the first items, and compares the batch's keys
+with the parameters of the model's ``forward``. When the model is an ``nn.Module`` class, its
+forward is also run once on the ``meta`` device (no memory, no arithmetic) to see what it
+returns; a model that cannot run there (data-dependent code, as in most Hugging Face models)
+is simply not checked that way.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+from forge.config import Config, ConfigError, Problem
+from forge.config.build import Materializer
+from forge.config.graph import CallNode, Node
+from forge.config.resolve import Resolver
+
+logger = logging.getLogger(__name__)
+
+SAMPLE_ITEMS = 2  # items collated into the sample batch
+# What the trainer passes to the optimizer and scheduler partials (forge/train/optim.py).
+FACTORY_CALLS = {
+    "optimizer": ("parameters",),
+    "lr_scheduler": ("optimizer", "num_training_steps"),
+}
+
+
+def check_training_contract(
+    cfg: Config, variables: Mapping[str, Any], allow: list[str] = (), *, config: str = ""
+) -> None:
+    """Raise ConfigError (exit 2) when the batches cannot feed the model's forward."""
+    trainer = cfg.targets.get("trainer")
+    if not isinstance(trainer, CallNode) or trainer.args:
+        return  # a trainer given positionally or built another way: its own checks apply
+    problems = _check(cfg, trainer, variables, list(allow))
+    if problems:
+        raise ConfigError(problems, config=config or cfg.origin)
+
+
+def _check(
+    cfg: Config, trainer: CallNode, variables: Mapping[str, Any], allow: list[str]
+) -> list[Problem]:
+    model_node = trainer.kwargs.get("model")
+    dataset_node = trainer.kwargs.get("train_dataset")
+    problems = []
+    if model_node is None:
+        problems.append(
+            cfg.problem(
+                trainer.arg_locs.get("model", trainer.loc),
+                "null: there is no model to train",
+                "fill the config's model block with an nn.Module or a !partial that builds "
+                "one, e.g. model: &model !partial:./model.py:MyModel {hidden_size: 64}",
+            )
+        )
+    if dataset_node is None:
+        problems.append(
+            cfg.problem(
+                trainer.arg_locs.get("train_dataset", trainer.loc),
+                "null: there is no data to train on",
+                "fill the config's datasets block with a map-style dataset whose items are dicts",
+            )
+        )
+    if problems or not isinstance(model_node, CallNode):
+        return problems
+    project = cfg.project
+    resolver = Resolver(
+        project.root if project else None,
+        [*(project.allowed_modules if project else []), *allow],
+        project.meta_file if project else None,
+    )
+    built = Materializer(resolver.resolve, variables, cfg.describe_loc)
+    for role, call_args in FACTORY_CALLS.items():
+        node = trainer.kwargs.get(role)
+        if isinstance(node, CallNode) and node.kind == "partial":
+            problem = _partial_problem(cfg, node, built.value(node), role, call_args)
+            problems += [problem] if problem else []
+    if problems:
+        return problems
+    if _overrides_compute_loss(resolver.resolve(trainer.spec)):
+        logger.debug("the trainer computes its own loss; batch/forward contract not checked")
+        return []
+    model_class = resolver.resolve(model_node.spec)
+    if not _is_module_class(model_class):
+        logger.debug("model built by %s; forward checked at the first step", model_node.spec)
+        return []
+
+    dataset = built.value(dataset_node)
+    collator = built.value(trainer.kwargs.get("data_collator"))
+    batch, problem = _sample_batch(cfg, dataset, collator, dataset_node, trainer)
+    if problem is not None or batch is None:
+        return [problem] if problem else []
+    label = f"{model_class.__name__}.forward"
+    mismatch = _signature_mismatch(inspect.signature(model_class.forward), batch, label)
+    if mismatch:
+        return [cfg.problem(model_node.loc, mismatch, _FIX_KEYS)]
+    returned = _meta_forward(model_node, resolver, variables, cfg, batch)
+    message = _return_problem(returned, label, batch)
+    return [cfg.problem(model_node.loc, message, None)] if message else []
+
+
+_FIX_KEYS = (
+    "make the dataset's items (or the data_collator) produce forward's argument names, "
+    "or change forward to take the batch's keys"
+)
+
+
+def _partial_problem(
+    cfg: Config, node: CallNode, value: Any, role: str, call_args: tuple[str, ...]
+) -> Problem | None:
+    """The trainer calls ``value(*call_args)``: does that bind with what the partial gives?"""
+    if not isinstance(value, functools.partial):
+        return None
+    try:
+        signature = inspect.signature(value.func)
+    except (TypeError, ValueError):
+        return None
+    try:
+        signature.bind(*value.args, *call_args, **value.keywords)
+        return None
+    except TypeError as err:
+        error = str(err)
+    label = getattr(value.func, "__name__", "the callable")
+    positional = [
+        p.name
+        for p in signature.parameters.values()
+        if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+    ]
+    receiving = positional[len(value.args) : len(value.args) + len(call_args)]
+    clashes = [name for name in receiving if name in value.keywords]
+    hint = None
+    if clashes:
+        passed = dict(zip(receiving, call_args, strict=False))
+        hint = "; ".join(
+            f"leave out {name!r}: the trainer passes {passed[name]} in its place"
+            for name in clashes
+        )
+    return cfg.problem(
+        node.loc,
+        f"the trainer calls this partial as {role}({', '.join(call_args)}), and "
+        f"{label}() then fails: {error}",
+        hint,
+    )
+
+
+def _overrides_compute_loss(trainer_class: Any) -> bool:
+    from forge.train.base import BaseTrainer
+
+    if not (isinstance(trainer_class, type) and issubclass(trainer_class, BaseTrainer)):
+        return True  # not a forge trainer: its contract is its own
+    return trainer_class.compute_loss is not BaseTrainer.compute_loss
+
+
+def _is_module_class(obj: Any) -> bool:
+    from torch import nn
+
+    return isinstance(obj, type) and issubclass(obj, nn.Module)
+
+
+def _sample_batch(
+    cfg: Config, dataset: Any, collator: Any, dataset_node: Any, trainer: CallNode
+) -> tuple[Any, Problem | None]:
+    """The first items of ``dataset`` collated as the trainer's loader would."""
+    from torch.utils.data import default_collate
+
+    where = dataset_node.loc if isinstance(dataset_node, Node) else trainer.loc
+    try:
+        count = min(SAMPLE_ITEMS, len(dataset))
+    except TypeError:
+        return None, None  # not map-style: the trainer reports that itself
+    if count == 0:
+        return None, cfg.problem(where, "the training dataset is empty", None)
+    items = [dataset[index] for index in range(count)]
+    try:
+        batch = (collator or default_collate)(items)
+    except Exception as err:  # the user's data or collator
+        name = "data_collator" if collator is not None else "torch's default collation"
+        return None, cfg.problem(
+            where,
+            f"{name} failed on the first {count} items of train_dataset: "
+            f"{type(err).__name__}: {err}",
+            f"the items look like: {_describe_item(items[0])}",
+        )
+    if not isinstance(batch, Mapping):
+        return None, cfg.problem(
+            where,
+            f"batches must be dicts of tensors (got {type(batch).__name__}); the trainer calls "
+            "model(**batch)",
+            "make the dataset's items dicts, or give a data_collator that returns a dict",
+        )
+    return batch, None
+
+
+def _describe_item(item: Any) -> str:
+    if isinstance(item, Mapping):
+        return "{" + ", ".join(f"{k!r}: {type(v).__name__}" for k, v in item.items()) + "}"
+    return type(item).__name__
+
+
+def _signature_mismatch(signature: inspect.Signature, batch: Mapping, label: str) -> str | None:
+    params = list(signature.parameters.values())[1:]  # drop self
+    takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
+    by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
+    required = [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    keys = [str(k) for k in batch]
+    extra = [] if takes_any else [k for k in keys if k not in by_name]
+    missing = [name for name in required if name not in keys]
+    if not extra and not missing:
+        return None
+    said = []
+    if extra:
+        said.append(f"forward takes no {_names(extra)}")
+    if missing:
+        said.append(f"it needs {_names(missing)}, which the batch lacks")
+    shown = ", ".join(str(p.replace(annotation=p.empty)) for p in params)
+    return (
+        f"the batches do not fit {label}: {'; '.join(said)} "
+        f"(batch keys: {', '.join(keys)}; forward({shown}))"
+    )
+
+
+def _names(names: list[str]) -> str:
+    return " or ".join(repr(n) for n in names) if len(names) < 3 else ", ".join(map(repr, names))
+
+
+def _meta_forward(
+    model_node: CallNode,
+    resolver: Resolver,
+    variables: Mapping[str, Any],
+    cfg: Config,
+    batch: Mapping,
+) -> Any:
+    """What forward returns for ``batch``, run on the meta device; None when it cannot run."""
+    import torch
+
+    try:
+        with torch.device("meta"):
+            model = Materializer(resolver.resolve, variables, cfg.describe_loc).value(model_node)
+            if not isinstance(model, torch.nn.Module):
+                model = model()
+        meta_batch = {
+            k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in batch.items()
+        }
+        with torch.no_grad():
+            return model(**meta_batch)
+    except Exception as err:  # cannot run on meta: checked at the first step instead
+        logger.debug("forward not run before training (%s: %s)", type(err).__name__, err)
+        return None
+
+
+def _return_problem(returned: Any, label: str, batch: Mapping) -> str | None:
+    import torch
+
+    if returned is None:
+        return None
+    if isinstance(returned, torch.Tensor):
+        return (
+            f"{label} must return an object with .loss or a dict with 'loss' (got Tensor); "
+            "compute the loss in forward, e.g. return {'loss': loss, 'logits': logits}"
+        )
+    loss = getattr(returned, "loss", None)
+    if loss is None and isinstance(returned, Mapping):
+        loss = returned.get("loss")
+    if loss is not None:
+        return None
+    kind = type(returned).__name__
+    return (
+        f"{label} returned no loss ({kind} without 'loss') for a batch with keys "
+        f"{', '.join(map(str, batch))}: give the batches labels (e.g. data_collator: "
+        "CausalLMCollator), or compute the loss in forward"
+    )

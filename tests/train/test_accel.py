@@ -1,0 +1,118 @@
+"""The Accelerate trainer in one process: the same training as the plain trainer, its own
+arguments checked, its state in the shared checkpoint layer."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge.checkpoint import read_manifest
+from forge.train import AccelTrainer, AccelTrainingArguments, Trainer, TrainingArgumentsError
+from tests.train.common import (
+    assert_same_training,
+    checkpoint_dir,
+    make_args,
+    make_trainer,
+)
+
+
+def accel_args(output_dir: Path, **overrides) -> AccelTrainingArguments:
+    own = {
+        k: overrides.pop(k)
+        for k in ("mixed_precision", "dispatch_batches", "split_batches")
+        if k in overrides
+    }
+    return AccelTrainingArguments(**make_args(output_dir, **overrides).to_dict(), **own)
+
+
+def logged_losses(output_dir: Path) -> list[float]:
+    lines = (Path(output_dir) / "metrics.jsonl").read_text().splitlines()
+    return [row["loss"] for row in map(json.loads, lines) if "loss" in row]
+
+
+def test_same_losses_step_for_step_as_the_plain_trainer(tmp_path):
+    settings = dict(max_steps=14, logging_steps=1, gradient_accumulation_steps=3, train_size=40)
+    train_size = settings.pop("train_size")  # 10 batches: windows of 3, 3, 3, 1 per epoch
+    plain = make_trainer(make_args(tmp_path / "plain", **settings), train_size=train_size)
+    plain.train()
+    accel = make_trainer(
+        accel_args(tmp_path / "accel", **settings), train_size=train_size, trainer_cls=AccelTrainer
+    )
+    accel.train()
+    a, b = logged_losses(tmp_path / "plain"), logged_losses(tmp_path / "accel")
+    assert len(a) == len(b) == 14
+    assert max(abs(x - y) for x, y in zip(a, b, strict=True)) <= 1e-6
+    for (name, p), q in zip(plain.model.named_parameters(), accel.model.parameters(), strict=True):
+        assert torch.allclose(p, q, atol=1e-6), name
+
+
+def test_exact_resume_in_one_process(tmp_path):
+    from forge.train import TrainingInterrupted
+    from tests.train.common import SignalAtStep
+
+    settings = dict(max_steps=12, save_strategy="steps", save_steps=4)
+    straight = make_trainer(accel_args(tmp_path / "straight", **settings), trainer_cls=AccelTrainer)
+    straight.train()
+    first = make_trainer(
+        accel_args(tmp_path / "resumed", **settings),
+        trainer_cls=AccelTrainer,
+        callbacks=[SignalAtStep(6)],
+    )
+    with pytest.raises(TrainingInterrupted):
+        first.train()
+    resumed = make_trainer(
+        accel_args(tmp_path / "resumed", **settings, resume_from_checkpoint=True),
+        trainer_cls=AccelTrainer,
+    )
+    resumed.train()
+    assert resumed.state.resumed_from.endswith("checkpoint-000006")
+    assert_same_training(straight, resumed)
+    manifest = read_manifest(checkpoint_dir(tmp_path / "resumed", 12))
+    assert manifest.trainer == "accelerate"
+
+
+def test_checkpoints_move_between_the_plain_and_the_accelerate_trainer(tmp_path):
+    settings = dict(max_steps=8, save_strategy="steps", save_steps=2)
+    straight = make_trainer(make_args(tmp_path / "straight", **settings))
+    straight.train()
+    half = checkpoint_dir(tmp_path / "straight", 4)
+    # one process on both sides, so the data position and random state carry over too
+    accel = make_trainer(
+        accel_args(tmp_path / "accel", **settings, resume_from_checkpoint=str(half)),
+        trainer_cls=AccelTrainer,
+    )
+    accel.train()
+    assert_same_training(straight, accel)
+    back = make_trainer(
+        make_args(
+            tmp_path / "back",
+            **settings,
+            resume_from_checkpoint=str(checkpoint_dir(tmp_path / "accel", 6)),
+        ),
+        trainer_cls=Trainer,
+    )
+    back.train()
+    assert_same_training(straight, back)
+
+
+def test_mixed_precision_follows_bf16_and_conflicts_are_named(tmp_path):
+    assert accel_args(tmp_path, bf16=True).mixed_precision == "bf16"
+    assert accel_args(tmp_path).mixed_precision == "no"
+    with pytest.raises(TrainingArgumentsError) as err:
+        accel_args(tmp_path, mixed_precision="fp16", bf16=True)
+    assert "trainer.args.mixed_precision is 'fp16' but trainer.args.bf16 is true" in str(err.value)
+    with pytest.raises(TrainingArgumentsError, match="trainer.args.mixed_precision"):
+        accel_args(tmp_path, mixed_precision="fp8x")
+    with pytest.raises(TrainingArgumentsError, match="dispatch_batches must be null or false"):
+        accel_args(tmp_path, dispatch_batches=True)
+
+
+def test_bf16_through_accelerate_trains(tmp_path):
+    trainer = make_trainer(
+        accel_args(tmp_path, max_steps=3, mixed_precision="bf16"), trainer_cls=AccelTrainer
+    )
+    output = trainer.train()
+    assert output.global_step == 3 and torch.isfinite(torch.tensor(output.training_loss))
