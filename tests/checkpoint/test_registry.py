@@ -253,6 +253,18 @@ def test_a_component_the_checkpoint_lacks_is_named_with_the_fix(tmp_path):
         registry.load(path)
 
 
+def test_an_optional_component_the_checkpoint_lacks_starts_fresh_with_a_warning(tmp_path, caplog):
+    path = save(tmp_path, world_size=1)
+    registry = CheckpointRegistry(Topology())
+    scaler = Value({"scale": 1.0})
+    registry.extend(components(Topology(), {"progress": Value({})}))
+    registry.register(Component("scaler", scaler, required=False, fix="unused"))
+    registry.load(path)
+    assert scaler.state == {"scale": 1.0}  # untouched
+    assert f"{path.name}: has no 'scaler' component; it starts fresh" in caplog.text
+    assert "unused" not in caplog.text
+
+
 def test_a_checkpoint_of_the_older_format_says_so(tmp_path):
     path = save(tmp_path, world_size=1)
     raw = json.loads((path / "manifest.json").read_text())

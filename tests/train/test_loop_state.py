@@ -29,6 +29,15 @@ def test_settle_sums_finite_losses_and_counts_skips_and_tokens():
     assert tally.loss_sum == 6.0
 
 
+def test_skips_and_tokens_add_up_over_settles():
+    tally = Tally()
+    for _ in range(2):
+        tally.add(step(float("inf"), 5))
+        tally.add(step(1.0, 5))
+        assert tally.settle() == (10, 1)
+    assert (tally.skipped, tally.finite_steps, tally.tokens, tally.loss_sum) == (2, 2, 20, 2.0)
+
+
 def test_a_finite_loss_on_a_skipped_step_is_left_out():
     tally = Tally()
     tally.add(step(5.0, finite=False))  # e.g. finite loss, non-finite gradients
