@@ -133,7 +133,12 @@ class BaseTrainer:
         self.num_epochs = 0
         self._position = Position()
         self._resumed_batches: Iterator[Batch] | None = None
-        self._signals = StopSignals()
+        # several ranks agree on a signal only at steps that sync anyway (see _should_stop)
+        self._signals = StopSignals(
+            "the next step that logs, evaluates or saves"
+            if self.topology.distributed
+            else "the next step"
+        )
         self._tally = Tally()
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})
         self._last_save_step: int | None = None
