@@ -363,15 +363,14 @@ class PipelineTrainer(BaseTrainer):
             self.num_microbatches,
         )
         for spec in self.layout.stages:
-            layers = spec.layers
+            first, last = spec.layers.start, spec.layers.stop - 1
+            layers = f"{args.pipeline_layers}.{first}" + (f"-{last}" if last > first else "")
             self._info(
-                "  stage %d (process %d): %s%s %d-%d%s",
+                "  stage %d (process %d): %s%s%s",
                 spec.index,
                 spec.index % topo.num_stages,
                 f"{args.pipeline_embedding} + " if spec.first else "",
-                args.pipeline_layers,
-                layers.start,
-                layers.stop - 1,
+                layers,
                 " + " + " + ".join(args.pipeline_head) if spec.last else "",
             )
 
