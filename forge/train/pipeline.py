@@ -550,11 +550,11 @@ class PipelineTrainer(BaseTrainer):
         for component in components:
             if component.name == "model":
                 component.obj = ModelWeights(
-                    self.model, self.tokenizer, state_fn=self._own_weights, subset=True
+                    self.model, self.tokenizer, state_fn=self.stage_state_dict, subset=True
                 )
         return components
 
-    def _own_weights(self) -> dict[str, torch.Tensor]:
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors this stage writes: those it holds that no earlier stage holds."""
         stage = self.topology.stage
         return {k: v for k, v in self.model.state_dict().items() if self._writer.get(k) == stage}

@@ -37,18 +37,17 @@ class ModelParts:
         found: list[str] = []
         named = dict(model.named_modules())
         candidates = sorted(n for n in named if n)
-        for field, name in (
-            ("pipeline_embedding", self.embedding),
-            ("pipeline_layers", self.layers),
-            *(("pipeline_head", h) for h in self.head),
-            ("pipeline_rotary", self.rotary),
+        for field, name, what in (
+            ("pipeline_embedding", self.embedding, "its token embedding"),
+            ("pipeline_layers", self.layers, "its list of layers"),
+            *(("pipeline_head", h, "the modules after the layers") for h in self.head),
+            ("pipeline_rotary", self.rotary, "its rotary embedding, or null"),
         ):
             if name is None or name in named:
                 continue
             found.append(
-                f"{key}.{field}: {type(model).__name__} has no module {name!r}"
+                f"{key}.{field}: {type(model).__name__} has no module {name!r} (name {what})"
                 + _did_you_mean(name, candidates)
-                + "; name the model's modules (see the pipeline trainer in the README)"
             )
         parts = [self.embedding, self.layers, *self.head, *([self.rotary] if self.rotary else [])]
         uncovered = sorted(
