@@ -254,3 +254,23 @@ def test_a_plain_checkpoint_resumes_on_two_stages(project):
     assert f"resumed from {source} at step 20" in result.stderr
     run_dir = Path(result.stdout.splitlines()[0])
     assert final_eval_loss(run_dir) == pytest.approx(final_eval_loss(plain), rel=0.03)
+
+
+@pytest.mark.slow
+def test_the_readmes_pipeline_examples_run(project, tmp_path):
+    """README's pipeline commands as written, on a copy of tiny_lm shrunk by PIPE's variables."""
+    from tests.cli.test_readme import readme_commands
+
+    def runnable(command: list[str]) -> list[str]:
+        return [str(project) if word == "projects/tiny_lm" else word for word in command]
+
+    for command in readme_commands("forge train pipeline -p projects/tiny_lm --nproc 2"):
+        result = run_forge(*runnable(command), *PIPE, cwd=tmp_path)
+        assert result.returncode == 0, (command, result.stderr)
+    (export,) = readme_commands("forge export projects/tiny_lm/output/pipeline/run_001")
+    export = [w.replace("projects/tiny_lm", str(project)) for w in export]
+    result = run_forge(*export, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "tiny_lm_hf")
