@@ -351,7 +351,7 @@ class BaseTrainer:
                 args.metric_for_best_model,
                 state.best_metric,
             )
-            load_model_weights(self.model, state.best_checkpoint, strict=True)
+            self.load_weights(Path(state.best_checkpoint))
         self._call("on_train_end")
         runtime = time.perf_counter() - run_tally.started
         metrics = {
@@ -529,7 +529,7 @@ class BaseTrainer:
         args = self.args
         set_seed(args.seed)
         if self.model_init is not None:
-            self.model = self._call_model_init()
+            self.model = self.build_model()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
         self.train_loader = self.build_train_loader()
@@ -563,6 +563,15 @@ class BaseTrainer:
         self.wrapped_model = self.wrap_model(self.model)
         self.optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.args.fp16 else None
+
+    def build_model(self) -> nn.Module:
+        """This rank's model from ``model_init``, called just after seeding (a pipeline stage
+        builds only its own part)."""
+        return self._call_model_init()
+
+    def load_weights(self, checkpoint: Path) -> None:
+        """Load a checkpoint's weights into this rank's model (the best one, at the end)."""
+        load_model_weights(self.model, checkpoint, strict=True)
 
     def _call_model_init(self) -> nn.Module:
         model = self.model_init()
