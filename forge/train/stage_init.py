@@ -10,7 +10,9 @@ one's ``_init_weights`` runs again from its recorded state. Memory stays at the 
 plus one scratch tensor at a time.
 
 Other modules initialise their weights inside their constructors, where no such record is
-possible; they are built whole on the CPU and pruned afterwards.
+possible; they are built whole on the CPU and pruned afterwards, as is a Hugging Face model
+whose ``_init_weights`` leaves a kept weight unset (materialised tensors start as NaN, so one
+left unwritten is seen).
 """
 
 from __future__ import annotations
