@@ -117,6 +117,11 @@ def launch_training(
     logger.info("launching %d processes: %s", nproc, " ".join(command))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
+    if max_restarts:
+        # The agent's TCP store, shared with the workers by default, keeps the previous
+        # attempt's keys: restarted workers then connect to dead peers' addresses
+        # (pytorch/pytorch#135712). A store per attempt avoids that.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     child = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum, _frame):

@@ -368,8 +368,8 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from forge.checkpoint.layout import find_checkpoints
-    from forge.runs import all_run_dirs, find_run
+    from forge.checkpoint.layout import find_checkpoints, find_leftovers
+    from forge.runs import all_run_dirs, find_run, run_is_live
 
     project = _project(args)
     if args.run is not None or args.run_dir:
@@ -385,18 +385,25 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     rows, invalid = [], 0
     for run_dir in runs:
         for info in find_checkpoints(run_dir / "checkpoints", verify_hashes=args.verify):
-            size = sum(f.stat().st_size for f in info.path.rglob("*") if f.is_file())
             epoch = info.manifest.epoch if info.manifest else None
             status = "valid" if info.valid else "INVALID: " + "; ".join(info.problems)
             invalid += not info.valid
             rows.append(
                 [
-                    str(info.path.relative_to(project.output_dir)),
+                    _shown_path(info.path, project),
                     str(info.step),
                     "" if epoch is None else f"{epoch:.2f}",
-                    _human_size(size),
+                    _human_size(_tree_bytes(info.path)),
                     status,
                 ]
+            )
+        live = run_is_live(run_dir)
+        for path, what in find_leftovers(run_dir / "checkpoints"):
+            status = "being written (the run is training)" if live else f"leftover: {what}"
+            if not live:
+                status += "; never loaded, the next save removes it"
+            rows.append(
+                [_shown_path(path, project), "", "", _human_size(_tree_bytes(path)), status]
             )
     if not rows:
         print("no checkpoints", file=sys.stderr)
@@ -405,6 +412,25 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if not args.verify:
         print("(sizes checked; add --verify to check hashes too)", file=sys.stderr)
     return EXIT_FAILURE if invalid and args.verify else EXIT_OK
+
+
+def _shown_path(path: Path, project: Project) -> str:
+    try:
+        return str(path.relative_to(project.output_dir))
+    except ValueError:  # a --run-dir outside the project
+        return str(path)
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for file in path.rglob("*"):
+        try:
+            total += file.stat().st_size if file.is_file() else 0
+        except OSError:  # removed while we looked (a live run's rotation)
+            continue
+    return total
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
