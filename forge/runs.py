@@ -518,17 +518,26 @@ def parse_run_config(
     from forge.config import ConfigError, parse_config
 
     config_path = run_dir / "config.yaml"
-    cfg = parse_config(
-        config_path.read_text(),
-        project=project,
-        overrides=list(overrides),
-        allow=list(allow),
-        origin=str(config_path),
-    )
-    if overrides:
-        problems = cfg.check()
-        if problems:
-            raise ConfigError(problems, config=str(config_path))
+    try:
+        text = config_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunError(f"{config_path}: unreadable ({err}); {run_dir.name} cannot resume") from err
+    try:
+        cfg = parse_config(
+            text,
+            project=project,
+            overrides=list(overrides),
+            allow=list(allow),
+            origin=str(config_path),
+        )
+        problems = cfg.check() if overrides else []
+    except ConfigError as err:
+        problems = err.problems
+    if problems:
+        for problem in problems:  # e.g. a --set the run's config has no key for
+            if problem.file is None and problem.line is None:
+                problem.file = str(config_path)
+        raise ConfigError(problems, config=str(config_path))
     return cfg
 
 

@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
@@ -376,7 +377,7 @@ def _safetensors_step_problem(file: Path, step: int) -> str | None:
 
     try:
         metadata = read_safetensors_header(file).get("__metadata__") or {}
-    except (OSError, ValueError, UnicodeDecodeError, AttributeError) as exc:
+    except (OSError, ValueError, AttributeError, struct.error) as exc:
         return f"not a readable safetensors file ({exc})"
     saved = metadata.get(STEP_METADATA) if isinstance(metadata, dict) else None
     if saved is not None and saved != str(step):

@@ -284,6 +284,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) -> int:
     from forge.launch import launch_training, resolve_nproc
+    from forge.preflight import check_training_contract
     from forge.runs import (
         RunRecord,
         find_resume_checkpoint,
@@ -291,6 +292,7 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) ->
         parse_run_config,
         record_resume,
     )
+    from forge.worker import build_variables
 
     from_checkpoint = Path(args.from_checkpoint) if args.from_checkpoint else None
     checkpoint = find_resume_checkpoint(run_dir, from_checkpoint)
@@ -300,6 +302,9 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) ->
     if done:
         logger.info("%s", done)
         return EXIT_OK
+    # as `forge train` does: the config (maybe changed by --set, or by hand) must still fit
+    variables = build_variables(run_dir, project, RunRecord.load(run_dir).data.get("config", ""))
+    check_training_contract(cfg, variables, args.allow or [], config=str(run_dir / "config.yaml"))
     recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
     nproc = resolve_nproc(args.nproc, default=recorded)
     if overrides:
