@@ -16,7 +16,7 @@ else
 TORCH_SPEC ?= torch==2.13.0
 endif
 
-.PHONY: setup demo test test-all bench lint clean-demo
+.PHONY: setup demo test test-all bench lint mutation clean-demo
 
 setup: $(STAMP)
 
@@ -34,6 +34,13 @@ test: $(STAMP)
 
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
+
+# Mutation testing of the checkpoint layer and the loop's resume state (pyproject's
+# [tool.mutmut] says which files and tests); slow, not part of `make test`.
+mutation: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[dev,mutation]"
+	OMP_NUM_THREADS=1 $(VENV)/bin/mutmut run --max-children 2 || true
+	$(VENV)/bin/mutmut results
 
 bench: $(STAMP)
 	$(PY) bench/run.py

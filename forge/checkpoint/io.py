@@ -508,7 +508,11 @@ def _few(keys: Iterable[str], n: int = 5) -> str:
 
 
 def load_model_weights(
-    model: nn.Module, checkpoint_dir: str | os.PathLike, *, strict: bool = True
+    model: nn.Module,
+    checkpoint_dir: str | os.PathLike,
+    *,
+    strict: bool = True,
+    subset: bool = False,
 ) -> None:
     """Load a checkpoint's safetensors weights into ``model`` (unwrapped first), bit-exact.
 
@@ -516,22 +520,19 @@ def load_model_weights(
     per-stage files of the pipeline trainer load too) or, failing both, every
     ``model*.safetensors``. Tied weights stored once count as present. With ``strict``, any
     other missing or unexpected key is a CheckpointError.
-    """
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
+    ``subset``: the model holds part of the checkpoint's model (a pipeline stage, whose
+    parameters keep the full model's names). Only its own names are read, from whichever files
+    hold them; the checkpoint's other names are not unexpected, and with ``strict`` every name
+    of the model must be there.
+    """
     directory = Path(checkpoint_dir)
     model = unwrap_model(model)
     files, aliases = _weight_files(directory)
-    loaded: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            loaded.update(load_file(file, device="cpu"))
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from exc
-
     expected = model.state_dict()
     tied = _tied_groups(expected)
+    loaded = _read_weights(files, set(expected) if subset else None)
+
     missing = set()
     for name in expected:
         if name in loaded:
@@ -539,17 +540,15 @@ def load_model_weights(
         if aliases.get(name) in loaded or any(other in loaded for other in tied.get(name, ())):
             continue
         missing.add(name)
-    unexpected = set(loaded) - set(expected)
+    unexpected = set() if subset else set(loaded) - set(expected)
     if _is_hf_model(model):
-        import re
-
         for attr, keys in (
             ("_keys_to_ignore_on_load_missing", missing),
             ("_keys_to_ignore_on_load_unexpected", unexpected),
         ):
             for pattern in getattr(model, attr, None) or ():
                 keys.difference_update({k for k in keys if re.search(pattern, k)})
-    if (missing or unexpected) and _is_hf_model(model):
+    if (missing or unexpected) and _is_hf_model(model) and not subset:
         # transformers may keep weights in memory under other names than on disk (fused MoE
         # experts); its own loader knows the conversion.
         _load_hf_converted(model, directory, strict=strict)
@@ -569,6 +568,22 @@ def load_model_weights(
         raise CheckpointError(
             f"{directory}: weights do not fit {type(model).__name__}: {exc}"
         ) from exc
+
+
+def _read_weights(files: list[Path], names: set[str] | None) -> dict[str, torch.Tensor]:
+    """The tensors of ``files`` (only those in ``names``, when given), on the CPU."""
+    from safetensors import SafetensorError, safe_open
+
+    loaded: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                    if names is None or key in names:
+                        loaded[key] = handle.get_tensor(key)
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from exc
+    return loaded
 
 
 def _load_hf_converted(model: nn.Module, directory: Path, *, strict: bool) -> None:

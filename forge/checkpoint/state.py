@@ -187,11 +187,15 @@ class OptimizerState:
 class ModelWeights:
     """A model's weights as a checkpoint component, in Hugging Face's safetensors layout.
 
-    ``state_fn`` gives the full state dict (every rank calls it; Accelerate's
+    ``state_fn`` gives the state dict to write (every rank calls it; Accelerate's
     ``get_state_dict`` gathers sharded weights there); by default the unwrapped model's own.
     A single stage is written with ``save_pretrained`` (config and tokenizer beside it), so
     ``from_pretrained`` loads the checkpoint directory; a pipeline stage writes its own
     safetensors shard, keyed by the unsplit model's parameter names.
+
+    ``subset``: the model is one pipeline stage's part of the whole (its names are the whole
+    model's). Loading then reads exactly its own names from any checkpoint of the model, of
+    any split or none, and fails if one is missing.
     """
 
     def __init__(
@@ -201,11 +205,13 @@ class ModelWeights:
         state_fn: Any = None,
         *,
         max_shard_size: int | str = "2GB",
+        subset: bool = False,
     ) -> None:
         self.model = model
         self.tokenizer = tokenizer
         self.state_fn = state_fn
         self.max_shard_size = max_shard_size
+        self.subset = subset
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         if self.state_fn is not None:
@@ -230,12 +236,17 @@ class ModelWeights:
         )
 
     def _write_extras(self, writer: Any) -> None:
+        """What ``save_pretrained`` writes beside the weights: config, generation config."""
         model = unwrap_model(self.model)
         config = getattr(model, "config", None)
         if config is not None and hasattr(config, "save_pretrained"):
             config.save_pretrained(writer.path)
+        generation = getattr(model, "generation_config", None)
+        can_generate = getattr(model, "can_generate", lambda: False)
+        if generation is not None and can_generate():
+            generation.save_pretrained(writer.path)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(writer.path)
 
     def load_checkpoint(self, checkpoint: Path, manifest: Any) -> None:
-        load_model_weights(self.model, checkpoint, strict=True)
+        load_model_weights(self.model, checkpoint, strict=True, subset=self.subset)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from forge.checkpoint.faults import fault_point
 from forge.checkpoint.io import (
     TEMP_PREFIX,
     CheckpointError,
@@ -240,6 +241,7 @@ class CheckpointWriter:
                     f"{missing} (a rank did not write its file); the checkpoint is not saved"
                 )
         records = map_files(sync_and_hash, [self.path / n for n in names])
+        self._fault("before-manifest")
         manifest = CheckpointManifest(
             step=self.step,
             epoch=self._epoch,
@@ -256,10 +258,14 @@ class CheckpointWriter:
         )
         write_file_atomically(self.path / MANIFEST_NAME, _dumps(manifest.to_dict(), lenient=True))
         fsync_tree_dirs(self.path)
+        self._fault("before-rename")
         commit_directory(self.path, self.final_path)
         logger.info("saved checkpoint %s", self.final_path)
 
     # -- writing ---------------------------------------------------------------------------
+
+    def _fault(self, point: str) -> None:
+        fault_point(point, self.step, self.rank)  # tests only (forge/checkpoint/faults.py)
 
     def _target(self, name: str) -> Path:
         pure = PurePosixPath(name)
@@ -291,6 +297,7 @@ class CheckpointWriter:
                 )
                 if tokenizer is not None:
                     tokenizer.save_pretrained(self.path)
+                self._fault("after:model")
         except OSError as exc:
             raise self._fail(exc, "write the model of") from exc
 
@@ -302,6 +309,7 @@ class CheckpointWriter:
                 torch.save(obj, f)
                 f.flush()
                 os.fsync(f.fileno())
+                self._fault(f"after:{name}")
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 
@@ -311,6 +319,7 @@ class CheckpointWriter:
         try:
             with self._space_guard(f"write {name} of"):
                 write_file_durably(target, _dumps(obj))
+                self._fault(f"after:{name}")
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 
@@ -327,6 +336,7 @@ class CheckpointWriter:
         try:
             with self._space_guard(f"write {name} of", tensors):
                 save_tensors(target, tensors, metadata)
+                self._fault(f"after:{name}")
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 

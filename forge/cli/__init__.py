@@ -34,7 +34,8 @@ def setup_logging(verbose: bool) -> None:
     root.handlers[:] = [handler]
     level = logging.DEBUG if verbose else logging.INFO
     root.setLevel(level if rank == 0 else logging.WARNING)
-    for noisy in ("urllib3", "filelock", "torch.distributed.elastic"):
+    # huggingface_hub logs "Model weights successfully saved" at every checkpoint
+    for noisy in ("urllib3", "filelock", "torch.distributed.elastic", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
 
@@ -83,11 +84,13 @@ def _run(command, args: argparse.Namespace, verbose: bool) -> int:
         from forge.train.topology import Topology
 
         rank = Topology.from_env().rank
+        prefix = f"[rank {rank}] " if rank else ""
         if is_expected(err):
-            if rank == 0:  # every rank sees the same config error; one message is enough
-                print(f"error: {err}", file=sys.stderr)
+            # every rank sees the same config error: one message is enough; a runtime failure
+            # (a checkpoint this rank could not write) is this rank's own
+            if rank == 0 or exit_code_for(err) != EXIT_USAGE:
+                print(f"{prefix}error: {err}", file=sys.stderr)
         else:
-            prefix = f"[rank {rank}] " if rank else ""
             print(f"{prefix}error: {type(err).__name__}: {err}", file=sys.stderr)
             print("(run again with -v for the traceback)", file=sys.stderr)
         return exit_code_for(err)

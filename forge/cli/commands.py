@@ -459,6 +459,20 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def cmd_export(args: argparse.Namespace) -> int:
+    from forge.export import export_model
+
+    source = export_model(
+        Path(args.checkpoint),
+        Path(args.output),
+        force=args.force,
+        max_shard_size=args.max_shard_size,
+    )
+    print(Path(args.output))
+    logger.info("exported %s; load it with AutoModelForCausalLM.from_pretrained", source)
+    return EXIT_OK
+
+
 def cmd_new(args: argparse.Namespace) -> int:
     from forge.scaffold import new_project
 
@@ -585,6 +599,7 @@ COMMANDS = {
     "runs": cmd_runs,
     "checkpoints": cmd_checkpoints,
     "generate": cmd_generate,
+    "export": cmd_export,
     "new": cmd_new,
     "new-config": cmd_new_config,
     "code": cmd_code,

@@ -71,6 +71,12 @@ EXAMPLES = {
           forge generate projects/tiny_lm/output/train/run_001 --prompt "def "
           forge generate path/to/checkpoint-000400 --prompt "import " --num 3
     """,
+    "export": """
+        examples:
+          forge export projects/tiny_lm/output/train/run_001 exported/   # the run's newest
+          forge export path/to/checkpoint-000400 exported/ --force        # replace exported/
+          python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('exported')"
+    """,
     "new": """
         examples:
           forge new my_lm                              # a tiny Llama LM project in ./my_lm
@@ -277,6 +283,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+
+    p = _sub(
+        subparsers,
+        "export",
+        "write a checkpoint's model as one Hugging Face model directory (any trainer or split)",
+    )
+    p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory, or a run directory")
+    p.add_argument("output", metavar="OUT", help="directory to write (absent or empty)")
+    p.add_argument("--force", action="store_true", help="replace a non-empty OUT")
+    p.add_argument(
+        "--max-shard-size",
+        default="5GB",
+        metavar="SIZE",
+        help="largest weights file before sharding, as save_pretrained (default: 5GB)",
+    )
 
     p = _sub(subparsers, "new", "create a project that trains at once (from a scaffold)")
     p.add_argument("name", metavar="NAME", help="project name; the directory PARENT/NAME")

@@ -1,5 +1,5 @@
-"""Trainers: the shared loop, the plain / DDP and Accelerate trainers, their arguments and
-callbacks.
+"""Trainers: the shared loop, the plain / DDP, Accelerate and pipeline-parallel trainers, their
+arguments and callbacks.
 
 Names are imported lazily, so ``forge.train.topology`` (used by the CLI) loads without torch.
 """
@@ -25,6 +25,8 @@ _EXPORTS = {
     "TrainerControl": "callbacks",
     "TrainerState": "callbacks",
     "set_seed": "optim",
+    "PipelineTrainer": "pipeline",
+    "PipelineTrainingArguments": "pipeline",
     "TrainingInterrupted": "signals",
     "Topology": "topology",
     "Trainer": "trainer",

@@ -30,6 +30,7 @@ from torch import nn
 from forge.checkpoint import Component, ModelWeights, OptimizerState
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.base import BaseTrainer
+from forge.train.loop_state import count_tokens
 from forge.train.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -182,7 +183,7 @@ class AccelTrainer(BaseTrainer):
         tokens = torch.zeros((), dtype=torch.long, device=self.device)
         for index, batch in enumerate(window):
             batch = self._to_device(batch)
-            tokens += self._count_tokens(batch)
+            tokens += count_tokens(batch)
             last = index == len(window) - 1
             with nullcontext() if last else accel.no_sync(self.wrapped_model):
                 with accel.autocast():
@@ -190,11 +191,6 @@ class AccelTrainer(BaseTrainer):
                 accel.backward(loss if scale == 1 else loss * scale)
             loss_sum += loss.detach().float() / len(window)
         return loss_sum, tokens
-
-    def _count_tokens(self, batch: Any) -> torch.Tensor:
-        from forge.train.loop_state import count_tokens
-
-        return count_tokens(batch).to(self.device)
 
     def clip_gradients(self) -> torch.Tensor:
         """Unscale (fp16) and clip through the accelerator; the norm before clipping."""

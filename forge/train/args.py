@@ -43,6 +43,8 @@ class TrainingArguments:
     the best one; evaluation runs only when the trainer has an ``eval_dataset``.
     ``warmup_steps > 0`` overrides ``warmup_ratio`` (as in HF). ``max_grad_norm`` 0 or null
     turns clipping off (the norm is still computed, to skip non-finite steps).
+    ``tf32`` (null: torch's default) and ``full_determinism`` are Hugging Face's options, applied
+    while ``train()`` runs (forge/train/precision.py).
     """
 
     output_dir: str
@@ -95,6 +97,8 @@ class TrainingArguments:
     restore_dataloader_state: bool = True
     report_to: tuple[str, ...] = REPORTERS
     disable_tqdm: bool = False
+    tf32: bool | None = None
+    full_determinism: bool = False
 
     #: prefix of every key named in an error message (where these arguments sit in a config)
     config_key: ClassVar[str] = "trainer.args"
@@ -117,6 +121,7 @@ class TrainingArguments:
         self._check_eval_and_save(p)
         self._check_runtime(p)
         self._check_state_flags(p)
+        self._check_numerics(p)
         return p
 
     def _check_required(self, p: list[str]) -> None:
@@ -279,6 +284,11 @@ class TrainingArguments:
         for f in fields(self):
             if f.name.startswith(("save_", "restore_")) and f.name.endswith("_state"):
                 self._bool(f.name, p)
+
+    def _check_numerics(self, p: list[str]) -> None:
+        if self.tf32 is not None:
+            self._bool("tf32", p)
+        self._bool("full_determinism", p)
 
     # ------------------------------------------------------------------ helpers
     def _key(self, name: str) -> str:

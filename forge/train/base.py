@@ -44,6 +44,7 @@ from forge.checkpoint import (
     find_resume_checkpoint,
     load_model_weights,
     rotate_checkpoints,
+    unwrap_model,
 )
 from forge.data import build_dataloader
 from forge.train import dist
@@ -61,6 +62,7 @@ from forge.train.callbacks import (
 from forge.train.components import DataPosition
 from forge.train.loop_state import Batch, Position, StepResult, Tally, TrainOutput, count_tokens
 from forge.train.optim import build_optimizer, build_scheduler, current_lr, set_seed
+from forge.train.precision import device_problems, numerics
 from forge.train.signals import StopSignals, TrainingInterrupted
 from forge.train.topology import Topology
 
@@ -111,7 +113,7 @@ class BaseTrainer:
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.topology = self.make_topology()
-        self.device = dist.resolve_device(args.device, self.topology.local_rank)
+        self.device = self._resolve_device()
         self._check_eval_dataset()
 
         self.state = TrainerState(is_world_process_zero=self.topology.is_main)
@@ -132,16 +134,36 @@ class BaseTrainer:
         self.num_epochs = 0
         self._position = Position()
         self._resumed_batches: Iterator[Batch] | None = None
-        self._signals = StopSignals()
+        # several ranks agree on a signal only at steps that sync anyway (see _should_stop)
+        self._signals = StopSignals(
+            "the next step that logs, evaluates or saves"
+            if self.topology.distributed
+            else "the next step"
+        )
         self._tally = Tally()
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})
         self._last_save_step: int | None = None
         self._data_position: DataPosition | None = None
+        self._eval_model: nn.Module | None = None
 
     # ------------------------------------------------------------------ properties
     def make_topology(self) -> Topology:
         """This process's place in the job, from the launcher's environment."""
         return Topology.from_env()
+
+    def _resolve_device(self) -> torch.device:
+        """This rank's device, checked against the launcher's LOCAL_RANK and against the
+        precision ``args`` ask for, so a mismatch fails here rather than at the first step."""
+        args = self.args
+        topology = self.topology
+        try:
+            device = dist.resolve_device(args.device, topology.local_rank, topology.world_size)
+        except ValueError as exc:
+            raise TrainingArgumentsError([f"{args.config_key}.device {exc}"]) from None
+        problems = device_problems(args, device)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        return device
 
     @property
     def is_main_process(self) -> bool:
@@ -182,7 +204,7 @@ class BaseTrainer:
         """
         if resume_from_checkpoint is None:
             resume_from_checkpoint = self.args.resume_from_checkpoint
-        with self.distributed():
+        with self.distributed(), numerics(self.args):
             try:
                 self._setup_training()
                 checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
@@ -194,7 +216,7 @@ class BaseTrainer:
                 self.release_wrappers()
 
     def _train_loop(self) -> TrainOutput:
-        args, state = self.args, self.state
+        state = self.state
         self._log_start()
         self._call("on_train_begin")
         self.wrapped_model.train()
@@ -205,20 +227,18 @@ class BaseTrainer:
                 loss, tokens = self.forward_backward(micro_batches)
                 grad_norm = self.clip_gradients()
                 step = self.reduce_step(loss, tokens, grad_norm)  # agreed on by every rank
-                if step.finite or not args.skip_nonfinite:
-                    self.optimizer_step()
-                else:
-                    self._skip_step(step)
+                self._step_unless_nonfinite(step)
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self._advance(step, run_tally)
                 self._call("on_step_end")
-                self._log_evaluate_save(epoch_end=False)
-                if self._should_stop():
+                synced = self._log_evaluate_save(epoch_end=False)
+                if self._should_stop(synced):
                     break
-            if self._position.epoch > epoch:  # the epoch ran to its end
-                self._log_evaluate_save(epoch_end=True)
-            if self._should_stop():
+            synced = self._position.epoch > epoch  # the epoch ran to its end
+            if synced:
+                synced = self._log_evaluate_save(epoch_end=True)
+            if self._should_stop(synced):
                 break
         return self._finish(state.global_step - start_step, run_tally)
 
@@ -246,17 +266,34 @@ class BaseTrainer:
         return iter(self.train_loader)
 
     def _advance(self, step: StepResult, run_tally: Tally) -> None:
+        """Count the step; its numbers stay on the device until ``_settle``."""
         state = self.state
         state.global_step += 1
-        state.tokens_seen += step.tokens
         state.epoch = self._position.epoch + self._position.batch / len(self.train_loader)
-        if not step.finite and self.args.skip_nonfinite:
-            state.nonfinite_skipped += 1
         self._tally.add(step)
         run_tally.add(step)
 
-    def _log_evaluate_save(self, *, epoch_end: bool) -> None:
-        """Log, evaluate and save where the strategies, or a callback's flags, ask for it."""
+    def _settle(self) -> None:
+        """Read the steps' numbers since the last settle into the state (tokens seen, steps
+        skipped). It waits for the device, so only logging steps and checkpoints call it."""
+        settled = self._tally.settle()
+        if settled.skipped and self.args.skip_nonfinite:
+            self.state.nonfinite_skipped += settled.skipped
+            self._info(
+                "%d step(s) up to step %d had a non-finite loss or gradient norm; their "
+                "optimizer steps were skipped (%d skipped so far)",
+                settled.skipped,
+                self.state.global_step,
+                self.state.nonfinite_skipped,
+                level=logging.WARNING,
+            )
+        self.state.tokens_seen += settled.tokens
+
+    def _log_evaluate_save(self, *, epoch_end: bool) -> bool:
+        """Log, evaluate and save where the strategies, or a callback's flags, ask for it.
+
+        Returns whether it did any of them: each waits for the device, so the step has synced.
+        """
         args, step, control = self.args, self.state.global_step, self.control
         if epoch_end:
             log = False
@@ -272,16 +309,26 @@ class BaseTrainer:
                 args.save_strategy == "steps" and step % args.save_steps == 0
             )
             control.reset_step_flags()
+        evaluate = evaluate and self._evaluation_enabled()
         if log:
             self.log_step()
-        if evaluate and self._evaluation_enabled():
+        if evaluate:
             self._evaluate_once()
         if save:
             self.save_checkpoint()
+        return log or evaluate or save
 
-    def _should_stop(self) -> bool:
-        """Max steps, a callback's request, or a signal (which saves and raises)."""
-        signum = int(self._agree_max(self._signals.received))
+    def _should_stop(self, synced: bool) -> bool:
+        """Max steps, a callback's request, or a signal (which saves and raises).
+
+        One process acts on a signal at the next step boundary. The ranks of a distributed
+        job must agree on it, which takes a collective and a host sync, so they do that only
+        at a step that has ``synced`` anyway (it logged, evaluated or saved): a signal stops
+        such a job within ``logging_steps`` steps. torchrun passes signals to every rank.
+        """
+        signum = self._signals.received
+        if self.topology.distributed:
+            signum = int(self._agree_max(signum)) if synced else 0
         if signum:
             checkpoint = self.save_checkpoint()
             self._call("on_train_end", interrupted=signum)
@@ -292,6 +339,7 @@ class BaseTrainer:
         args, state = self.args, self.state
         if self._tally.steps:
             self.log_step()  # the steps since the last log
+        run_tally.settle()
         if self._evaluation_enabled():
             self._evaluate_once()
         if args.save_final_checkpoint:
@@ -303,7 +351,7 @@ class BaseTrainer:
                 args.metric_for_best_model,
                 state.best_metric,
             )
-            load_model_weights(self.model, state.best_checkpoint, strict=True)
+            self.load_weights(Path(state.best_checkpoint))
         self._call("on_train_end")
         runtime = time.perf_counter() - run_tally.started
         metrics = {
@@ -329,7 +377,7 @@ class BaseTrainer:
         tokens = torch.zeros((), dtype=torch.long, device=self.device)
         for index, batch in enumerate(window):
             batch = self._to_device(batch)
-            tokens += count_tokens(batch).to(self.device)
+            tokens += count_tokens(batch)
             with self.no_sync(last=index == len(window) - 1):
                 with self.autocast():
                     loss = self.compute_loss(self.wrapped_model, batch) / len(window)
@@ -344,9 +392,17 @@ class BaseTrainer:
         if loss is None and isinstance(outputs, Mapping):
             loss = outputs.get("loss")
         if loss is None:
+            name = type(unwrap_model(model)).__name__
+            if isinstance(outputs, torch.Tensor):
+                raise ValueError(
+                    f"{name}.forward must return an object with .loss or a dict with 'loss' "
+                    "(got Tensor); return the loss from forward, or override "
+                    "Trainer.compute_loss to compute it from the tensor"
+                )
             raise ValueError(
-                f"{type(model).__name__} returned no loss: give the batches labels (e.g. "
-                "data_collator: CausalLMCollator) or override Trainer.compute_loss"
+                f"{name} returned no loss (got {type(outputs).__name__} without 'loss'): give "
+                "the batches labels (e.g. data_collator: CausalLMCollator) or override "
+                "Trainer.compute_loss"
             )
         return loss
 
@@ -369,14 +425,15 @@ class BaseTrainer:
         """Agree on the step across ranks with one all-reduce of (loss, tokens).
 
         The summed loss is non-finite exactly when some rank's loss is, and gradients are
-        already synchronised, so every rank takes the same skip decision.
+        already synchronised, so every rank takes the same skip decision. Everything stays on
+        the device: nothing here waits for the step to finish.
         """
-        stats = torch.stack([loss.double(), tokens.double()])
-        loss_sum, total_tokens = self.all_reduce_sum(stats).tolist()
-        norm = float(grad_norm)
-        # with a grad scaler, overflowing gradients are the scaler's to skip, not ours
-        finite = math.isfinite(loss_sum) and (math.isfinite(norm) or self.scaler is not None)
-        return StepResult(loss_sum / self.topology.dp_size, int(total_tokens), norm, finite)
+        stats = self.all_reduce_sum(torch.stack([loss.double(), tokens.double()]))
+        loss_sum, total_tokens = stats.unbind()
+        finite = torch.isfinite(loss_sum)
+        if self.scaler is None:  # with a grad scaler, overflowing gradients are its to skip
+            finite = finite & torch.isfinite(grad_norm)
+        return StepResult(loss_sum / self.topology.dp_size, total_tokens, grad_norm, finite)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks (every rank gets the result)."""
@@ -389,19 +446,37 @@ class BaseTrainer:
         else:
             self.optimizer.step()
 
-    def _skip_step(self, step: StepResult) -> None:
-        if self.scaler is not None:
+    def _step_unless_nonfinite(self, step: StepResult) -> None:
+        """The optimizer step, skipped when ``step`` is non-finite and ``skip_nonfinite`` is on.
+
+        An optimizer that takes torch's ``found_inf`` (the fused ones, as the default AdamW,
+        which a grad scaler drives the same way) skips on the device. Any other needs the
+        decision on the host, which waits for the step's gradients: one host sync per step.
+        """
+        if not self.args.skip_nonfinite:
+            self.optimizer_step()
+            return
+        optimizer = self._device_skippable_optimizer()
+        if optimizer is not None:
+            optimizer.grad_scale, optimizer.found_inf = None, (~step.finite).float()
+            try:
+                self.optimizer_step()  # a no-op when found_inf is 1, the step count included
+            finally:
+                del optimizer.grad_scale, optimizer.found_inf
+        elif step.finite:  # host sync
+            self.optimizer_step()
+        elif self.scaler is not None:
             self.scaler.update()
-        self._info(
-            "step %d: non-finite %s (loss %s, grad norm %s); optimizer step skipped "
-            "(%d skipped so far)",
-            self.state.global_step + 1,
-            "loss" if not math.isfinite(step.loss) else "gradients",
-            step.loss,
-            step.grad_norm,
-            self.state.nonfinite_skipped + 1,
-            level=logging.WARNING,
-        )
+
+    def _device_skippable_optimizer(self) -> Optimizer | None:
+        """The optimizer if it can skip its own step on the device, else None.
+
+        Not with a grad scaler: its ``step`` sets ``found_inf`` itself.
+        """
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)  # Accelerate's wrapper
+        if self.scaler is None and getattr(optimizer, "_step_supports_amp_scaling", False):
+            return optimizer
+        return None
 
     def autocast(self) -> AbstractContextManager:
         """bf16 / fp16 autocast for the forward pass when requested."""
@@ -416,13 +491,27 @@ class BaseTrainer:
         """What the training step calls; ``torch.compile`` when requested."""
         return torch.compile(model) if self.args.torch_compile else model
 
+    def evaluation_model(self) -> nn.Module:
+        """What evaluation calls: the model, compiled when ``torch_compile`` is on.
+
+        Not the training wrapper: evaluation needs no gradient synchronisation. With one
+        process the compiled training model is the same module and is reused.
+        """
+        if not self.args.torch_compile:
+            return self.model
+        if self._eval_model is None:
+            wrapped = self.wrapped_model
+            reuse = getattr(wrapped, "_orig_mod", None) is self.model
+            self._eval_model = wrapped if reuse else torch.compile(self.model)
+        return self._eval_model
+
     def release_wrappers(self) -> None:
         """Drop the training wrappers at the end of ``train()``.
 
         A DDP wrapper holds the process group; freed later (at interpreter exit) the group's
         destructor can deadlock with its worker thread, so it goes while the group is alive.
         """
-        self.wrapped_model = None
+        self.wrapped_model = self._eval_model = None
         if self.topology.distributed:
             gc.collect()  # wrappers sit in reference cycles (hooks)
 
@@ -440,7 +529,7 @@ class BaseTrainer:
         args = self.args
         set_seed(args.seed)
         if self.model_init is not None:
-            self.model = self._call_model_init()
+            self.model = self.build_model()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
         self.train_loader = self.build_train_loader()
@@ -475,6 +564,15 @@ class BaseTrainer:
         self.optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.args.fp16 else None
 
+    def build_model(self) -> nn.Module:
+        """This rank's model from ``model_init``, called just after seeding (a pipeline stage
+        builds only its own part)."""
+        return self._call_model_init()
+
+    def load_weights(self, checkpoint: Path) -> None:
+        """Load a checkpoint's weights into this rank's model (the best one, at the end)."""
+        load_model_weights(self.model, checkpoint, strict=True)
+
     def _call_model_init(self) -> nn.Module:
         model = self.model_init()
         if not isinstance(model, nn.Module):
@@ -499,11 +597,10 @@ class BaseTrainer:
             rank=self.topology.dp_rank,
             world_size=self.topology.dp_size,
             drop_last=args.dataloader_drop_last,
-            num_workers=args.dataloader_num_workers,
+            **self._loader_options(),
         )
 
     def build_eval_loader(self) -> Any:
-        args = self.args
         return build_dataloader(
             self.eval_dataset,
             batch_size=self.per_rank_batch_size("per_device_eval_batch_size"),
@@ -512,8 +609,18 @@ class BaseTrainer:
             rank=self.topology.dp_rank,
             world_size=self.topology.dp_size,
             drop_last=False,
-            num_workers=args.dataloader_num_workers,
+            **self._loader_options(),
         )
+
+    def _loader_options(self) -> dict[str, Any]:
+        """Workers that live across epochs, and page-locked batches for a GPU, so that the
+        non-blocking copy to the device overlaps the step instead of waiting for it."""
+        workers = self.args.dataloader_num_workers
+        return {
+            "num_workers": workers,
+            "persistent_workers": workers > 0,
+            "pin_memory": self.device.type == "cuda",
+        }
 
     def _check_eval_dataset(self) -> None:
         if self.eval_dataset is not None:
@@ -594,6 +701,7 @@ class BaseTrainer:
 
     def state_dict(self) -> dict[str, Any]:
         """The loop's own counters: a checkpoint component like any other."""
+        self._settle()
         return {
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
@@ -705,7 +813,7 @@ class BaseTrainer:
     def evaluation_loop(self) -> dict[str, float]:
         if self.eval_loader is None:
             self.eval_loader = self.build_eval_loader()
-        model, limit = self.model, self.args.max_eval_batches
+        model, limit = self.evaluation_model(), self.args.max_eval_batches
         was_training = model.training
         model.eval()
         totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, batches
@@ -732,6 +840,7 @@ class BaseTrainer:
     # ------------------------------------------------------------------ logging
     def log_step(self) -> None:
         """Report the steps since the last log: mean loss, lr, grad norm, tokens/s, epoch."""
+        self._settle()
         tally, state = self._tally, self.state
         logs: dict[str, float] = {
             "loss": tally.mean_loss,
@@ -748,6 +857,13 @@ class BaseTrainer:
     def _log_start(self) -> None:
         args, state = self.args, self.state
         batch = self.per_rank_batch_size("per_device_train_batch_size")
+        if args.skip_nonfinite and self._device_skippable_optimizer() is None:
+            self._info(
+                "skip_nonfinite with %s%s: each step waits for its gradients on the host to "
+                "decide the skip; a fused optimizer (the default AdamW) decides on the device",
+                type(getattr(self.optimizer, "optimizer", self.optimizer)).__name__,
+                " and a grad scaler" if self.scaler is not None else "",
+            )
         self._info(
             "training for %d steps (%d epochs of %d batches per rank); batch %d x accumulation "
             "%d x data-parallel %d = %d sequences per step",

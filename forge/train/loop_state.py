@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass
 from typing import Any, NamedTuple
@@ -22,12 +21,17 @@ class TrainOutput(NamedTuple):
 
 @dataclass
 class StepResult:
-    """One optimizer step's numbers, identical on every rank."""
+    """One optimizer step's numbers, identical on every rank.
 
-    loss: float  # mean micro-batch loss, averaged over ranks
-    tokens: int  # tokens of the step, summed over ranks
-    grad_norm: float
-    finite: bool  # False: the step must be skipped (when skip_nonfinite)
+    All four are 0-d tensors on the trainer's device: reading one on the host would wait for
+    the step to finish, so the loop keeps them there and reads them at logging steps
+    (``Tally.settle``).
+    """
+
+    loss: torch.Tensor  # mean micro-batch loss, averaged over ranks (float64)
+    tokens: torch.Tensor  # tokens of the step, summed over ranks (float64)
+    grad_norm: torch.Tensor  # before clipping
+    finite: torch.Tensor  # bool; False: the step must be skipped (when skip_nonfinite)
 
 
 @dataclass
@@ -39,30 +43,58 @@ class Position:
 
 
 class Tally:
-    """Sums step results between two logs (and over a whole ``train()`` call)."""
+    """Sums step results between two logs (and over a whole ``train()`` call).
+
+    ``add`` runs on the device (no host sync); ``settle`` reads what was added since the last
+    settle into the plain numbers, once, at a logging step or a checkpoint.
+    """
+
+    _SUMS = ("loss_sum", "finite_steps", "skipped", "tokens")
 
     def __init__(self) -> None:
         self.steps = self.finite_steps = self.skipped = self.tokens = 0
         self.loss_sum = 0.0
         self.grad_norm = float("nan")
         self.started = time.perf_counter()
+        self._pending: torch.Tensor | None = None  # sums of _SUMS since the last settle
+        self._last_norm: torch.Tensor | None = None
 
     def add(self, step: StepResult) -> None:
         self.steps += 1
-        self.tokens += step.tokens
-        self.grad_norm = step.grad_norm
-        if step.finite and math.isfinite(step.loss):
-            self.finite_steps += 1
-            self.loss_sum += step.loss
-        if not step.finite:
-            self.skipped += 1
+        finite = step.finite
+        row = torch.stack(
+            [
+                torch.where(finite, step.loss, 0.0),  # not loss * finite: nan * 0 is nan
+                finite.double(),
+                (~finite).double(),
+                step.tokens.double(),
+            ]
+        )
+        self._pending = row if self._pending is None else self._pending + row
+        self._last_norm = step.grad_norm
+
+    def settle(self) -> Settled:
+        """Fold the device-side sums into the plain numbers; returns what was folded in."""
+        if self._pending is None:
+            return Settled(0, 0)
+        loss_sum, finite_steps, skipped, tokens = self._pending.tolist()  # the one host sync
+        norm = self._last_norm
+        self._pending = self._last_norm = None
+        self.loss_sum += loss_sum
+        self.finite_steps += int(finite_steps)
+        self.skipped += int(skipped)
+        self.tokens += int(tokens)
+        self.grad_norm = float(norm)
+        return Settled(int(tokens), int(skipped))
 
     def state_dict(self) -> dict[str, Any]:
         """The loss part (not tokens or time), so a resumed run logs the same mean losses."""
+        self.settle()
         keys = ("steps", "finite_steps", "skipped", "loss_sum", "grad_norm")
         return {key: getattr(self, key) for key in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        self._pending = self._last_norm = None
         for key, value in state.items():
             setattr(self, key, value)
 
@@ -75,10 +107,18 @@ class Tally:
         return self.tokens / max(time.perf_counter() - self.started, 1e-9)
 
 
-def count_tokens(batch: Batch) -> torch.Tensor:
-    """Tokens in a batch: the attention mask's ones, else the number of input ids."""
+class Settled(NamedTuple):
+    """What one ``Tally.settle`` read from the device: tokens and skipped steps."""
+
+    tokens: int
+    skipped: int
+
+
+def count_tokens(batch: Batch) -> torch.Tensor | int:
+    """Tokens in a batch: the attention mask's ones (a tensor where the mask is, so counting
+    never waits for the device), else the number of input ids (known on the host)."""
     mask = batch.get("attention_mask")
     if isinstance(mask, torch.Tensor):
         return mask.sum()
     ids = batch.get("input_ids")
-    return torch.tensor(ids.numel() if isinstance(ids, torch.Tensor) else 0)
+    return ids.numel() if isinstance(ids, torch.Tensor) else 0

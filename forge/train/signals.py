@@ -41,8 +41,9 @@ class StopSignals:
     checkpoints are written atomically, so cutting a save short loses nothing committed.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, stop_at: str = "the next step") -> None:
         self.received: int = 0
+        self.stop_at = stop_at  # when the loop acts on a signal, for the acknowledgement
         self._previous: dict[int, Any] = {}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
@@ -52,7 +53,7 @@ class StopSignals:
             raise KeyboardInterrupt
         self.received = signum
         # Said at once: the step in progress (and the save) may take a while.
-        logger.info("received %s: saving a checkpoint at the next step", name)
+        logger.info("received %s: saving a checkpoint at %s", name, self.stop_at)
 
     def __enter__(self) -> StopSignals:
         self.received = 0

@@ -103,3 +103,36 @@ def test_missing_and_corrupt_files(tmp_path: Path) -> None:
     path.write_bytes(data[: len(data) // 2])
     with pytest.raises(CheckpointError, match=r"rank_state_00000\.pt: unreadable, corrupt"):
         load_torch_state(path)
+
+
+def test_rng_state_holds_the_generator_of_the_given_gpu(monkeypatch) -> None:
+    """The CUDA generator saved and restored is the given device's (each rank its own GPU),
+    else the current device's, and only once CUDA is in use; on CPU there is none."""
+    calls = []
+
+    def get(device="cuda"):
+        calls.append(("get", device))
+        return torch.full((4,), 7, dtype=torch.uint8)
+
+    monkeypatch.setattr(torch.cuda, "get_rng_state", get)
+    monkeypatch.setattr(
+        torch.cuda, "set_rng_state", lambda s, d="cuda": calls.append(("set", d, s))
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: True)
+    gpu1 = torch.device("cuda", 1)
+    state = capture_rng_state(gpu1)
+    assert torch.equal(state["cuda"], torch.full((4,), 7, dtype=torch.uint8))
+    restore_rng_state(state, gpu1)
+    assert calls[0] == ("get", gpu1) and calls[1][:2] == ("set", gpu1)
+    assert torch.equal(calls[1][2], state["cuda"])
+    calls.clear()
+    restore_rng_state(capture_rng_state())  # no device named: the current one
+    assert [c[:2] for c in calls] == [("get", "cuda"), ("set", "cuda")]
+    calls.clear()
+    assert "cuda" not in capture_rng_state(torch.device("cpu"))  # a CPU trainer: none
+    monkeypatch.setattr(torch.cuda, "is_initialized", lambda: False)
+    assert "cuda" not in capture_rng_state()  # CUDA never used: no context is created
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    restore_rng_state({**capture_rng_state(), "cuda": torch.zeros(4, dtype=torch.uint8)})
+    assert calls == []  # a GPU checkpoint resumed on a CPU-only machine

@@ -266,6 +266,19 @@ def test_a_component_the_checkpoint_lacks_is_named_with_the_fix(tmp_path):
         registry.load(path)
 
 
+def test_an_optional_component_the_checkpoint_lacks_starts_fresh_with_a_warning(tmp_path, caplog):
+    path = save(tmp_path, world_size=1)
+    registry = CheckpointRegistry(Topology())
+    scaler, progress = Value({"scale": 1.0}), Value({})
+    registry.register(Component("scaler", scaler, required=False, fix="unused"))
+    registry.extend(components(Topology(), {"progress": progress}))
+    registry.load(path)
+    assert scaler.state == {"scale": 1.0}  # untouched
+    assert progress.state == {"step": 7}  # and the components after it load
+    assert f"{path.name}: has no 'scaler' component; it starts fresh" in caplog.text
+    assert "unused" not in caplog.text
+
+
 def test_a_checkpoint_of_the_older_format_says_so(tmp_path):
     path = save(tmp_path, world_size=1)
     raw = json.loads((path / "manifest.json").read_text())
@@ -322,3 +335,48 @@ def test_weights_component_writes_a_from_pretrained_directory(tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(writer.final_path)
     for key, value in model.state_dict().items():
         assert torch.equal(loaded.state_dict()[key], value), key
+
+
+def test_weights_restore_and_the_components_after_them_load_too(tmp_path):
+    torch.manual_seed(0)
+    model = nn.Linear(3, 3)
+    registry = CheckpointRegistry(Topology())
+    registry.register(Component("model", ModelWeights(model), Scope.STAGE, weights=True))
+    registry.register(Component("progress", Value({"step": 3})))
+    with CheckpointWriter(tmp_path, 3) as writer:
+        registry.save(writer)
+    fresh, progress = nn.Linear(3, 3), Value({})
+    again = CheckpointRegistry(Topology())
+    again.register(Component("model", ModelWeights(fresh), Scope.STAGE, weights=True))
+    again.register(Component("progress", progress))
+    again.load(writer.final_path)
+    assert torch.equal(fresh.weight, model.weight)
+    assert progress.state == {"step": 3}
+
+
+def test_a_component_saved_with_another_scope_is_named_with_the_fix(tmp_path):
+    path = save(tmp_path, world_size=1)
+    registry = CheckpointRegistry(Topology())
+    registry.register(Component("progress", Value({}), Scope.RANK, fix="set the fix: true"))
+    with pytest.raises(
+        CheckpointError,
+        match=r"'progress' was saved with scope 'shared', this trainer uses 'rank'; set the fix",
+    ):
+        registry.load(path)
+
+
+def test_a_manifest_without_components_cannot_resume(tmp_path):
+    path = save(tmp_path, world_size=1)
+    raw = json.loads((path / "manifest.json").read_text())
+    raw["components"] = {}
+    (path / "manifest.json").write_text(json.dumps(raw))
+    with pytest.raises(CheckpointError, match="written by an older forge"):
+        load(path, Topology())
+
+
+def test_a_torch_file_without_the_component_header_is_refused(tmp_path):
+    path = save(tmp_path, world_size=1)
+    torch.save({"step": 7}, path / "progress.pt")  # a bare state, as another tool would write
+    rehash(path)
+    with pytest.raises(CheckpointError, match=r"progress\.pt: not a forge component file"):
+        load(path, Topology())

@@ -1,0 +1,582 @@
+"""The pipeline-parallel trainer: the model split into stages across processes, each stage
+writing only its own shard of the weights and optimizer state.
+
+``pipeline_parallel_size`` processes form one pipeline (one stage each, or several with
+``interleaved_1f1b``); the remaining processes are data-parallel replicas of it, so
+``--nproc 4`` with 2 stages trains 2 replicas, each on its own shard of the data. Ranks are
+stage-major within a replica (``Topology``): rank = replica * stages + stage.
+
+A step runs ``torch.distributed.pipelining``: every loop micro-batch is split into
+``pipeline_microbatches`` pieces that flow through the stages on the chosen schedule (GPipe,
+1F1B or interleaved 1F1B); the last stage computes the loss. Then gradients are averaged over
+the replicas of each stage and summed over the stages sharing a tied weight, and clipped by
+the norm over all stages. Everything else (schedule, accumulation, evaluation, early
+stopping, signals, callbacks, checkpoints) is the shared loop's.
+
+Every rank loads the same batches as the other stages of its replica: stage 0 reads the
+input ids, the last stage the labels.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, ClassVar
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from forge.checkpoint import Component, ModelWeights, load_model_weights
+from forge.train.args import TrainingArguments, TrainingArgumentsError, _as_int
+from forge.train.base import BaseTrainer
+from forge.train.loop_state import Batch, count_tokens
+from forge.train.optim import build_optimizer
+from forge.train.pipeline_split import (
+    ModelParts,
+    PipelineLayout,
+    SplitError,
+    StageModule,
+    causal_lm_loss,
+    prune_to_stages,
+    split_layers,
+)
+from forge.train.stage_init import build_partial_model, free_except
+from forge.train.topology import Topology
+
+logger = logging.getLogger(__name__)
+
+SCHEDULES = ("gpipe", "1f1b", "interleaved_1f1b")
+_BATCH_KEYS = {"input_ids", "labels", "attention_mask"}
+
+
+@dataclass
+class PipelineTrainingArguments(TrainingArguments):
+    """TrainingArguments plus how the model is split into pipeline stages.
+
+    ``pipeline_parallel_size``: processes per pipeline (null: all of them); the others are
+    data-parallel replicas. ``pipeline_microbatches``: pieces each loop batch is split into
+    (null: one per pipeline process); ``per_device_train_batch_size`` must be a multiple.
+    ``pipeline_schedule``: ``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (with
+    ``pipeline_stages_per_rank`` >= 2). ``pipeline_split``: the layers where the stages after
+    the first begin (``[model.layers.2]``); null splits the layers evenly.
+    ``pipeline_embedding`` / ``pipeline_layers`` / ``pipeline_head`` / ``pipeline_rotary``
+    name the model's parts (defaults: Hugging Face's Llama-style decoders; ``pipeline_rotary``
+    null calls each layer on the hidden states alone).
+    """
+
+    pipeline_parallel_size: int | None = None
+    pipeline_microbatches: int | None = None
+    pipeline_schedule: str = "1f1b"
+    pipeline_stages_per_rank: int = 1
+    pipeline_split: tuple[str, ...] | None = None
+    pipeline_embedding: str = "model.embed_tokens"
+    pipeline_layers: str = "model.layers"
+    pipeline_head: tuple[str, ...] = ("model.norm", "lm_head")
+    pipeline_rotary: str | None = "model.rotary_emb"
+
+    def validate(self) -> list[str]:
+        p = super().validate()
+        if self.pipeline_parallel_size is not None:
+            self._int("pipeline_parallel_size", p, minimum=1, fix="or null for every process")
+        if self.pipeline_microbatches is not None:
+            self._int("pipeline_microbatches", p, minimum=1, fix="or null for one per stage")
+        self._int("pipeline_stages_per_rank", p, minimum=1)
+        self._choice("pipeline_schedule", SCHEDULES, p)
+        for name in ("pipeline_embedding", "pipeline_layers"):
+            if not isinstance(getattr(self, name), str) or not getattr(self, name):
+                p.append(f"{self._key(name)} must be a module name (got {getattr(self, name)!r})")
+        if self.pipeline_rotary is not None and not (
+            isinstance(self.pipeline_rotary, str) and self.pipeline_rotary
+        ):
+            p.append(
+                f"{self._key('pipeline_rotary')} must be a module name or null "
+                f"(got {self.pipeline_rotary!r})"
+            )
+        self._names("pipeline_head", p, allow_none=False)
+        self._names("pipeline_split", p, allow_none=True)
+        self._check_pipeline_fit(p)
+        for flag, fix in (("fp16", "use bf16"), ("torch_compile", "set it to false")):
+            if getattr(self, flag) is True:
+                p.append(f"{self._key(flag)} is not supported by the pipeline trainer; {fix}")
+        return p
+
+    def _names(self, name: str, p: list[str], *, allow_none: bool) -> None:
+        value = getattr(self, name)
+        if value is None and allow_none:
+            return
+        if isinstance(value, str):
+            value = (value,)
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+            p.append(
+                f"{self._key(name)} must be a list of module names"
+                + (" or null" if allow_none else "")
+                + f" (got {value!r})"
+            )
+            return
+        setattr(self, name, tuple(value))
+
+    def _check_pipeline_fit(self, p: list[str]) -> None:
+        """What can be checked before the job's size is known."""
+        schedule, per_rank = self.pipeline_schedule, _as_int(self.pipeline_stages_per_rank)
+        if schedule == "interleaved_1f1b" and per_rank == 1:
+            p.append(
+                f"{self._key('pipeline_schedule')} interleaved_1f1b runs several stages per "
+                "process; set pipeline_stages_per_rank to 2 or more, or use 1f1b"
+            )
+        elif schedule in ("gpipe", "1f1b") and per_rank is not None and per_rank > 1:
+            p.append(
+                f"{self._key('pipeline_stages_per_rank')} is {per_rank}, which only the "
+                "interleaved_1f1b schedule runs; set pipeline_schedule: interleaved_1f1b"
+            )
+        micro = _as_int(self.pipeline_microbatches)
+        if micro is None or micro < 1:
+            return
+        batch = _as_int(self.per_device_train_batch_size)
+        if batch is not None and batch >= 1 and batch % micro:
+            p.append(
+                f"{self._key('per_device_train_batch_size')} {batch} is not a multiple of "
+                f"pipeline_microbatches {micro}; each batch is split into that many equal "
+                "microbatches"
+            )
+        size = _as_int(self.pipeline_parallel_size)
+        if schedule == "1f1b" and size is not None and micro < size:
+            p.append(
+                f"{self._key('pipeline_microbatches')} {micro} is fewer than the "
+                f"{size} pipeline stages, which 1f1b needs at least; raise it or use gpipe"
+            )
+
+    @property
+    def parts(self) -> ModelParts:
+        return ModelParts(
+            embedding=self.pipeline_embedding,
+            layers=self.pipeline_layers,
+            head=tuple(self.pipeline_head),
+            rotary=self.pipeline_rotary,
+        )
+
+
+class _MicrobatchLoss:
+    """The loss the last stage computes per microbatch: records the loss, returns it weighted
+    (a microbatch's share of the optimizer step), so gradients accumulate to the mean."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.fn = fn
+        self.weight = 1.0
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.fn(output, target)
+        self.values.append(loss.detach().float())
+        return loss * self.weight if self.weight != 1.0 else loss
+
+    def take(self, count: int) -> list[torch.Tensor]:
+        """The last ``count`` losses (the schedule's first call may be a shape probe)."""
+        values, self.values = self.values[-count:], []
+        return values
+
+
+class PipelineTrainer(BaseTrainer):
+    """Train a model split into pipeline stages, times data-parallel replicas, under
+    ``torchrun`` (``forge train --nproc N``); see the module docstring.
+
+    ``args`` are ``PipelineTrainingArguments`` (plain ``TrainingArguments`` take their
+    defaults). ``loss_fn(logits, labels)`` replaces the causal-LM loss (the model's own
+    ``loss_function`` for Hugging Face models). ``model`` should be a builder (a
+    ``!partial``): each stage then builds only its own part. See ``BaseTrainer`` for the
+    other arguments.
+    """
+
+    trainer_kind: ClassVar[str] = "pipeline"
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        args: TrainingArguments,
+        *positional: Any,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(args, TrainingArguments) and not isinstance(args, PipelineTrainingArguments):
+            args = PipelineTrainingArguments(**args.to_dict())
+        self.loss_fn = loss_fn
+        super().__init__(model, args, *positional, **kwargs)
+        self.layout, self._writer, self._shared = self._plan(model)
+        self.num_microbatches = self.args.pipeline_microbatches or self.topology.num_stages
+        self._check_microbatches()
+        # built by setup_components()
+        self.stage_modules: list[StageModule] = []
+        self._schedules: dict[tuple, Any] = {}
+        self._groups: dict[str, Any] = {}
+        self._loss: _MicrobatchLoss | None = None
+
+    # ------------------------------------------------------------------ the split
+    def make_topology(self) -> Topology:
+        """Stage-major ranks: ``pipeline_parallel_size`` stages, the rest replicas."""
+        env = Topology.from_env()
+        size = self.args.pipeline_parallel_size or env.world_size
+        if env.world_size % size:
+            raise TrainingArgumentsError(
+                [
+                    f"{self.args.config_key}.pipeline_parallel_size {size} does not divide the "
+                    f"{env.world_size} processes; start a multiple of {size} processes "
+                    "(each group of that many is one pipeline)"
+                ]
+            )
+        return env.with_stages(size)
+
+    @property
+    def _key(self) -> str:
+        return self.args.config_key
+
+    def _plan(self, model: Any) -> tuple[PipelineLayout, dict[str, int], dict[str, list[int]]]:
+        """Check the split against the model's structure (built on the meta device) and work
+        out every stage, before any process group or weight exists."""
+        args = self.args
+        skeleton = model if isinstance(model, nn.Module) else self._meta_skeleton(model)
+        parts = args.parts
+        problems = parts.problems(skeleton, self._key)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        num_stages = self.topology.num_stages * args.pipeline_stages_per_rank
+        try:
+            specs = split_layers(
+                parts.num_layers(skeleton), num_stages, args.pipeline_split, parts, self._key
+            )
+        except SplitError as exc:
+            raise TrainingArgumentsError(exc.problems) from None
+        layout = PipelineLayout(parts, tuple(specs), self.topology.num_stages)
+        writer, shared = layout.holders(skeleton)
+        return layout, writer, shared
+
+    def _meta_skeleton(self, model_init: Callable[[], nn.Module]) -> nn.Module:
+        with torch.device("meta"):
+            skeleton = model_init()
+        if not isinstance(skeleton, nn.Module):
+            raise TypeError(
+                f"trainer.model built a {type(skeleton).__name__}, not an nn.Module; pass a "
+                "module or a callable (e.g. !partial) that returns one"
+            )
+        return skeleton
+
+    def _check_microbatches(self) -> None:
+        args, key, n = self.args, self._key, self.num_microbatches
+        stages = self.topology.num_stages
+        problems = []
+        batch = args.per_device_train_batch_size
+        if batch % n:
+            problems.append(
+                f"{key}.per_device_train_batch_size {batch} is not a multiple of the {n} "
+                f"microbatches each batch is split into (pipeline_microbatches: null means one "
+                f"per pipeline stage); use a multiple of {n} or set pipeline_microbatches"
+            )
+        if args.pipeline_schedule == "1f1b" and n < stages:
+            problems.append(
+                f"{key}.pipeline_microbatches {n} is fewer than the {stages} pipeline stages, "
+                "which 1f1b needs at least; raise it or use gpipe"
+            )
+        if args.pipeline_schedule == "interleaved_1f1b":
+            rounds = max(1, n // stages)
+            if n % rounds:
+                problems.append(
+                    f"{key}.pipeline_microbatches {n}: interleaved_1f1b needs a multiple of "
+                    f"{rounds} (microbatches // stages) or fewer than {2 * stages}"
+                )
+        if problems:
+            raise TrainingArgumentsError(problems)
+
+    @property
+    def my_stages(self):
+        return self.layout.rank_stages(self.topology.stage)
+
+    @property
+    def holds_first(self) -> bool:
+        return any(spec.first for spec in self.my_stages)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(spec.last for spec in self.my_stages)
+
+    # ------------------------------------------------------------------ setup
+    def build_model(self) -> nn.Module:
+        """This rank's stages only: the other parts are never materialised (see stage_init)."""
+        model = build_partial_model(self.model_init, self._kept_modules)
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"trainer.model built a {type(model).__name__}, not an nn.Module; pass a module "
+                "or a callable (e.g. !partial) that returns one"
+            )
+        return model
+
+    @property
+    def _kept_modules(self) -> list[str]:
+        return self.layout.rank_modules(self.topology.stage)
+
+    def setup_components(self) -> None:
+        """Prune to this rank's stages, build the stage modules, process groups, optimizer."""
+        layout = self.layout
+        if self.model_init is None:  # given a whole module: free the other stages' weights
+            free_except(self.model, self._kept_modules)
+        prune_to_stages(self.model, layout.parts, self.my_stages)
+        self.model.to(self.device)
+        self.wrapped_model = self.model  # what the loop puts in train() / eval() mode
+        self.stage_modules = [StageModule(self.model, layout.parts, s) for s in self.my_stages]
+        self._loss = _MicrobatchLoss(self.loss_fn or _default_loss(self.model))
+        self._schedules = {}
+        self._make_groups()
+        self.optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
+        self.scaler = None
+        self._log_split()
+
+    def _make_groups(self) -> None:
+        """Every rank creates every group, in one order (``new_group`` is collective)."""
+        topo, groups = self.topology, {}
+        if not topo.distributed:
+            self._groups = groups
+            return
+        if topo.num_stages > 1:
+            groups["pipeline"] = _member_group([topo.replica_ranks(d) for d in range(topo.dp_size)])
+        if topo.dp_size > 1:
+            groups["replicas"] = _member_group(
+                [topo.stage_ranks(s) for s in range(topo.num_stages)]
+            )
+        for ranks in sorted({tuple(r) for r in self._shared.values()}):
+            name = f"shared-{'-'.join(map(str, ranks))}"
+            sets = [[d * topo.num_stages + r for r in ranks] for d in range(topo.dp_size)]
+            group = _member_group(sets)
+            if topo.stage in ranks:
+                groups[name] = group
+        self._groups = groups
+
+    def _log_split(self) -> None:
+        topo, args = self.topology, self.args
+        self._info(
+            "pipeline: %d stage(s) on %d process(es) per replica x %d replica(s); schedule %s, "
+            "%d microbatches per batch",
+            len(self.layout.stages),
+            topo.num_stages,
+            topo.dp_size,
+            args.pipeline_schedule,
+            self.num_microbatches,
+        )
+        for spec in self.layout.stages:
+            first, last = spec.layers.start, spec.layers.stop - 1
+            layers = f"{args.pipeline_layers}.{first}" + (f"-{last}" if last > first else "")
+            self._info(
+                "  stage %d (process %d): %s%s%s",
+                spec.index,
+                spec.index % topo.num_stages,
+                f"{args.pipeline_embedding} + " if spec.first else "",
+                layers,
+                " + " + " + ".join(args.pipeline_head) if spec.last else "",
+            )
+
+    def release_wrappers(self) -> None:
+        self._schedules = {}
+        self.stage_modules = []
+        for group in self._groups.values():
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._groups = {}
+        super().release_wrappers()
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(self, window: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each micro-batch through the pipeline; (mean loss, tokens) on the last stage
+        (zero elsewhere, so the loop's sum over ranks counts each replica once)."""
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        for batch in window:
+            inputs, labels, batch = self._inputs(batch)
+            losses = self._run(inputs, labels, train=True, weight=1.0 / len(window))
+            if self.holds_last:
+                loss_sum += torch.stack(losses).mean() / len(window)
+                tokens += count_tokens(batch).to(self.device)
+        self._sync_gradients()
+        return loss_sum, tokens
+
+    def _inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, Batch]:
+        batch = self._to_device(batch)
+        extra = sorted(set(batch) - _BATCH_KEYS)
+        if extra or "input_ids" not in batch or "labels" not in batch:
+            raise ValueError(
+                f"the pipeline trainer feeds a batch's input_ids to the first stage and its "
+                f"labels to the loss, and cannot pass on {extra or 'a batch without them'}; "
+                "use a collator that gives input_ids and labels (CausalLMCollator)"
+            )
+        mask = batch.get("attention_mask")
+        if mask is not None and not torch.equal(mask.cummin(dim=-1).values, mask):
+            raise ValueError(
+                "the pipeline trainer's stages attend causally without a padding mask, which is "
+                "exact only for right padding; this batch's attention_mask pads on the left"
+            )
+        return batch["input_ids"], batch["labels"], batch
+
+    def _run(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool, weight: float = 1.0
+    ) -> list[torch.Tensor]:
+        """One batch through this rank's stages; the microbatch losses on the last stage."""
+        schedule, count = self._schedule(tuple(inputs.shape), train)
+        self._loss.weight = weight / count
+        if schedule is None:  # a single stage in one process: no pipeline to run
+            return self._run_local(inputs, labels, count, train)
+        args = (inputs,) if self.holds_first else ()
+        target = labels if self.holds_last else None
+        losses = [] if self.holds_last else None
+        with self.autocast():
+            if train:
+                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        return self._loss.take(count) if self.holds_last else []
+
+    def _run_local(
+        self, inputs: torch.Tensor, labels: torch.Tensor, count: int, train: bool
+    ) -> list[torch.Tensor]:
+        """All stages in this process: each microbatch forward through them, then backward."""
+        for piece, target in zip(inputs.chunk(count), labels.chunk(count), strict=True):
+            with self.autocast():
+                for module in self.stage_modules:
+                    piece = module(piece)
+                loss = self._loss(piece, target)
+            if train:
+                loss.backward()
+        return self._loss.take(count)
+
+    def _schedule(self, shape: tuple[int, ...], train: bool) -> tuple[Any, int]:
+        """The schedule for batches of ``shape`` (built on first use: a stage's buffers are
+        sized by its first microbatch). A short last batch splits into fewer microbatches."""
+        count = math.gcd(shape[0], self.num_microbatches)
+        key = (train, shape)
+        if key not in self._schedules:
+            self._schedules[key] = self._make_schedule(count, train)
+        return self._schedules[key], count
+
+    def _make_schedule(self, count: int, train: bool) -> Any:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        if self.topology.num_stages == 1:
+            return None
+        group = self._groups.get("pipeline")
+        stages = [
+            PipelineStage(module, spec.index, len(self.layout.stages), self.device, group=group)
+            for module, spec in zip(self.stage_modules, self.my_stages, strict=True)
+        ]
+        if len(stages) > 1:
+            return ScheduleInterleaved1F1B(stages, count, loss_fn=self._loss, scale_grads=False)
+        fits_1f1b = count >= self.topology.num_stages
+        one_f_one_b = train and self.args.pipeline_schedule == "1f1b" and fits_1f1b
+        schedule = Schedule1F1B if one_f_one_b else ScheduleGPipe
+        return schedule(stages[0], count, loss_fn=self._loss, scale_grads=False)
+
+    def _sync_gradients(self) -> None:
+        """Average over the replicas of this stage; sum a tied weight over its stages."""
+        replicas = self._groups.get("replicas")
+        if replicas is not None:
+            grads = [p.grad for p in self.model.parameters() if p.grad is not None]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=replicas)
+            flat /= self.topology.dp_size
+            for grad, synced in zip(
+                grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+            ):
+                grad.copy_(synced)
+        params = dict(self.model.named_parameters())
+        for name, ranks in self._shared.items():
+            group = self._groups.get(f"shared-{'-'.join(map(str, ranks))}")
+            grad = params[name].grad if name in params else None
+            if group is not None and grad is not None:
+                dist.all_reduce(grad, group=group)
+
+    def clip_gradients(self) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients (a shared weight counted once)."""
+        stage = self.topology.stage
+        own = [
+            p.grad
+            for name, p in self.model.named_parameters()
+            if p.grad is not None and self._shared.get(name, [stage])[0] == stage
+        ]
+        norm = torch.nn.utils.get_total_norm(own) if own else torch.zeros((), device=self.device)
+        squares = norm.double().square()
+        if "pipeline" in self._groups:
+            dist.all_reduce(squares, group=self._groups["pipeline"])
+        total = squares.sqrt().to(norm.dtype)
+        if self.args.max_grad_norm:
+            params = [p for p in self.model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
+        return total
+
+    # ------------------------------------------------------------------ evaluation
+    def evaluation_loop(self) -> dict[str, float]:
+        """Mean eval loss, each batch through the pipeline forward only."""
+        if not self.stage_modules:
+            raise RuntimeError(
+                "PipelineTrainer.evaluate() runs inside train() (the stages are built there); "
+                "set eval_strategy to evaluate during training"
+            )
+        import itertools
+
+        if self.eval_loader is None:
+            self.eval_loader = self.build_eval_loader()
+        was_training = self.model.training
+        self.model.eval()
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, batches
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for batch in itertools.islice(self.eval_loader, self.args.max_eval_batches):
+                inputs, labels, _ = self._inputs(batch)
+                losses = self._run(inputs, labels, train=False)
+                if self.holds_last:
+                    loss = torch.stack(losses).mean().double()
+                    totals += torch.stack([loss, totals.new_ones(())])
+        self.model.train(was_training)
+        loss_sum, batches = self.all_reduce_sum(totals).tolist()
+        loss = loss_sum / batches if batches else float("nan")
+        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+
+    # ------------------------------------------------------------------ checkpoints
+    def checkpoint_components(self) -> list[Component]:
+        """The model component writes this stage's own weights and loads exactly its names
+        from a checkpoint of any split (or of the plain and Accelerate trainers)."""
+        components = super().checkpoint_components()
+        for component in components:
+            if component.name == "model":
+                component.obj = ModelWeights(
+                    self.model, self.tokenizer, state_fn=self.stage_state_dict, subset=True
+                )
+        return components
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors this stage writes: those it holds that no earlier stage holds."""
+        stage = self.topology.stage
+        return {k: v for k, v in self.model.state_dict().items() if self._writer.get(k) == stage}
+
+    def load_weights(self, checkpoint: Path) -> None:
+        load_model_weights(self.model, checkpoint, strict=True, subset=True)
+
+
+def _member_group(rank_sets: list[list[int]]) -> Any:
+    """Create a group for each rank set (every rank calls this alike); this rank's group."""
+    rank, mine = dist.get_rank(), None
+    for ranks in rank_sets:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def _default_loss(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The model's own causal-LM loss (Hugging Face models), else ``causal_lm_loss``."""
+    function = getattr(model, "loss_function", None)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if callable(function) and vocab:
+        return lambda logits, labels: function(logits, labels, vocab_size=vocab)
+    return causal_lm_loss

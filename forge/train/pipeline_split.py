@@ -1,0 +1,331 @@
+"""Splitting a model into pipeline stages by module name.
+
+A model the pipeline trainer splits names three parts (``ModelParts``): the token embedding,
+the list of layers and the head modules that follow them, plus optionally the rotary position
+embedding every layer takes. The defaults name those of Hugging Face's Llama-style decoders
+(``LlamaForCausalLM``, Mistral, Qwen2, ...): ``model.embed_tokens``, ``model.layers``,
+``model.norm`` + ``lm_head``, ``model.rotary_emb``. Stage 0 runs the embedding and its layers,
+the last stage its layers and the head; the layers are split evenly or where the config says.
+
+A stage's model is the full model with every other part removed, so its parameter names are
+the unsplit model's (``model.layers.2.mlp.up_proj.weight``): checkpoints, optimizer state and
+exports are keyed by them. ``StageModule`` is the forward one stage runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from forge.train.stage_init import keeps, tie_groups, with_tie_owners
+
+
+@dataclass(frozen=True)
+class ModelParts:
+    """Where a model keeps the parts a pipeline splits (module names, dotted)."""
+
+    embedding: str = "model.embed_tokens"
+    layers: str = "model.layers"
+    head: tuple[str, ...] = ("model.norm", "lm_head")
+    rotary: str | None = "model.rotary_emb"
+
+    def problems(self, model: nn.Module, key: str) -> list[str]:
+        """What is wrong with these names for ``model``; ``key`` prefixes the config keys."""
+        found: list[str] = []
+        named = dict(model.named_modules())
+        candidates = sorted(n for n in named if n)
+        for field, name, what in (
+            ("pipeline_embedding", self.embedding, "its token embedding"),
+            ("pipeline_layers", self.layers, "its list of layers"),
+            *(("pipeline_head", h, "the modules after the layers") for h in self.head),
+            ("pipeline_rotary", self.rotary, "its rotary embedding, or null"),
+        ):
+            if name is None or name in named:
+                continue
+            found.append(
+                f"{key}.{field}: {type(model).__name__} has no module {name!r} (name {what})"
+                + _did_you_mean(name, candidates)
+            )
+        parts = [self.embedding, self.layers, *self.head, *([self.rotary] if self.rotary else [])]
+        uncovered = sorted(
+            {
+                name.rpartition(".")[0]
+                for name, _ in model.named_parameters()
+                if not keeps(name.rpartition(".")[0], parts)
+            }
+        )
+        if uncovered and not found:
+            found.append(
+                f"{key}: {type(model).__name__} has parameters in {_few(uncovered)}, which no "
+                "stage would hold; name them in pipeline_embedding, pipeline_layers or "
+                "pipeline_head"
+            )
+        layers = named.get(self.layers)
+        if layers is not None and not isinstance(layers, (nn.ModuleList, nn.Sequential)):
+            found.append(
+                f"{key}.pipeline_layers: {self.layers!r} is a {type(layers).__name__}, not a "
+                "ModuleList or Sequential of layers"
+            )
+        return found
+
+    def num_layers(self, model: nn.Module) -> int:
+        return len(model.get_submodule(self.layers))
+
+
+def _few(names: list[str], n: int = 3) -> str:
+    shown = ", ".join(repr(x) for x in names[:n])
+    return shown + (f" and {len(names) - n} more" if len(names) > n else "")
+
+
+def _did_you_mean(name: str, candidates: list[str]) -> str:
+    import difflib
+
+    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
+    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
+
+
+@dataclass(frozen=True)
+class StageSpec:
+    """Which layers one pipeline stage runs, and whether it is the first or last."""
+
+    index: int
+    num_stages: int
+    layers: range
+
+    @property
+    def first(self) -> bool:
+        return self.index == 0
+
+    @property
+    def last(self) -> bool:
+        return self.index == self.num_stages - 1
+
+    def module_names(self, parts: ModelParts) -> list[str]:
+        """The modules this stage holds (their weights are its share of the checkpoint)."""
+        names = [f"{parts.layers}.{i}" for i in self.layers]
+        if self.first:
+            names.insert(0, parts.embedding)
+        if self.last:
+            names += list(parts.head)
+        if parts.rotary is not None:
+            names.append(parts.rotary)
+        return names
+
+
+class SplitError(ValueError):
+    """The requested split does not fit the model; ``problems`` says why."""
+
+    def __init__(self, problems: list[str]) -> None:
+        self.problems = problems
+        super().__init__("; ".join(problems))
+
+
+def split_layers(
+    num_layers: int,
+    num_stages: int,
+    split: Sequence[str] | None,
+    parts: ModelParts,
+    key: str,
+) -> list[StageSpec]:
+    """The stages: ``split`` names the layer where each stage after the first begins
+    (``model.layers.2``); None splits the layers evenly (earlier stages take the remainder)."""
+    if num_stages > num_layers:
+        raise SplitError(
+            [
+                f"{num_stages} pipeline stages but the model has only {num_layers} layers "
+                f"({parts.layers}); use at most {num_layers} stages (pipeline_parallel_size x "
+                "pipeline_stages_per_rank)"
+            ]
+        )
+    if split is None:
+        base, extra = divmod(num_layers, num_stages)
+        sizes = [base + (i < extra) for i in range(num_stages)]
+        starts = [sum(sizes[:i]) for i in range(num_stages)]
+    else:
+        starts = [0, *_split_starts(split, num_layers, num_stages, parts, key)]
+    ends = starts[1:] + [num_layers]
+    return [
+        StageSpec(i, num_stages, range(start, end))
+        for i, (start, end) in enumerate(zip(starts, ends, strict=True))
+    ]
+
+
+def _split_starts(
+    split: Sequence[str], num_layers: int, num_stages: int, parts: ModelParts, key: str
+) -> list[int]:
+    problems: list[str] = []
+    if len(split) != num_stages - 1:
+        problems.append(
+            f"{key}.pipeline_split names {len(split)} stage start(s) for {num_stages} stages; "
+            f"name the first layer of every stage but the first ({num_stages - 1} names)"
+        )
+    starts: list[int] = []
+    valid = [f"{parts.layers}.{i}" for i in range(1, num_layers)]
+    for name in split if valid else ():
+        prefix, _, index = str(name).rpartition(".")
+        if prefix != parts.layers or not index.isdigit() or not 0 < int(index) < num_layers:
+            problems.append(
+                f"{key}.pipeline_split: {name!r} is not a layer where a stage can begin; use "
+                f"one of {valid[0]!r} ... {valid[-1]!r}" + _did_you_mean(str(name), valid)
+            )
+            continue
+        starts.append(int(index))
+    if not problems and starts != sorted(set(starts)):
+        problems.append(
+            f"{key}.pipeline_split: stage starts {list(split)} must be in increasing order, "
+            "each layer once"
+        )
+    if problems:
+        raise SplitError(problems)
+    return starts
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """Every stage of the pipeline and which rank of a replica runs it.
+
+    With ``v`` stages per rank, rank ``r`` of ``n`` runs stages ``r, r + n, r + 2n, ...``
+    (the looped placement the interleaved schedules expect).
+    """
+
+    parts: ModelParts
+    stages: tuple[StageSpec, ...]
+    num_ranks: int
+
+    def rank_stages(self, pp_rank: int) -> list[StageSpec]:
+        return [s for s in self.stages if s.index % self.num_ranks == pp_rank]
+
+    def rank_modules(self, pp_rank: int) -> list[str]:
+        return [n for s in self.rank_stages(pp_rank) for n in s.module_names(self.parts)]
+
+    def holders(self, model: nn.Module) -> tuple[dict[str, int], dict[str, list[int]]]:
+        """For the whole model (a meta skeleton will do): which rank writes each state-dict
+        key (the first rank holding it; keys that alias another one are left out, as
+        ``save_pretrained`` leaves out tied weights), and the parameters several ranks hold
+        (a tied embedding), with those ranks."""
+        ties = tie_groups(model)
+        held = [with_tie_owners(self.rank_modules(r), ties) for r in range(self.num_ranks)]
+        module_of: dict[int, list[str]] = {}
+        for group in ties:
+            for module_name, module, attr, is_param in group:
+                table = module._parameters if is_param else module._buffers
+                module_of.setdefault(id(table[attr]), []).append(module_name)
+
+        def ranks_holding(tensor: torch.Tensor) -> list[int]:
+            names = module_of.get(id(tensor), [])
+            return [r for r in range(self.num_ranks) if any(keeps(n, held[r]) for n in names)]
+
+        writer: dict[str, int] = {}
+        seen: set[int] = set()
+        for key, tensor in model.state_dict(keep_vars=True).items():
+            if id(tensor) in seen:
+                continue
+            seen.add(id(tensor))
+            ranks = ranks_holding(tensor)
+            if ranks:
+                writer[key] = ranks[0]
+        shared = {}
+        for name, param in model.named_parameters():
+            ranks = ranks_holding(param)
+            if len(ranks) > 1:
+                shared[name] = ranks
+        return writer, shared
+
+
+def prune_to_stages(model: nn.Module, parts: ModelParts, specs: Sequence[StageSpec]) -> None:
+    """Remove every part no stage of ``specs`` holds; the rest keep their full names.
+
+    The layer list becomes a ``ModuleDict`` keyed by the original indices, so layer 2 stays
+    ``model.layers.2`` (a ModuleList would renumber it). A part that also holds a tensor of a
+    kept part (an input embedding tied to the output head) stays.
+    """
+    held_layers = sorted({i for spec in specs for i in spec.layers})
+    layers = model.get_submodule(parts.layers)
+    kept_layers = nn.ModuleDict({str(i): layers[i] for i in held_layers})
+    _set_submodule(model, parts.layers, kept_layers)
+    first = any(spec.first for spec in specs)
+    last = any(spec.last for spec in specs)
+    for name, held in ((parts.embedding, first), *((h, last) for h in parts.head)):
+        module = model.get_submodule(name)
+        if not held and all(t.is_meta for t in [*module.parameters(), *module.buffers()]):
+            _set_submodule(model, name, None)
+
+
+def _set_submodule(model: nn.Module, name: str, module: nn.Module | None) -> None:
+    parent_name, _, attr = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    parent._modules[attr] = module
+
+
+class StageModule(nn.Module):
+    """The forward of one pipeline stage: embedding (first stage), its layers, head (last).
+
+    With a rotary module (Hugging Face decoders) each layer gets the causal mask, position
+    ids and position embeddings, as the unsplit model's forward gives them; otherwise a layer
+    is called on the hidden states alone. A layer or head module that returns a tuple passes
+    on its first element.
+    """
+
+    def __init__(self, model: nn.Module, parts: ModelParts, spec: StageSpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.embedding = model.get_submodule(parts.embedding) if spec.first else None
+        self.layers = nn.ModuleList(model.get_submodule(f"{parts.layers}.{i}") for i in spec.layers)
+        self.head = (
+            nn.ModuleList(model.get_submodule(name) for name in parts.head) if spec.last else None
+        )
+        self.rotary = model.get_submodule(parts.rotary) if parts.rotary else None
+        self.config = getattr(model, "config", None)
+
+    def forward(self, inputs: torch.Tensor) -> torch.Tensor:
+        hidden = self.embedding(inputs) if self.embedding is not None else inputs
+        if self.rotary is not None:
+            hidden = self._decoder_layers(hidden)
+        else:
+            for layer in self.layers:
+                hidden = _first(layer(hidden))
+        for module in self.head or ():
+            hidden = _first(module(hidden))
+        return hidden
+
+    def _decoder_layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        from transformers.masking_utils import create_causal_mask
+
+        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
+        position_embeddings = self.rotary(hidden, positions)
+        mask = create_causal_mask(
+            config=self.config,
+            inputs_embeds=hidden,
+            attention_mask=None,
+            past_key_values=None,
+            position_ids=positions,
+        )
+        for layer in self.layers:
+            hidden = _first(
+                layer(
+                    hidden,
+                    attention_mask=mask,
+                    position_ids=positions,
+                    position_embeddings=position_embeddings,
+                )
+            )
+        return hidden
+
+
+def _first(output: torch.Tensor | tuple) -> torch.Tensor:
+    return output[0] if isinstance(output, (tuple, list)) else output
+
+
+def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean cross-entropy of each position's prediction of the next token; label -100 is
+    ignored (Hugging Face's causal-LM loss: the labels are the inputs, shifted here)."""
+    logits = logits.float()
+    shifted = nn.functional.pad(labels, (0, 1), value=-100)[..., 1:]
+    return nn.functional.cross_entropy(
+        logits.reshape(-1, logits.shape[-1]),
+        shifted.reshape(-1).to(logits.device),
+        ignore_index=-100,
+    )

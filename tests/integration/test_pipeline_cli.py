@@ -1,0 +1,276 @@
+"""The pipeline trainer through `forge train pipeline.yaml --nproc N` on the default project:
+its checkpoints, exact and resharded resume, `forge export`, and errors that end the job
+before it trains."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from tests.helpers import REPO, run_forge
+from tests.integration.conftest import SMALL
+from tests.integration.test_train_resume import start_forge, wait_for
+from tests.train.common import assert_same_tensors
+
+pytestmark = pytest.mark.integration
+
+# tiny_lm's SMALL settings with 4 layers, so that 4 stages fit (later -D values win)
+PIPE = [*SMALL, "-D", "num_layers=4"]
+
+
+def train(project: Path, config: str, *extra: str) -> Path:
+    result = run_forge("train", config, "-p", str(project), *PIPE, *extra)
+    assert result.returncode == 0, result.stderr
+    return Path(result.stdout.splitlines()[0])
+
+
+def checkpoint(run_dir: Path, step: int) -> Path:
+    return run_dir / "checkpoints" / f"checkpoint-{step:06d}"
+
+
+def weights(ckpt: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint's weight files (each name in exactly one file)."""
+    index = ckpt / "model.safetensors.index.json"
+    files = (
+        sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        if index.exists()
+        else ["model.safetensors"]
+    )
+    merged: dict[str, torch.Tensor] = {}
+    for name in files:
+        tensors = load_file(ckpt / name)
+        assert not set(tensors) & set(merged), f"{name} repeats a tensor"
+        merged.update(tensors)
+    return merged
+
+
+def optimizer_state(ckpt: Path) -> dict:
+    """The optimizer state of every stage, merged (it is keyed by parameter name)."""
+    merged: dict = {}
+    files = json.loads((ckpt / "manifest.json").read_text())["components"]["optimizer"]["files"]
+    for name in files:
+        merged.update(torch.load(ckpt / name, weights_only=True)["state"])
+    return merged
+
+
+def final_eval_loss(run_dir: Path) -> float:
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["eval_loss"] for r in records if "eval_loss" in r][-1]
+
+
+@pytest.fixture(scope="module")
+def two_stages(warm_project, tmp_path_factory):
+    """A short 2-stage run of pipeline.yaml (the fast representative), shared read-only."""
+    dest = tmp_path_factory.mktemp("pipeline") / "tiny_lm"
+    shutil.copytree(warm_project, dest)
+    run_dir = train(dest, "pipeline", "--nproc", "2", "-D", "max_steps=10", "-D", "save_steps=5")
+    return dest, run_dir
+
+
+def test_each_stage_writes_its_own_shard_and_the_index_joins_them(two_stages):
+    _, run_dir = two_stages
+    ckpt = checkpoint(run_dir, 10)
+    manifest = json.loads((ckpt / "manifest.json").read_text())
+    assert manifest["trainer"] == "pipeline"
+    assert manifest["topology"] == {"world_size": 2, "num_stages": 2, "dp_size": 1}
+    stage_files = [f"model-stage-{k:05d}-of-00002.safetensors" for k in range(2)]
+    assert manifest["components"]["model"]["files"] == [
+        *stage_files,
+        "model.safetensors.index.json",
+    ]
+    assert manifest["components"]["optimizer"]["files"] == [
+        f"optimizer-stage-{k:05d}-of-00002.pt" for k in range(2)
+    ]
+    first, last = (set(load_file(ckpt / f)) for f in stage_files)
+    assert "model.embed_tokens.weight" in first and "model.layers.1.mlp.up_proj.weight" in first
+    assert "model.layers.2.mlp.up_proj.weight" in last and "model.norm.weight" in last
+    assert not first & last  # the tied embedding is written once, by the first stage
+    first_optim = torch.load(ckpt / "optimizer-stage-00000-of-00002.pt", weights_only=True)
+    names = {k.split(".exp_avg")[0] for k in first_optim["state"] if k.endswith(".exp_avg")}
+    assert names == {f"state.{n}" for n in first}  # keyed by the stage's own parameter names
+
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(ckpt)  # the index reads both stages
+    assert torch.equal(
+        model.model.layers[3].mlp.up_proj.weight, weights(ckpt)["model.layers.3.mlp.up_proj.weight"]
+    )
+
+
+def test_export_holds_exactly_the_checkpoints_tensors_and_gives_the_same_logits(
+    two_stages, tmp_path
+):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from forge.checkpoint import load_model_weights
+
+    _, run_dir = two_stages
+    ckpt = checkpoint(run_dir, 10)
+    out = tmp_path / "exported"
+    result = run_forge("export", str(ckpt), str(out))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.strip() == str(out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "config.json",
+        "generation_config.json",
+        "model.safetensors",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ]
+    assert_same_tensors(load_file(out / "model.safetensors"), weights(ckpt), "export")
+
+    exported = AutoModelForCausalLM.from_pretrained(out).eval()
+    config = exported.config
+    plain = type(exported)(config).eval()  # what the plain trainer builds, then loads into
+    load_model_weights(plain, ckpt)
+    ids = AutoTokenizer.from_pretrained(out)("def main():\n    return 1", return_tensors="pt")
+    with torch.no_grad():
+        assert torch.equal(exported(**ids).logits, plain(**ids).logits)
+
+    again = run_forge("export", str(run_dir), str(out))  # a run directory: its newest
+    assert again.returncode == 2
+    assert "exists and is not empty" in again.stderr and "--force" in again.stderr
+    forced = run_forge("export", str(run_dir), str(out), "--force")
+    assert forced.returncode == 0, forced.stderr
+
+
+def test_a_split_name_that_does_not_exist_ends_the_job_before_training(project):
+    result = run_forge(
+        "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2",
+        "-D", "pipeline_split=[model.layers.9]",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "trainer.args.pipeline_split: 'model.layers.9' is not a layer" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (project / "output" / "pipeline" / "run_001").exists()  # removed, never started
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("nproc", "define", "expected"),
+    [
+        ("2", "pipeline_microbatches=3", "per_device_train_batch_size 4 is not a multiple of"),
+        ("4", "num_layers=2", "4 pipeline stages but the model has only 2 layers"),
+    ],
+)
+def test_a_split_that_cannot_run_ends_the_job_before_training(project, nproc, define, expected):
+    result = run_forge(
+        "train", "pipeline", "-p", str(project), *PIPE, "--nproc", nproc, "-D", define
+    )
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr and "Traceback" not in result.stderr
+
+
+# ------------------------------------------------------------------------------- resume (slow)
+
+
+@pytest.fixture(scope="module")
+def straight(warm_project, tmp_path_factory):
+    """40 steps of pipeline.yaml on 2 stages, straight through."""
+    dest = tmp_path_factory.mktemp("straight") / "tiny_lm"
+    shutil.copytree(warm_project, dest)
+    return train(dest, "pipeline", "--nproc", "2")
+
+
+def kill_job(proc) -> None:
+    """SIGKILL every process of a `forge train --nproc N` job at once, as a lost machine would:
+    torchrun and the workers run in a session of their own, the launcher's child."""
+    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
+    for child in children:
+        os.killpg(int(child), signal.SIGKILL)
+    proc.kill()
+    proc.wait(timeout=60)
+
+
+@pytest.mark.slow
+def test_sigkill_and_resume_is_bit_identical_for_two_stages(straight, project):
+    proc = start_forge("train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2", cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(checkpoint(run_dir, 20), proc)
+    kill_job(proc)
+    assert not checkpoint(run_dir, 40).exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr
+    assert_same_tensors(weights(checkpoint(straight, 40)), weights(checkpoint(run_dir, 40)), "w")
+    assert_same_tensors(
+        optimizer_state(checkpoint(straight, 40)), optimizer_state(checkpoint(run_dir, 40)), "opt"
+    )
+
+
+@pytest.mark.slow
+def test_a_stage_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(project):
+    shutil.copy(Path(__file__).with_name("pipeline_killer.py"), project / "killer.py")
+    killable = ["-D", "trainer_class=./killer.py:KillableTrainer"]
+    died = run_forge(
+        "train", "pipeline", "-p", str(project), *PIPE, *killable, "--nproc", "2",
+        env={"FORGE_TEST_DIE_AT": "20"},
+    )  # fmt: skip
+    assert died.returncode != 0
+    run_dir = Path(died.stdout.splitlines()[0])
+    partial = run_dir / "checkpoints" / ".tmp-checkpoint-000020"
+    assert (partial / "model-stage-00001-of-00002.safetensors").exists()  # it died after writing
+    assert not (partial / "manifest.json").exists() and not checkpoint(run_dir, 20).exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {checkpoint(run_dir, 10)} at step 10" in resumed.stderr
+    assert json.loads((run_dir / "run.json").read_text())["step"] == 40
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("config", "nproc"), [("pipeline", "4"), ("train", "1")], ids=["to-4-stages", "to-plain"]
+)
+def test_a_two_stage_checkpoint_resumes_in_another_split(straight, project, config, nproc):
+    """Weights and optimizer state reshard by name; the data epoch restarts (another number of
+    ranks), so the curve continues close to, not exactly on, the straight run's."""
+    source = checkpoint(straight, 20)
+    result = run_forge(
+        "train", config, "-p", str(project), *PIPE, "--nproc", nproc,
+        "--set", f"trainer.args.resume_from_checkpoint={source}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {source} at step 20" in result.stderr
+    run_dir = Path(result.stdout.splitlines()[0])
+    assert final_eval_loss(run_dir) == pytest.approx(final_eval_loss(straight), rel=0.03)
+
+
+@pytest.mark.slow
+def test_a_plain_checkpoint_resumes_on_two_stages(project):
+    plain = train(project, "train")
+    source = checkpoint(plain, 20)
+    result = run_forge(
+        "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2",
+        "--set", f"trainer.args.resume_from_checkpoint={source}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {source} at step 20" in result.stderr
+    run_dir = Path(result.stdout.splitlines()[0])
+    assert final_eval_loss(run_dir) == pytest.approx(final_eval_loss(plain), rel=0.03)
+
+
+@pytest.mark.slow
+def test_the_readmes_pipeline_examples_run(project, tmp_path):
+    """README's pipeline commands as written, on a copy of tiny_lm shrunk by PIPE's variables."""
+    from tests.cli.test_readme import readme_commands
+
+    def runnable(command: list[str]) -> list[str]:
+        return [str(project) if word == "projects/tiny_lm" else word for word in command]
+
+    for command in readme_commands("forge train pipeline -p projects/tiny_lm --nproc 2"):
+        result = run_forge(*runnable(command), *PIPE, cwd=tmp_path)
+        assert result.returncode == 0, (command, result.stderr)
+    (export,) = readme_commands("forge export projects/tiny_lm/output/pipeline/run_001")
+    export = [w.replace("projects/tiny_lm", str(project)) for w in export]
+    result = run_forge(*export, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    from transformers import AutoModelForCausalLM
+
+    AutoModelForCausalLM.from_pretrained(tmp_path / "tiny_lm_hf")

@@ -1,0 +1,74 @@
+"""Train the tiny Llama (4 layers, tied embeddings, no dropout) with the pipeline or the plain
+trainer; run by torchrun from test_pipeline_equivalence.py (or in-process for one rank).
+
+    python -m torch.distributed.run --nproc_per_node=N pipeline_script.py OUT KIND [JSON]
+
+KIND is ``pipeline`` or ``plain``; JSON holds extra training arguments. Rank 0 leaves
+``OUT/metrics.jsonl`` (every step's loss); every rank leaves ``OUT/weights-rank-R.pt`` with the
+weights it holds (the whole model for the plain trainer, its stage's own for the pipeline).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers import LlamaForCausalLM
+
+from forge.data import CausalLMCollator
+from forge.train import PipelineTrainer, PipelineTrainingArguments, Trainer, TrainingArguments
+from tests.train.common import TokenDataset, tiny_llama_config
+
+# 64 samples, 8 or 16 per optimizer step: 6 steps cross an epoch boundary.
+TRAIN_SIZE = 64
+STEPS = 6
+
+
+def llama_init() -> functools.partial:
+    config = tiny_llama_config()
+    config.num_hidden_layers = 4
+    config.attention_dropout = 0.0  # dropout masks would differ between the layouts
+    config.tie_word_embeddings = True  # the pipeline's first and last stages share it
+    return functools.partial(LlamaForCausalLM, config)
+
+
+def train(output_dir: str | Path, kind: str, **overrides: Any) -> Trainer:
+    values: dict[str, Any] = {
+        "output_dir": str(output_dir),
+        "max_steps": STEPS,
+        "per_device_train_batch_size": 4,
+        "gradient_accumulation_steps": 2,
+        "learning_rate": 1e-2,
+        "logging_steps": 1,
+        "save_strategy": "no",
+        "eval_strategy": "no",
+        "report_to": ["jsonl"],
+        "save_final_checkpoint": False,
+    }
+    values.update(overrides)
+    pipeline = kind == "pipeline"
+    args = (PipelineTrainingArguments if pipeline else TrainingArguments)(**values)
+    trainer = (PipelineTrainer if pipeline else Trainer)(
+        llama_init(),
+        args,
+        TokenDataset(TRAIN_SIZE),
+        data_collator=CausalLMCollator(pad_token_id=0),
+    )
+    trainer.train()
+    weights = trainer.stage_state_dict() if pipeline else trainer.model.state_dict()
+    rank = trainer.topology.rank
+    torch.save(
+        {k: v.detach().cpu() for k, v in weights.items()},
+        Path(output_dir) / f"weights-rank-{rank}.pt",
+    )
+    return trainer
+
+
+if __name__ == "__main__":
+    torch.set_num_threads(1)
+    extra = json.loads(sys.argv[3]) if len(sys.argv) > 3 else {}
+    train(sys.argv[1], sys.argv[2], **extra)
