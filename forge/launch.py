@@ -43,6 +43,15 @@ def resolve_nproc(value: str | None, default: int = 1) -> int:
     return n
 
 
+def resolve_max_restarts(value: int | None) -> int:
+    """``--max-restarts N``: how often torchrun may restart the workers (0: never)."""
+    if value is None:
+        return 0
+    if value < 0:
+        raise UsageError(f"--max-restarts must be 0 or a positive integer (got {value})")
+    return value
+
+
 def torchrun_command(
     run_dir: Path,
     project_root: Path,
@@ -52,11 +61,16 @@ def torchrun_command(
     resume_from: str | None = None,
     allow: Sequence[str] = (),
     verbose: bool = False,
+    max_restarts: int = 0,
 ) -> list[str]:
     """The argv that starts ``nproc`` workers of ``run_dir`` under torchrun."""
     command = [sys.executable, "-m", "forge.launch", f"--nproc_per_node={nproc}"]
     if not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in torchrun_args):
         command.append("--standalone")
+    if max_restarts:
+        if any(a.startswith(("--max-restarts", "--max_restarts")) for a in torchrun_args):
+            raise UsageError("give --max-restarts once: to forge, or to torchrun after --")
+        command.append(f"--max-restarts={max_restarts}")
     command += list(torchrun_args)
     command += ["-m", "forge.cli", "_worker", "--run-dir", str(run_dir), "-p", str(project_root)]
     if resume_from:
@@ -77,12 +91,16 @@ def launch_training(
     resume_from: str | None = None,
     allow: Sequence[str] = (),
     verbose: bool = False,
+    max_restarts: int = 0,
 ) -> int:
     """Train ``run_dir`` here (one process) or under torchrun, forwarding Ctrl-C/SIGTERM.
 
-    Returns the exit code: 0 completed, 2 config error, 128+N stopped by signal N, else 1.
+    With ``max_restarts`` the job always runs under torchrun, whose elastic agent starts the
+    workers again (up to that many times) when one dies; they continue from the run's newest
+    checkpoint (forge/worker.py). Returns the exit code: 0 completed, 2 config error, 128+N
+    stopped by signal N, else 1.
     """
-    if nproc == 1 and not torchrun_args:
+    if nproc == 1 and not torchrun_args and not max_restarts:
         from forge.worker import run_worker
 
         return run_worker(run_dir, project, resume_from=resume_from, allow=list(allow))
@@ -94,10 +112,16 @@ def launch_training(
         resume_from=resume_from,
         allow=allow,
         verbose=verbose,
+        max_restarts=max_restarts,
     )
     logger.info("launching %d processes: %s", nproc, " ".join(command))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
+    if max_restarts:
+        # The agent's TCP store, shared with the workers by default, keeps the previous
+        # attempt's keys: restarted workers then connect to dead peers' addresses
+        # (pytorch/pytorch#135712). A store per attempt avoids that.
+        env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     child = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum, _frame):

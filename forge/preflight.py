@@ -27,6 +27,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_ITEMS = 2  # items collated into the sample batch
 # What the trainer passes to the optimizer and scheduler partials (forge/train/optim.py).
 FACTORY_CALLS = {
+    "model": (),  # model_init(), after set_seed (forge/train/base.py)
     "optimizer": ("parameters",),
     "lr_scheduler": ("optimizer", "num_training_steps"),
 }

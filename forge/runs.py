@@ -1,12 +1,14 @@
 """Run directories: ``<project>/output/<config>/run_NNN/`` and their ``run.json`` record.
 
 A run holds the rendered config exactly as trained (``config.yaml``), a ``run.json`` record
-(number, config, overrides, host, versions, status, checkpoint history, best), the metrics
-log, TensorBoard events and the checkpoints. Nothing here imports torch.
+(number, config, overrides, host, versions, status, checkpoint history, best, resumes,
+restarts), the metrics log, TensorBoard events and the checkpoints. While a run trains, two
+lock files in its directory say so (:class:`RunLock`); nothing here imports torch.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
@@ -20,12 +22,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: runs are not locked
+    fcntl = None  # type: ignore[assignment]
+
 RUN_PATTERN = re.compile(r"^run_(\d{3,})$")
 STATUSES = ("created", "running", "completed", "failed", "interrupted")
 
 
 class RunError(Exception):
     """A run directory is missing or cannot be used; the message says which and why."""
+
+
+class RunBusyError(RunError):
+    """The run is being trained by live processes; resuming it now would train it twice."""
 
 
 def now_iso() -> str:
@@ -56,7 +67,14 @@ def all_run_dirs(output_root: Path) -> list[Path]:
     if not output_root.is_dir():
         return []
     found = [p.parent for p in output_root.rglob("run_*/run.json") if run_number(p.parent)]
-    return sorted(found, key=lambda p: (RunRecord.load(p).data.get("created_ns", 0), str(p)))
+    return sorted(found, key=lambda p: (_created_ns(p), str(p)))
+
+
+def _created_ns(run_dir: Path) -> int:
+    try:
+        return RunRecord.load(run_dir).data.get("created_ns", 0)
+    except RunError:
+        return 0  # a damaged record sorts first; `forge runs` reports it
 
 
 def write_json_atomic(path: Path, data: Any) -> None:
@@ -112,6 +130,57 @@ def git_commit(directory: Path) -> str | None:
     return commit + ("-dirty" if dirty.returncode == 0 and dirty.stdout.strip() else "")
 
 
+_DAMAGED = "the run record is damaged: restore it from a backup or correct it by hand"
+
+# The fields of run.json that forge reads, and the types they must have when present.
+_FIELD_TYPES: dict[str, tuple[type, ...]] = {
+    "run": (int,),
+    "config": (str,),
+    "status": (str,),
+    "step": (int,),
+    "world_size": (int,),
+    "created": (str,),
+    "created_ns": (int,),
+    "checkpoints": (list,),
+    "best": (dict, type(None)),
+    "resumes": (list,),
+    "restarts": (list,),
+    "signal": (str, type(None)),
+}
+_TYPE_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
+
+
+def record_problem(data: Any) -> str | None:
+    """What makes a parsed ``run.json`` unusable (a wrong type where forge reads it), or None."""
+    if not isinstance(data, dict):
+        return f"must be a JSON object (got {type(data).__name__})"
+    for key, types in _FIELD_TYPES.items():
+        if key not in data:
+            continue
+        value = data[key]
+        if not isinstance(value, types) or (isinstance(value, bool) and bool not in types):
+            wanted = " or ".join(_TYPE_NAMES.get(t, "null") for t in types)
+            return f"'{key}' must be {wanted} (got {json.dumps(value)[:60]})"
+    if "status" in data and data["status"] not in STATUSES:
+        return f"'status' must be one of {', '.join(STATUSES)} (got {data['status']!r:.60})"
+    if "signal" in data and data["signal"] is not None:
+        import signal as _signal
+
+        if data["signal"] not in _signal.Signals.__members__:
+            return f"'signal' must name a signal such as SIGTERM (got {data['signal']!r:.60})"
+    for index, entry in enumerate(data.get("checkpoints", [])):
+        if (
+            not isinstance(entry, dict)
+            or not isinstance(entry.get("path"), str)
+            or type(entry.get("step")) is not int
+        ):
+            return f"'checkpoints' entry {index} must be an object with a 'path' and a 'step'"
+    for key in ("resumes", "restarts"):
+        if not all(isinstance(entry, dict) for entry in data.get(key, [])):
+            return f"'{key}' must be a list of objects"
+    return None
+
+
 @dataclass
 class RunRecord:
     """The ``run.json`` of one run; every write is atomic."""
@@ -130,8 +199,13 @@ class RunRecord:
             data = json.loads(path.read_text())
         except FileNotFoundError as err:
             raise RunError(f"{path}: missing; {run_dir} is not a forge run directory") from err
-        except json.JSONDecodeError as err:
-            raise RunError(f"{path}: not valid JSON ({err})") from err
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
+            raise RunError(f"{path}: not valid JSON ({err}); {_DAMAGED}") from err
+        except OSError as err:
+            raise RunError(f"{path}: unreadable ({err.strerror or err})") from err
+        problem = record_problem(data)
+        if problem:
+            raise RunError(f"{path}: {problem}; {_DAMAGED}")
         return cls(Path(run_dir), data)
 
     def save(self) -> None:
@@ -267,12 +341,150 @@ def discard_unstarted_run(run_dir: Path) -> bool:
 
     Returns True if the run directory was removed.
     """
-    if not {p.name for p in run_dir.iterdir()} <= {"config.yaml", "run.json"}:
+    if not {p.name for p in run_dir.iterdir()} <= {"config.yaml", "run.json", *LOCK_NAMES}:
         return False
     for path in run_dir.iterdir():
         path.unlink()
     run_dir.rmdir()
     return True
+
+
+# --------------------------------------------------------------------------- the run lock
+
+# Two flock'd files say who is training a run. The launcher (`forge train` / `forge resume`)
+# holds LAUNCH_LOCK from before it starts any process until they have all ended; rank 0 of the
+# training processes holds TRAIN_LOCK while it trains, which covers training processes that
+# outlive a killed launcher. The kernel releases a flock when its holder dies, so a killed
+# run never leaves a lock behind; the holder's pid in the file only names it in messages.
+LAUNCH_LOCK = ".lock"
+TRAIN_LOCK = ".lock-train"
+LOCK_NAMES = (LAUNCH_LOCK, TRAIN_LOCK)
+_CLAIM_WAIT_S = 1.0  # a lock another command only probes is free again within milliseconds
+
+
+class RunLock:
+    """An exclusive ``flock`` on a file in a run directory, held until :meth:`release` or the
+    holder's death."""
+
+    def __init__(self, path: Path, handle: Any) -> None:
+        self.path = path
+        self._handle = handle
+
+    @classmethod
+    def acquire(
+        cls, run_dir: Path, name: str, *, wait: float = _CLAIM_WAIT_S, sign: bool = True
+    ) -> RunLock:
+        """Take the lock ``name`` of ``run_dir``, trying for ``wait`` seconds; RunBusyError
+        names the live holder if it stays taken. ``sign`` writes this process's pid into the
+        file, for messages."""
+        path = Path(run_dir) / name
+        try:
+            handle = open(path, "a+")  # held open as long as the lock
+        except OSError as err:
+            message = f"{path}: cannot open the run's lock file ({err.strerror or err})"
+            raise RunError(message) from err
+        if not _flock(handle, exclusive=True, wait=wait):
+            holder = _holder_text(path)
+            handle.close()
+            raise RunBusyError(_busy_message(Path(run_dir), holder))
+        if sign:
+            handle.seek(0)
+            handle.truncate()
+            json.dump(
+                {"pid": os.getpid(), "host": socket.gethostname(), "since": now_iso()}, handle
+            )
+            handle.flush()
+        return cls(path, handle)
+
+    def release(self) -> None:
+        if self._handle is not None:
+            self._handle.close()  # closing the file releases the flock
+            self._handle = None
+
+    def __enter__(self) -> RunLock:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
+
+
+def _flock(handle: Any, *, exclusive: bool, wait: float) -> bool:
+    if fcntl is None:
+        return True
+    mode = (fcntl.LOCK_EX if exclusive else fcntl.LOCK_SH) | fcntl.LOCK_NB
+    deadline = time.monotonic() + wait
+    while True:
+        try:
+            fcntl.flock(handle.fileno(), mode)
+            return True
+        except BlockingIOError:
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.05)
+
+
+def _holder_text(path: Path) -> str:
+    try:
+        holder = json.loads(path.read_text() or "{}")
+        return f"pid {int(holder['pid'])} on {holder['host']}, since {holder['since']}"
+    except (OSError, ValueError, KeyError, TypeError):
+        return "another process"
+
+
+def _busy_message(run_dir: Path, holder: str) -> str:
+    return (
+        f"{run_dir.name} is being trained right now ({holder}); resuming it would train it "
+        "twice. Wait for it to end, or stop it (kill -TERM PID saves a checkpoint first) "
+        f"and resume then. ({run_dir})"
+    )
+
+
+def claim_run(run_dir: Path) -> RunLock:
+    """The launch lock of ``run_dir`` for a command about to train it; RunBusyError when the
+    run is being trained by a live launcher or by training processes whose launcher died."""
+    launch = RunLock.acquire(run_dir, LAUNCH_LOCK)
+    try:
+        RunLock.acquire(run_dir, TRAIN_LOCK, sign=False).release()  # a probe: rank 0 takes it
+    except RunBusyError:
+        launch.release()
+        raise
+    return launch
+
+
+def hold_training_lock(run_dir: Path, *, wait: float = 60.0) -> RunLock:
+    """Rank 0's lock while it trains. After an elastic restart the previous rank 0 may still be
+    exiting, hence the wait."""
+    return RunLock.acquire(run_dir, TRAIN_LOCK, wait=wait)
+
+
+def run_is_live(run_dir: Path) -> bool:
+    """Whether a live process holds either lock of ``run_dir`` (a shared probe, so it never
+    stops a claimant for longer than the probe)."""
+    if fcntl is None:
+        return False
+    for name in LOCK_NAMES:
+        path = Path(run_dir) / name
+        if not path.exists():
+            continue
+        with contextlib.suppress(OSError), open(path) as handle:
+            if not _flock(handle, exclusive=False, wait=0.0):
+                return True
+    return False
+
+
+def stale_running_note(run_dir: Path) -> str | None:
+    """For a run whose record says 'running' though nothing holds its locks: what happened."""
+    try:
+        data = RunRecord.load(run_dir).data
+    except RunError:
+        return None
+    if data.get("status") != "running" or run_is_live(run_dir):
+        return None
+    holder = _holder_text(Path(run_dir) / TRAIN_LOCK)
+    return (
+        f"{Path(run_dir).name} was left 'running' by a process that is gone ({holder}): "
+        "it was killed or crashed"
+    )
 
 
 # --------------------------------------------------------------------------- resume
@@ -306,17 +518,26 @@ def parse_run_config(
     from forge.config import ConfigError, parse_config
 
     config_path = run_dir / "config.yaml"
-    cfg = parse_config(
-        config_path.read_text(),
-        project=project,
-        overrides=list(overrides),
-        allow=list(allow),
-        origin=str(config_path),
-    )
-    if overrides:
-        problems = cfg.check()
-        if problems:
-            raise ConfigError(problems, config=str(config_path))
+    try:
+        text = config_path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as err:
+        raise RunError(f"{config_path}: unreadable ({err}); {run_dir.name} cannot resume") from err
+    try:
+        cfg = parse_config(
+            text,
+            project=project,
+            overrides=list(overrides),
+            allow=list(allow),
+            origin=str(config_path),
+        )
+        problems = cfg.check() if overrides else []
+    except ConfigError as err:
+        problems = err.problems
+    if problems:
+        for problem in problems:  # e.g. a --set the run's config has no key for
+            if problem.file is None and problem.line is None:
+                problem.file = str(config_path)
+        raise ConfigError(problems, config=str(config_path))
     return cfg
 
 

@@ -3,6 +3,10 @@
 ``forge train`` renders and checks the config, creates the run directory and then runs
 :func:`run_worker` in-process (one process) or under torchrun (``--nproc`` > 1), where each
 rank calls it. The trainer never sees YAML: it is built from the ``trainer`` target.
+
+Under ``--max-restarts N`` torchrun's elastic agent starts every worker again when one dies;
+a restarted worker (``TORCHELASTIC_RESTART_COUNT`` > 0) continues from the newest valid
+checkpoint of its run, and rank 0 records the restart in ``run.json``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from typing import Any
 
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.errors import EXIT_USAGE, exit_code_for
-from forge.runs import RunRecord, now_iso
+from forge.runs import RunRecord, hold_training_lock, now_iso
 from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -71,6 +75,33 @@ def make_run_record_callback(record: RunRecord):
     return RunRecordCallback()
 
 
+def restart_count() -> int:
+    """How many times torchrun's elastic agent has restarted this job's workers (0 if none)."""
+    try:
+        return max(int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")), 0)
+    except ValueError:
+        return 0
+
+
+def restart_checkpoint(run_dir: Path, resume_from: str | bool | None) -> str | bool | None:
+    """Where a restarted worker continues: the run's newest valid checkpoint, else where the
+    first attempt started (``resume_from``: a checkpoint, or None for the beginning)."""
+    from forge.checkpoint import find_latest_checkpoint
+
+    newest = find_latest_checkpoint(run_dir / "checkpoints")
+    return str(newest) if newest is not None else resume_from
+
+
+def record_restart(record: RunRecord, restart: int, checkpoint: str | bool | None) -> None:
+    restarts = record.data.get("restarts", [])
+    restarts.append(
+        {"at": now_iso(), "restart": restart, "from": checkpoint if checkpoint else None}
+    )
+    record.update(restarts=restarts)
+    where = f"from {checkpoint}" if checkpoint else "from the beginning (no checkpoint yet)"
+    logger.warning("restart %d of the workers (--max-restarts): continuing %s", restart, where)
+
+
 def run_worker(
     run_dir: Path,
     project: Project,
@@ -85,14 +116,23 @@ def run_worker(
     topology = Topology.from_env()
     rank, world_size = topology.rank, topology.world_size
     record = RunRecord.load(run_dir)
+    restart = restart_count()
+    if restart:
+        resume_from = restart_checkpoint(run_dir, resume_from)
+    lock = hold_training_lock(run_dir) if rank == 0 else None
     try:
         cfg = load_run_config(run_dir, project, allow)
         variables = build_variables(run_dir, project, record.data.get("config", "config"))
         trainer = cfg.build(TRAINER_TARGET, variables)
         if rank == 0:
             trainer.add_callback(make_run_record_callback(record))
+            if restart:
+                record_restart(record, restart, resume_from)
             record.set_status("running", world_size=world_size, started=now_iso())
         trainer.train(resume_from_checkpoint=resume_from)
+        if rank == 0:
+            record = RunRecord.load(run_dir)
+            record.set_status("completed", finished=now_iso(), step=trainer.state.global_step)
     except TrainingInterrupted as stop:
         if rank == 0:
             record = RunRecord.load(run_dir)
@@ -107,7 +147,7 @@ def run_worker(
                 status, error=str(err), error_type=type(err).__name__, error_kind=kind
             )
         raise
-    if rank == 0:
-        record = RunRecord.load(run_dir)
-        record.set_status("completed", finished=now_iso(), step=trainer.state.global_step)
+    finally:
+        if lock is not None:
+            lock.release()
     return 0

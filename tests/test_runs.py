@@ -3,22 +3,34 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import signal
+import subprocess
+import sys
 import threading
 
 import pytest
 
 from forge.runs import (
+    RunBusyError,
     RunError,
     RunRecord,
+    all_run_dirs,
     checkpoint_count,
+    claim_run,
     configured_max_steps,
     create_run,
+    discard_unstarted_run,
     find_run,
+    hold_training_lock,
     list_run_dirs,
     nothing_to_resume,
     parse_run_config,
+    run_is_live,
+    stale_running_note,
 )
+from tests.helpers import REPO
 
 
 def make_run(config_dir, project_root, name="train.yaml"):
@@ -145,3 +157,116 @@ def test_an_interrupted_run_resumes_until_its_last_step(tmp_path):
     assert nothing_to_resume(run, checkpoint, cfg, changed=False) is None
     at_end = checkpoint.with_name("checkpoint-000040")
     assert "step 40 of 40" in nothing_to_resume(run, at_end, cfg, changed=False)
+
+
+# --------------------------------------------------------------------------- damaged records
+
+
+@pytest.mark.parametrize(
+    "text, says",
+    [
+        ("{", "not valid JSON (Expecting property name"),
+        ("[1, 2]", "must be a JSON object (got list)"),
+        ('{"step": "12"}', "'step' must be an integer (got \"12\")"),
+        ('{"step": true}', "'step' must be an integer (got true)"),
+        ('{"status": "flying"}', "'status' must be one of created, running"),
+        ('{"checkpoints": [{"step": 10}]}', "'checkpoints' entry 0 must be an object"),
+        ('{"best": 3}', "'best' must be an object or null (got 3)"),
+        ('{"signal": "SIGFOO"}', "'signal' must name a signal"),
+        ('{"resumes": [1]}', "'resumes' must be a list of objects"),
+    ],
+)
+def test_a_damaged_run_record_is_a_located_run_error(tmp_path, text, says):
+    run = make_run(tmp_path / "c", tmp_path)
+    (run / "run.json").write_text(text)
+    with pytest.raises(RunError) as caught:
+        RunRecord.load(run)
+    message = str(caught.value)
+    assert message.startswith(f"{run / 'run.json'}: ")
+    assert says in message
+    assert "the run record is damaged" in message
+
+
+def test_a_damaged_record_does_not_stop_listing_the_others(tmp_path):
+    first = make_run(tmp_path / "output" / "train", tmp_path)
+    second = make_run(tmp_path / "output" / "train", tmp_path)
+    (first / "run.json").write_text("[]")
+    assert all_run_dirs(tmp_path / "output") == [first, second]
+
+
+# --------------------------------------------------------------------------- the run lock
+
+HOLD_LOCK = """
+import sys, time
+from pathlib import Path
+from forge.runs import claim_run, hold_training_lock
+which = sys.argv[2]
+lock = claim_run(Path(sys.argv[1])) if which == "launch" else hold_training_lock(Path(sys.argv[1]))
+print("held", flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.fixture
+def holder(tmp_path):
+    """Start a process that holds a run's launch or training lock; yields a starter."""
+    started = []
+
+    def start(run_dir, which):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLD_LOCK, str(run_dir), which],
+            stdout=subprocess.PIPE,
+            text=True,
+            env=dict(os.environ, PYTHONPATH=str(REPO)),
+        )
+        started.append(proc)
+        assert proc.stdout.readline().strip() == "held"
+        return proc
+
+    yield start
+    for proc in started:
+        proc.kill()
+        proc.wait()
+
+
+@pytest.mark.parametrize("which", ["launch", "train"])
+def test_a_live_run_cannot_be_claimed_and_a_killed_one_can(tmp_path, holder, which):
+    run = make_run(tmp_path / "c", tmp_path)
+    proc = holder(run, which)
+    assert run_is_live(run)
+    RunRecord.load(run).set_status("running")
+    assert stale_running_note(run) is None
+    with pytest.raises(RunBusyError) as caught:
+        claim_run(run)
+    message = str(caught.value)
+    assert f"run_001 is being trained right now (pid {proc.pid} on " in message
+    assert "kill -TERM PID" in message and str(run) in message
+
+    proc.send_signal(signal.SIGKILL)  # the kernel drops its flock with it
+    proc.wait()
+    assert not run_is_live(run)
+    note = stale_running_note(run)
+    assert note.startswith("run_001 was left 'running' by a process that is gone")
+    with claim_run(run):
+        assert run_is_live(run)
+        with pytest.raises(RunBusyError):
+            claim_run(run)
+    assert not run_is_live(run)
+
+
+def test_the_training_lock_is_taken_again_after_a_restart(tmp_path):
+    run = make_run(tmp_path / "c", tmp_path)
+    with claim_run(run):  # the launcher keeps its lock across the workers' restarts
+        first = hold_training_lock(run)
+        with pytest.raises(RunBusyError):
+            hold_training_lock(run, wait=0.1)
+        first.release()
+        hold_training_lock(run, wait=0.1).release()
+
+
+def test_an_unstarted_run_is_discarded_with_its_lock_files(tmp_path):
+    run = make_run(tmp_path / "c", tmp_path)
+    with claim_run(run):
+        hold_training_lock(run).release()
+        assert discard_unstarted_run(run)
+    assert not run.exists()

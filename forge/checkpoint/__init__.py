@@ -4,7 +4,8 @@ A checkpoint is a directory written under a temporary name and renamed into plac
 complete, with ``manifest.json`` (sizes and sha256 of every file, the job's topology and the
 components with their scopes) written last. ``registry`` says what a trainer's checkpoints
 hold and who writes each file; ``layout`` names, discovers, validates and rotates them (and
-imports no torch, so ``forge checkpoints`` starts fast); ``writer`` commits them atomically.
+imports torch only to read state-file headers when hashes are verified, so ``forge
+checkpoints`` starts fast); ``writer`` commits them atomically.
 
 Names are imported lazily: ``import forge.checkpoint.layout`` does not load torch.
 """
@@ -26,6 +27,7 @@ _EXPORTS = {
     "component_file_names": "layout",
     "find_checkpoints": "layout",
     "find_latest_checkpoint": "layout",
+    "find_leftovers": "layout",
     "find_resume_checkpoint": "layout",
     "parse_checkpoint_step": "layout",
     "read_manifest": "layout",

@@ -436,6 +436,8 @@ def read_safetensors_header(path: Path) -> dict[str, Any]:
     """The JSON header of a safetensors file (tensor names, dtypes, offsets), without the data."""
     with open(path, "rb") as f:
         (length,) = struct.unpack("<Q", f.read(8))
+        if length > os.fstat(f.fileno()).st_size - 8:  # a damaged file: never read 2**64 bytes
+            raise ValueError(f"{path.name}: header length {length} exceeds the file")
         return json.loads(f.read(length))
 
 

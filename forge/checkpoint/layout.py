@@ -7,12 +7,14 @@ import logging
 import os
 import re
 import shutil
+import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypedDict
 
 from forge.checkpoint.io import (
+    DELETE_PREFIX,
     OLD_PREFIX,
     TEMP_PREFIX,
     CheckpointError,
@@ -29,6 +31,10 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 CHECKPOINT_PREFIX = "checkpoint-"
+# Every component .pt file is {HEADER_KEY: {name, scope, step, rank, stage, ...}, "state": ...}
+# (registry.py); safetensors written by the CheckpointWriter carry the step in their metadata.
+HEADER_KEY = "forge_component"
+STEP_METADATA = "forge_step"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 SCOPES = ("shared", "stage", "rank")
 _NAME_RE = re.compile(r"checkpoint-(\d+)")
@@ -132,9 +138,15 @@ class CheckpointManifest:
                 or not _SHA256_RE.fullmatch(str(entry.get("sha256")))
             ):
                 raise ValueError(f"'files' entry {name!r} needs an integer size and a sha256")
-        for key in ("topology", "components"):
-            if not isinstance(data.get(key, {}), dict):
+        for key in ("topology", "components", "metrics"):
+            if not isinstance(data.get(key) or {}, dict):
                 raise ValueError(f"{key!r} must be an object")
+        epoch = data.get("epoch")
+        if epoch is not None and (isinstance(epoch, bool) or not isinstance(epoch, (int, float))):
+            raise ValueError(f"'epoch' must be a number or null (got {json.dumps(epoch)[:40]})")
+        for key in ("trainer", "created"):
+            if not isinstance(data.get(key, ""), str):
+                raise ValueError(f"{key!r} must be a string")
         for name, entry in (data.get("components") or {}).items():
             if (
                 not isinstance(entry, dict)
@@ -221,6 +233,10 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hashes: bool = True) 
     Checks the manifest, that every listed file exists with the listed size (and sha256 when
     ``verify_hashes``), that no unlisted file is present, and that every component has the
     files its scope needs in the manifest's topology (a shard per stage, a file per rank).
+    With ``verify_hashes`` it also reads the header each state file carries (component, step,
+    rank, stage; without the tensors) and the step in each safetensors file's metadata, so a
+    file from another checkpoint, rank or stage, or one carrying pickled code, is found before
+    anything is loaded, even when the manifest lists its hash.
     """
     return _inspect(Path(path), verify_hashes)[1]
 
@@ -270,6 +286,8 @@ def _inspect(path: Path, verify_hashes: bool) -> tuple[CheckpointManifest | None
             return None if digest == manifest.files[name]["sha256"] else f"{name}: sha256 mismatch"
 
         problems.extend(p for p in map_files(check, to_hash) if p)
+        if not problems:
+            problems.extend(_header_problems(path, manifest))
 
     problems.extend(_component_problems(manifest))
     listed = set(manifest.files) | {MANIFEST_NAME}
@@ -302,6 +320,69 @@ def _component_problems(manifest: CheckpointManifest) -> list[str]:
             if file not in manifest.files:
                 problems.append(f"{file}: component '{name}' needs it, not in the manifest")
     return problems
+
+
+def _header_problems(path: Path, manifest: CheckpointManifest) -> list[str]:
+    """Files whose own header names another step, component, rank or stage than the manifest
+    gives them, or that cannot be read safely. Only called once sizes and hashes match."""
+    problems = []
+    for name in sorted(manifest.files):
+        if name.endswith(".safetensors"):
+            problem = _safetensors_step_problem(path / name, manifest.step)
+            if problem:
+                problems.append(f"{name}: {problem}")
+    if not manifest.components or _component_problems(manifest):
+        return problems  # format 1, or a manifest whose components are already wrong
+    from forge.checkpoint.io import CheckpointError
+    from forge.checkpoint.state import read_component_header
+
+    for component, entry in sorted(manifest.components.items()):
+        if entry.get("weights"):
+            continue
+        for name, expect in _expected_headers(component, entry["scope"], manifest):
+            try:
+                header = read_component_header(path / name)
+            except CheckpointError as exc:
+                problems.append(f"{name}: {str(exc).removeprefix(f'{path / name}: ')}")
+                continue
+            wrong = {k: v for k, v in expect.items() if header.get(k) != v}
+            if wrong:
+                detail = ", ".join(
+                    f"{k} {header.get(k)!r} (expected {v!r})" for k, v in wrong.items()
+                )
+                problems.append(
+                    f"{name}: written for another checkpoint, rank or stage: its header says "
+                    f"{detail}"
+                )
+    return problems
+
+
+def _expected_headers(
+    component: str, scope: str, manifest: CheckpointManifest
+) -> list[tuple[str, dict[str, Any]]]:
+    """(file, the header fields it must carry) for each file of a component."""
+    topology = manifest.topology
+    files = component_file_names(component, scope, False, topology)
+    base = {"name": component, "step": manifest.step}
+    if scope == "rank":
+        return [(f, {**base, "rank": r}) for r, f in enumerate(files)]
+    if scope == "stage" and len(files) > 1:
+        stages = int(topology.get("num_stages", 1))
+        return [(f, {**base, "stage": k, "num_stages": stages}) for k, f in enumerate(files)]
+    return [(f, base) for f in files]
+
+
+def _safetensors_step_problem(file: Path, step: int) -> str | None:
+    from forge.checkpoint.io import read_safetensors_header
+
+    try:
+        metadata = read_safetensors_header(file).get("__metadata__") or {}
+    except (OSError, ValueError, AttributeError, struct.error) as exc:
+        return f"not a readable safetensors file ({exc})"
+    saved = metadata.get(STEP_METADATA) if isinstance(metadata, dict) else None
+    if saved is not None and saved != str(step):
+        return f"written at step {saved}, not {step}: a file from another checkpoint"
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +428,34 @@ def find_checkpoints(
         manifest, problems = _inspect(path, verify_hashes)
         infos.append(CheckpointInfo(path, step, not problems, problems, manifest))
     return infos
+
+
+def find_leftovers(checkpoints_dir: str | os.PathLike) -> list[tuple[Path, str]]:
+    """What interrupted saves and deletions left in a checkpoints (or run) directory, with
+    what each is. Discovery never takes them; the next save removes them (sweep_temp_dirs)."""
+    directory = _checkpoints_dir(checkpoints_dir)
+    try:
+        entries = sorted(os.scandir(directory), key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    names = {e.name for e in entries}
+    found = []
+    for entry in entries:
+        name = entry.name
+        if not name.startswith(TEMP_PREFIX):
+            continue
+        if name.startswith(OLD_PREFIX):
+            if name[len(OLD_PREFIX) :] not in names:
+                continue  # discovery takes it under its own name
+            what = "the old copy of a checkpoint a save of the same step replaced"
+        elif name.startswith(DELETE_PREFIX):
+            what = "a checkpoint whose deletion (rotation) was interrupted"
+        elif parse_checkpoint_step(name[len(TEMP_PREFIX) :]) is not None:
+            what = "a save that did not finish"
+        else:
+            what = "a temporary file"
+        found.append((Path(entry.path), what))
+    return found
 
 
 def _summary(problems: list[str], limit: int = 3) -> str:

@@ -40,6 +40,7 @@ from typing import Any, Protocol, runtime_checkable
 from forge.checkpoint.io import CheckpointError, list_files
 from forge.checkpoint.layout import (
     FORMAT_VERSION,
+    HEADER_KEY,
     CheckpointManifest,
     component_file_names,
     read_manifest,
@@ -48,8 +49,6 @@ from forge.checkpoint.layout import (
 from forge.checkpoint.state import load_torch_state
 
 logger = logging.getLogger(__name__)
-
-HEADER_KEY = "forge_component"
 
 
 class Scope(str, Enum):

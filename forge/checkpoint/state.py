@@ -18,6 +18,7 @@ from forge.checkpoint.io import (
     load_model_weights,
     unwrap_model,
 )
+from forge.checkpoint.layout import HEADER_KEY
 
 
 def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
@@ -83,17 +84,18 @@ def _refusal_reason(message: str) -> str:
     return message.strip().splitlines()[0][:200] if message.strip() else "rejected by weights_only"
 
 
-def load_torch_state(path: str | os.PathLike) -> Any:
+def load_torch_state(path: str | os.PathLike, *, mmap: bool = False) -> Any:
     """``torch.load`` a checkpoint file to CPU with ``weights_only=True``.
 
     A file holding anything besides tensors and plain data (a pickled function or class) is
-    refused with a CheckpointError, as is a missing or corrupt file.
+    refused with a CheckpointError, as is a missing or corrupt file. ``mmap`` maps the tensors
+    instead of reading them (for a look at the plain data around them).
     """
     path = Path(path)
     if not path.is_file():
         raise CheckpointError(f"{path}: missing")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except pickle.UnpicklingError as exc:
         raise CheckpointError(
             f"{path}: refusing to load: it holds Python objects other than tensors and plain "
@@ -103,6 +105,16 @@ def load_torch_state(path: str | os.PathLike) -> Any:
     except (RuntimeError, EOFError, OSError, ValueError) as exc:
         first = str(exc).strip().split(". ")[0] or type(exc).__name__
         raise CheckpointError(f"{path}: unreadable, corrupt or truncated ({first})") from exc
+
+
+def read_component_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The header a component file carries (component, step, rank, stage), its tensors mapped
+    rather than read; CheckpointError for a file that is not a safe forge component file."""
+    payload = load_torch_state(path, mmap=True)
+    header = payload.get(HEADER_KEY) if isinstance(payload, dict) else None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a forge component file (no {HEADER_KEY} header)")
+    return header
 
 
 # ---------------------------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from forge.checkpoint.io import (
 )
 from forge.checkpoint.layout import (
     MANIFEST_NAME,
+    STEP_METADATA,
     CheckpointManifest,
     FileEntry,
     checkpoint_name,
@@ -331,6 +332,7 @@ class CheckpointWriter:
         ``load_model_weights`` and ``from_pretrained`` read them as one model.
         """
         target = self._target(name)
+        metadata = {STEP_METADATA: str(self.step), **(metadata or {})}  # checked on validation
         try:
             with self._space_guard(f"write {name} of", tensors):
                 save_tensors(target, tensors, metadata)

@@ -171,21 +171,23 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from forge.launch import launch_training, resolve_nproc
+    from forge.launch import launch_training, resolve_max_restarts, resolve_nproc
     from forge.preflight import check_training_contract
-    from forge.runs import config_output_dir, create_run, discard_unstarted_run
+    from forge.runs import claim_run, config_output_dir, create_run, discard_unstarted_run
     from forge.worker import build_variables
 
     project = _project(args)
     name, cfg = _load(args, project)
     nproc = resolve_nproc(args.nproc)
+    max_restarts = resolve_max_restarts(args.max_restarts)
     if "trainer" not in cfg.targets:
         raise UsageError(f"config '{name}' has no 'trainer' target; nothing to train")
     topology = Topology.from_env()
-    if topology.distributed and args.nproc not in (None, "1"):
+    if topology.distributed and (args.nproc not in (None, "1") or max_restarts):
+        flag = "--max-restarts (give it to that launcher)" if max_restarts else "--nproc"
         raise UsageError(
             f"this process is already rank {topology.rank} of {topology.world_size} started by "
-            "another launcher (accelerate launch, torchrun); drop --nproc"
+            f"another launcher (accelerate launch, torchrun); drop {flag}"
         )
     # Before any run directory exists: do the batches fit the model's forward?
     next_run = config_output_dir(project.output_dir, name) / "run_NNN"
@@ -214,14 +216,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     print(run_dir, flush=True)
     logger.info("run directory: %s", run_dir)
     try:
-        code = launch_training(
-            project,
-            run_dir,
-            nproc,
-            torchrun_args=args.torchrun_args,
-            allow=args.allow or [],
-            verbose=args.verbose,
-        )
+        with claim_run(run_dir):
+            code = launch_training(
+                project,
+                run_dir,
+                nproc,
+                torchrun_args=args.torchrun_args,
+                allow=args.allow or [],
+                verbose=args.verbose,
+                max_restarts=max_restarts,
+            )
     except Exception as err:
         if exit_code_for(err) == EXIT_USAGE and discard_unstarted_run(run_dir):
             logger.info("removed %s: the run never started", run_dir)
@@ -234,13 +238,15 @@ def cmd_train(args: argparse.Namespace) -> int:
 def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
     """``accelerate launch -m forge.cli train ...``: rank 0 creates the run, each rank trains."""
     from forge.launch import join_launched_job, leave_launched_job
-    from forge.runs import discard_unstarted_run
+    from forge.runs import claim_run, discard_unstarted_run
     from forge.worker import run_worker
 
     run_dir = join_launched_job(make_run if topology.is_main else None, topology)
+    lock = None
     if topology.is_main:
         print(run_dir, flush=True)
         logger.info("run directory: %s (rank 0 of %d)", run_dir, topology.world_size)
+        lock = claim_run(run_dir)  # no other launcher holds a run created a moment ago
     ok = False
     try:
         code = run_worker(run_dir, project, allow=args.allow or [])
@@ -251,21 +257,17 @@ def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace
         raise
     finally:
         leave_launched_job(ok=ok)
+        if lock is not None:
+            lock.release()
     return code
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from forge.launch import launch_training, resolve_nproc
-    from forge.runs import (
-        RunRecord,
-        find_resume_checkpoint,
-        find_run,
-        nothing_to_resume,
-        parse_run_config,
-        record_resume,
-    )
+    from forge.launch import resolve_max_restarts
+    from forge.runs import claim_run, find_run, stale_running_note
 
     project = _project(args)
+    max_restarts = resolve_max_restarts(args.max_restarts)
     config = project.resolve_config_name(args.config) if args.config else None
     run_dir = find_run(
         project.output_dir,
@@ -273,6 +275,25 @@ def cmd_resume(args: argparse.Namespace) -> int:
         run_dir=Path(args.run_dir) if args.run_dir else None,
         config_name=config,
     )
+    stale = stale_running_note(run_dir)
+    with claim_run(run_dir):  # refused while the run trains
+        if stale:
+            logger.warning("%s", stale)
+        return _resume_claimed(args, project, run_dir, max_restarts)
+
+
+def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) -> int:
+    from forge.launch import launch_training, resolve_nproc
+    from forge.preflight import check_training_contract
+    from forge.runs import (
+        RunRecord,
+        find_resume_checkpoint,
+        nothing_to_resume,
+        parse_run_config,
+        record_resume,
+    )
+    from forge.worker import build_variables
+
     from_checkpoint = Path(args.from_checkpoint) if args.from_checkpoint else None
     checkpoint = find_resume_checkpoint(run_dir, from_checkpoint)
     overrides = args.set or []
@@ -281,6 +302,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     if done:
         logger.info("%s", done)
         return EXIT_OK
+    # as `forge train` does: the config (maybe changed by --set, or by hand) must still fit
+    variables = build_variables(run_dir, project, RunRecord.load(run_dir).data.get("config", ""))
+    check_training_contract(cfg, variables, args.allow or [], config=str(run_dir / "config.yaml"))
     recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
     nproc = resolve_nproc(args.nproc, default=recorded)
     if overrides:
@@ -296,6 +320,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
         resume_from=str(checkpoint),
         allow=args.allow or [],
         verbose=args.verbose,
+        max_restarts=max_restarts,
     )
 
 
@@ -308,21 +333,30 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from forge.runs import RunRecord, all_run_dirs, checkpoint_count
+    from forge.runs import RunError, RunRecord, all_run_dirs, checkpoint_count, run_is_live
 
     project = _project(args)
-    rows = []
+    rows, damaged = [], []
     for run_dir in all_run_dirs(project.output_dir):
-        data = RunRecord.load(run_dir).data
+        name = str(run_dir.relative_to(project.output_dir))
+        try:
+            data = RunRecord.load(run_dir).data
+        except RunError as err:
+            damaged.append(str(err))
+            rows.append([name, "?", "damaged", "", "", "", ""])
+            continue
+        status = data.get("status", "?")
+        if status == "running" and not run_is_live(run_dir):
+            status = "killed"  # its record says running, but no process holds the run
         best = data.get("best") or {}
         best_text = ""
-        if best.get("metric") and best.get("value") is not None:
+        if best.get("metric") and isinstance(best.get("value"), (int, float)):
             best_text = f"{best['metric']}={best['value']:.4g}"
         rows.append(
             [
-                str(run_dir.relative_to(project.output_dir)),
+                name,
                 data.get("config", "?"),
-                data.get("status", "?"),
+                status,
                 str(data.get("step", 0)),
                 str(checkpoint_count(run_dir)),
                 best_text,
@@ -333,12 +367,14 @@ def cmd_runs(args: argparse.Namespace) -> int:
         print(f"no runs under {project.output_dir}", file=sys.stderr)
         return EXIT_OK
     print(_table(rows, ["RUN", "CONFIG", "STATUS", "STEP", "CKPTS", "BEST", "CREATED"]))
-    return EXIT_OK
+    for message in damaged:
+        print(f"error: {message}", file=sys.stderr)
+    return EXIT_FAILURE if damaged else EXIT_OK
 
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from forge.checkpoint.layout import find_checkpoints
-    from forge.runs import all_run_dirs, find_run
+    from forge.checkpoint.layout import find_checkpoints, find_leftovers
+    from forge.runs import all_run_dirs, find_run, run_is_live
 
     project = _project(args)
     if args.run is not None or args.run_dir:
@@ -354,18 +390,25 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     rows, invalid = [], 0
     for run_dir in runs:
         for info in find_checkpoints(run_dir / "checkpoints", verify_hashes=args.verify):
-            size = sum(f.stat().st_size for f in info.path.rglob("*") if f.is_file())
             epoch = info.manifest.epoch if info.manifest else None
             status = "valid" if info.valid else "INVALID: " + "; ".join(info.problems)
             invalid += not info.valid
             rows.append(
                 [
-                    str(info.path.relative_to(project.output_dir)),
+                    _shown_path(info.path, project),
                     str(info.step),
                     "" if epoch is None else f"{epoch:.2f}",
-                    _human_size(size),
+                    _human_size(_tree_bytes(info.path)),
                     status,
                 ]
+            )
+        live = run_is_live(run_dir)
+        for path, what in find_leftovers(run_dir / "checkpoints"):
+            status = "being written (the run is training)" if live else f"leftover: {what}"
+            if not live:
+                status += "; never loaded, the next save removes it"
+            rows.append(
+                [_shown_path(path, project), "", "", _human_size(_tree_bytes(path)), status]
             )
     if not rows:
         print("no checkpoints", file=sys.stderr)
@@ -374,6 +417,25 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
     if not args.verify:
         print("(sizes checked; add --verify to check hashes too)", file=sys.stderr)
     return EXIT_FAILURE if invalid and args.verify else EXIT_OK
+
+
+def _shown_path(path: Path, project: Project) -> str:
+    try:
+        return str(path.relative_to(project.output_dir))
+    except ValueError:  # a --run-dir outside the project
+        return str(path)
+
+
+def _tree_bytes(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
+    total = 0
+    for file in path.rglob("*"):
+        try:
+            total += file.stat().st_size if file.is_file() else 0
+        except OSError:  # removed while we looked (a live run's rotation)
+            continue
+    return total
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

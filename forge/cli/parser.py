@@ -45,6 +45,7 @@ EXAMPLES = {
           forge train train -p projects/tiny_lm --set trainer.args.learning_rate=1e-3
           forge train train -p projects/tiny_lm --nproc 2        # DDP under torchrun (gloo on CPU)
           forge train train -p projects/tiny_lm --dry-run        # render and check only
+          forge train train -p projects/tiny_lm --nproc 2 --max-restarts 3   # survive crashes
           forge train train --nproc 8 -- --nnodes 2 --rdzv-endpoint host:29400   # multi-node
     """,
     "resume": """
@@ -163,6 +164,16 @@ def _add_config_inputs(parser: argparse.ArgumentParser, *, config: bool = True) 
     )
 
 
+def _add_max_restarts(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--max-restarts",
+        type=int,
+        metavar="N",
+        help="when a training process dies, start the workers again (up to N times) from the "
+        "run's newest checkpoint; runs under torchrun's elastic agent (default: 0)",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="forge",
@@ -231,6 +242,7 @@ def build_parser() -> argparse.ArgumentParser:
     p = _sub(subparsers, "train", "train a config in a new run directory")
     _add_config_inputs(p)
     p.add_argument("--nproc", metavar="N|auto", help="processes (>1 runs under torchrun)")
+    _add_max_restarts(p)
     p.add_argument("--dry-run", action="store_true", help="render and check, do not train")
 
     p = _sub(subparsers, "resume", "continue a run from its newest valid checkpoint")
@@ -250,6 +262,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
     p.add_argument("--nproc", metavar="N|auto", help="processes (default: as the run was started)")
+    _add_max_restarts(p)
 
     p = _sub(subparsers, "runs", "table of a project's runs")
     _add_project(p)

@@ -126,6 +126,7 @@ class PackedTextDataset(Dataset):
             remove_leftovers(cache_file.parent, f".{cache_file.name}.*.tmp")
             tokens = self._tokenize(tokenizer, documents)
             atomic_write(cache_file, lambda handle: np.save(handle, tokens))
+            logger.info("tokenized %d documents into %s", len(documents), cache_file)
         return tokens
 
     def _tokenize(

@@ -169,17 +169,26 @@ def test_shared_component_from_another_component_or_step_is_named(tmp_path):
         path / "progress.pt",
     )
     rehash(path)
-    assert validate_checkpoint(path) == []  # consistent files, wrong content
+    # the manifest's sizes and hashes fit; the file's own header gives it away before loading
+    assert validate_checkpoint(path) == [
+        "progress.pt: written for another checkpoint, rank or stage: its header says "
+        "step 3 (expected 7)"
+    ]
+    assert find_latest_checkpoint(tmp_path) is None
     with pytest.raises(
         CheckpointError, match=r"progress\.pt: component 'progress' was written by another step"
     ):
-        load(path, Topology())
+        load(path, Topology())  # and loading without validation names it too
 
 
 def test_stage_shard_written_by_the_wrong_stage_is_named(tmp_path):
     path = save(tmp_path, world_size=2, num_stages=2)
     swap(path, "moments-stage-00000-of-00002.pt", "moments-stage-00001-of-00002.pt")
     rehash(path)
+    assert (
+        "moments-stage-00001-of-00002.pt: written for another checkpoint, rank or stage: "
+        "its header says stage 0 (expected 1)"
+    ) in validate_checkpoint(path)
     with pytest.raises(CheckpointError) as err:
         load(path, Topology(1, 2, 1, 2))
     message = str(err.value)
@@ -191,6 +200,10 @@ def test_rank_file_written_by_the_wrong_rank_is_named(tmp_path):
     path = save(tmp_path, world_size=2)
     swap(path, "position-rank-00000.pt", "position-rank-00001.pt")
     rehash(path)
+    assert (
+        "position-rank-00000.pt: written for another checkpoint, rank or stage: "
+        "its header says rank 1 (expected 0)"
+    ) in validate_checkpoint(path)
     with pytest.raises(
         CheckpointError,
         match=r"position-rank-00000\.pt: component 'position'.*rank 1 \(expected 0\)",

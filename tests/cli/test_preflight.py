@@ -71,3 +71,13 @@ def test_a_fitting_project_passes_the_dry_run(classifier):
     assert result.returncode == 0, result.stderr
     assert "run_NNN" in result.stdout
     assert not (classifier / "output" / "train").exists()
+
+
+def test_model_partial_missing_an_argument_the_trainer_does_not_pass(classifier):
+    config = classifier / "templates" / "configs" / "train.yaml"
+    edit(config, "    num_features: {{ num_features }}\n    num_classes", "    num_classes")
+    stderr = train_fails_before_any_run(classifier, dry_run_only=True)
+    assert "model: the trainer calls this partial as model(), and MLPClassifier() then fails: " in (
+        stderr
+    )
+    assert "missing a required argument: 'num_features'" in stderr
