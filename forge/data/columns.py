@@ -82,12 +82,11 @@ class RemoveColumnsCollator:
             )
         if ignored:
             logger.info(
-                "remove_unused_columns: the %sitems' %s %s no argument of %s and %s dropped",
-                f"{self.description} " if self.description else "",
+                "remove_unused_columns: dropping %s from the %sitems: %s does not take %s",
                 ", ".join(ignored),
-                "is" if len(ignored) == 1 else "are",
+                f"{self.description} " if self.description else "",
                 self.model_name,
-                "is" if len(ignored) == 1 else "are",
+                "it" if len(ignored) == 1 else "them",
             )
 
     def __repr__(self) -> str:
@@ -110,10 +109,11 @@ def remove_unused_columns(
             raise _no_match(model, columns, ignored)
         if ignored:
             logger.info(
-                "remove_unused_columns: the %scolumns %s are no argument of %s and are dropped",
-                f"{description} " if description else "",
+                "remove_unused_columns: dropping %s from the %sdataset: %s does not take %s",
                 ", ".join(ignored),
+                f"{description} " if description else "",
                 _describe(model),
+                "it" if len(ignored) == 1 else "them",
             )
             dataset = dataset.remove_columns(ignored)
         return dataset, collator

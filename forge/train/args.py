@@ -526,8 +526,8 @@ class TrainingArguments:
         for needed in required:
             if not any(option in given for option in needed.split("|")):
                 p.append(
-                    f"{key} must give {' or '.join(needed.split('|'))} for schedule {name!r} "
-                    f"(got {given or None!r})"
+                    f"{self._key('lr_scheduler_type')} {name!r} needs lr_scheduler_kwargs with "
+                    f"{' or '.join(needed.split('|'))} (got {given or None!r})"
                 )
 
     def _check_precision(self, p: list[str]) -> None:

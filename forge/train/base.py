@@ -770,6 +770,14 @@ class BaseTrainer:
         if better:
             state.best_metric, state.best_checkpoint = float(value), str(checkpoint)
 
+    def load_weights(self, checkpoint: str | os.PathLike) -> None:
+        """Load a checkpoint's model weights, building the model first (``model_init``,
+        seeded) if need be: the model ``evaluate()`` / ``predict()`` then use."""
+        if self.model is None:
+            set_seed(self.args.seed)
+            self.model = self._call_model_init()
+        load_model_weights(self.model, Path(checkpoint), strict=True)
+
     def _resolve_checkpoint(self, resume: bool | str | os.PathLike) -> Path | None:
         """The checkpoint to resume from, found on rank 0 and shared with every rank."""
         if resume is False or resume is None:

@@ -284,7 +284,9 @@ class JsonlMetricsCallback(TrainerCallback):
         os.replace(tmp, path)
 
     def _write(self, args: TrainingArguments, record: dict[str, Any]) -> None:
-        with open(self._file(args), "a", encoding="utf-8") as f:
+        path = self._file(args)
+        path.parent.mkdir(parents=True, exist_ok=True)  # evaluate() may run before train()
+        with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
 
     def on_log(self, args, state, control, logs, **kwargs):

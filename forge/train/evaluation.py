@@ -238,7 +238,7 @@ def missing_metric_message(
     what there is, and the nearest name."""
     import difflib
 
-    produced = sorted(metrics)
+    produced = list(metrics)
     close = difflib.get_close_matches(metric, produced, n=1, cutoff=0.6)
     hint = f"; did you mean {close[0]!r}?" if close else ""
     if not has_compute_metrics:

@@ -143,7 +143,10 @@ def test_every_problem_is_listed_with_its_key_value_and_fix():
         ({"optim": "adamw"}, "optim must be one of"),
         ({"optim": "sgd", "optim_args": "momentum=0.9,moment=1"}, "'moment=1' is not KEY=VALUE"),
         ({"optim_args": "eps=1e-6"}, "has no effect on optim 'adamw_torch_fused'"),
-        ({"lr_scheduler_type": "cosine_with_min_lr"}, "must give min_lr or min_lr_rate"),
+        (
+            {"lr_scheduler_type": "cosine_with_min_lr"},
+            "needs lr_scheduler_kwargs with min_lr or min_lr_rate",
+        ),
         ({"lr_scheduler_kwargs": {"num_cycles": 2}}, "which schedule 'linear' does not take"),
         ({"lr_scheduler_type": "reduce_lr_on_plateau"}, 'eval_strategy must not be "no"'),
         ({"save_strategy": "best"}, 'eval_strategy must not be "no" when save_strategy: "best"'),
