@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import re
 import shlex
+import shutil
+
+import pytest
 
 from tests.helpers import REPO, run_forge
 
@@ -51,3 +54,30 @@ def test_readme_new_project_example_runs(tmp_path):
         result = run_forge(*command, cwd=tmp_path)
         assert result.returncode == 0, (command, result.stderr)
     assert (tmp_path / "demo_cls" / "output" / "wide" / "run_001" / "checkpoints").is_dir()
+
+
+def test_readme_text_cls_config_is_the_shipped_one():
+    shipped = (REPO / "projects/text_cls/templates/configs/train.yaml").read_text().rstrip()
+    assert shipped in README
+
+
+@pytest.mark.slow
+def test_readme_text_cls_commands_run(tmp_path):
+    """Train text_cls as the README does, then evaluate, predict and generate from it."""
+    pytest.importorskip("datasets")
+    project = tmp_path / "projects" / "text_cls"
+    shutil.copytree(
+        REPO / "projects" / "text_cls", project, ignore=shutil.ignore_patterns("output")
+    )
+    (tmp_path / "reviews.jsonl").write_text('{"text": "the acting was superb"}\n')
+    train, evaluate, predict, generate = readme_commands("forge train -p projects/text_cls")
+    assert run_forge(*train, cwd=tmp_path).returncode == 0
+    result = run_forge(*evaluate, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    accuracy = float(result.stdout.split("eval_accuracy")[1].split()[0])
+    assert accuracy > 0.85  # the README says it climbs to about 0.95
+    assert run_forge(*predict, cwd=tmp_path).returncode == 0
+    assert '"prediction": "positive"' in (tmp_path / "labelled.jsonl").read_text()
+    refused = run_forge(*generate, cwd=tmp_path)
+    assert refused.returncode == 2
+    assert "holds a BertForSequenceClassification" in refused.stderr
