@@ -2,8 +2,9 @@
 
 Both run on rank 0 and keep their files under the run directory unless the environment says
 otherwise: wandb in ``WANDB_MODE=offline`` (set ``WANDB_MODE=online`` to sync as you train, or
-``wandb sync <output_dir>/wandb/offline-run-*`` later), MLflow with a file store in
-``<output_dir>/mlruns`` (set ``MLFLOW_TRACKING_URI`` for a server). A resumed run continues
+``wandb sync <output_dir>/wandb/offline-run-*`` later), MLflow with a local store in the run
+directory (``mlflow.db``, or the ``mlruns/`` file store where SQLAlchemy is missing, as with
+mlflow-skinny; set ``MLFLOW_TRACKING_URI`` for a server). A resumed run continues
 the same wandb / MLflow run. The packages are imported only when training starts; the config
 check already refused a ``report_to`` whose package is missing.
 """
@@ -80,10 +81,22 @@ class WandbCallback(TrainerCallback):
             self.run = None
 
 
+def local_tracking_uri(directory: Path) -> str:
+    """MLflow's local store in ``directory``: SQLite where SQLAlchemy is installed (MLflow's
+    recommended local backend), else the ``mlruns/`` file store (which MLflow 3 keeps only
+    on request: ``MLFLOW_ALLOW_FILE_STORE``)."""
+    import importlib.util
+
+    if importlib.util.find_spec("sqlalchemy") is not None:
+        return f"sqlite:///{(directory / 'mlflow.db').resolve()}"
+    os.environ.setdefault("MLFLOW_ALLOW_FILE_STORE", "true")
+    return (directory / "mlruns").resolve().as_uri()
+
+
 class MLflowCallback(TrainerCallback):
     """Logs the metrics (by step) and the arguments (as parameters) to MLflow.
 
-    The tracking URI is ``MLFLOW_TRACKING_URI`` (else a file store in ``<output_dir>/mlruns``),
+    The tracking URI is ``MLFLOW_TRACKING_URI`` (else a local store in ``output_dir``),
     the experiment ``MLFLOW_EXPERIMENT_NAME`` (else ``args.project``), the run name
     ``args.run_name`` (else the run directory's name).
     """
@@ -99,7 +112,7 @@ class MLflowCallback(TrainerCallback):
         directory = Path(args.output_dir)
         directory.mkdir(parents=True, exist_ok=True)
         if not os.environ.get("MLFLOW_TRACKING_URI"):
-            mlflow.set_tracking_uri((directory / "mlruns").resolve().as_uri())
+            mlflow.set_tracking_uri(local_tracking_uri(directory))
         mlflow.set_experiment(os.environ.get("MLFLOW_EXPERIMENT_NAME", args.project))
         id_file = directory / self.RUN_ID_FILE
         run_id = id_file.read_text().strip() if id_file.is_file() else None
