@@ -176,7 +176,7 @@ class BaseTrainer:
         self.lr_scheduler: LRScheduler | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self.train_loader: Any = None
-        self.eval_loader: Any = None
+        self._eval_loaders: dict[int, tuple[Any, Any]] = {}  # id -> (dataset, its loader)
         self.max_steps = 0
         self.num_epochs = 0
         self._position = Position()
@@ -816,24 +816,29 @@ class BaseTrainer:
         each prefixed ``{metric_key_prefix}_``, reported to the callbacks (``on_evaluate``).
 
         The loss is the mean over samples (over label tokens for token-level labels), reduced
-        over ranks; a causal LM also gets ``eval_perplexity``. Evaluation forks the random
-        generators, so it never changes the training trajectory.
+        over ranks; a causal LM also gets ``eval_perplexity``. A dict of datasets is evaluated
+        one by one, each one's metrics prefixed ``eval_NAME_`` (as HF's Trainer does).
+        Evaluation forks the random generators, so it never changes the training trajectory.
         """
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
             raise ValueError("trainer.eval_dataset is not set; there is nothing to evaluate")
+        parts = dataset if isinstance(dataset, Mapping) else {None: dataset}
+        metrics: dict[str, float] = {}
         with self.distributed():
             self._model_for_evaluation()
-            started = time.time()
-            output = self.evaluation_loop(
-                dataset,
-                description="eval" if eval_dataset is None else metric_key_prefix,
-                prediction_loss_only=True if self.compute_metrics is None else None,
-                ignore_keys=ignore_keys,
-                metric_key_prefix=metric_key_prefix,
-            )
-        metrics = output.metrics
-        metrics.update(self._speed_metrics(metric_key_prefix, started, output.num_samples))
+            for name, part in parts.items():
+                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+                started = time.time()
+                output = self.evaluation_loop(
+                    part,
+                    description=prefix,
+                    prediction_loss_only=True if self.compute_metrics is None else None,
+                    ignore_keys=ignore_keys,
+                    metric_key_prefix=prefix,
+                )
+                metrics.update(output.metrics)
+                metrics.update(self._speed_metrics(prefix, started, output.num_samples))
         if self._in_train:
             metrics["epoch"] = self.state.epoch
             self._check_best_metric(metrics)
@@ -892,12 +897,12 @@ class BaseTrainer:
                     "process; with several processes set it to false"
                 ]
             )
-        if dataset is self.eval_dataset:
-            if self.eval_loader is None:
-                self.eval_loader = self.build_eval_loader()
-            loader = self.eval_loader
-        else:
-            loader = self.build_eval_loader(dataset, description)
+        if self._eval_loaders.get(id(dataset), (None,))[0] is not dataset:
+            self._eval_loaders[id(dataset)] = (
+                dataset,
+                self.build_eval_loader(dataset, description),
+            )
+        loader = self._eval_loaders[id(dataset)][1]
         causal = is_causal_lm(model)
         label_names = self.label_names
         main_input = getattr(model, "main_input_name", "input_ids")

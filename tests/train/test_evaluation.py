@@ -312,3 +312,13 @@ def test_compute_metrics_must_be_callable(tmp_path):
             train_dataset=[{"input_ids": [1]}],
             compute_metrics={"accuracy": 1},
         )
+
+
+def test_a_dict_of_eval_datasets_is_evaluated_one_by_one(tmp_path):
+    trainer = forge_classifier_trainer(tmp_path, classifier(), eval_size=10)
+    single = trainer.evaluate()
+    other = Reviews(word_tokenizer(), 6, seed=9)
+    metrics = trainer.evaluate({"main": trainer.eval_dataset, "other": other})
+    assert metrics["eval_main_loss"] == single["eval_loss"]
+    assert metrics["eval_main_accuracy"] == single["eval_accuracy"]
+    assert {"eval_other_loss", "eval_other_accuracy", "eval_other_runtime"} <= set(metrics)
