@@ -928,10 +928,9 @@ class BaseTrainer:
                     continue
                 if logits is not None and self.preprocess_logits_for_metrics is not None:
                     logits = self.preprocess_logits_for_metrics(logits, labels)
-                batch_losses = loss.repeat(size) if loss is not None else None
-                batch_inputs = (
-                    batch.get(main_input) if "inputs" in args.include_for_metrics else None
-                )
+                include = args.include_for_metrics
+                batch_losses = loss.repeat(size) if loss is not None and "loss" in include else None
+                batch_inputs = batch.get(main_input) if "inputs" in include else None
                 if streaming:
                     if logits is not None and labels is not None:
                         metrics = self.compute_metrics(
@@ -939,7 +938,7 @@ class BaseTrainer:
                                 logits,
                                 labels,
                                 inputs=batch_inputs,
-                                losses=batch_losses if "loss" in args.include_for_metrics else None,
+                                losses=batch_losses,
                             ),
                             compute_result=step == batches[-1],
                         )

@@ -322,3 +322,22 @@ def test_a_dict_of_eval_datasets_is_evaluated_one_by_one(tmp_path):
     assert metrics["eval_main_loss"] == single["eval_loss"]
     assert metrics["eval_main_accuracy"] == single["eval_accuracy"]
     assert {"eval_other_loss", "eval_other_accuracy", "eval_other_runtime"} <= set(metrics)
+
+
+def test_batch_eval_metrics_calls_compute_metrics_per_batch(tmp_path):
+    calls = []
+
+    def running_accuracy(eval_pred, compute_result):
+        right = (eval_pred.predictions.argmax(-1) == eval_pred.label_ids).sum().item()
+        calls.append((len(eval_pred.label_ids), right, compute_result))
+        if compute_result:
+            return {"accuracy": sum(c[1] for c in calls) / sum(c[0] for c in calls)}
+        return {}
+
+    trainer = forge_classifier_trainer(tmp_path, classifier(), eval_size=20)
+    expected = trainer.evaluate()["eval_accuracy"]
+    trainer.compute_metrics = running_accuracy
+    trainer.args.batch_eval_metrics = True
+    metrics = trainer.evaluate()
+    assert [(n, last) for n, _, last in calls] == [(8, False), (8, False), (4, True)]
+    assert metrics["eval_accuracy"] == expected
