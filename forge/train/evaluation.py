@@ -245,7 +245,7 @@ def missing_metric_message(
         hint += " (the trainer has no compute_metrics, which gives every metric but the loss)"
     return (
         f"{args.config_key}.metric_for_best_model is {metric!r}, but the evaluation at step "
-        f"{step} produced only {', '.join(produced)}{hint}; best-model tracking, "
+        f"{step} produced only {', '.join(produced)}{hint}. Best-model tracking, "
         "load_best_model_at_end, early stopping and the protection of the best checkpoint need "
         "a metric the evaluation produces"
     )
