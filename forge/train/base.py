@@ -970,6 +970,13 @@ class BaseTrainer:
                     losses=found["losses"] if "loss" in args.include_for_metrics else None,
                 )
             )
+        elif self.compute_metrics is not None and not streaming and metric_key_prefix == "eval":
+            self._info(
+                "compute_metrics was not called: the eval batches hold no labels under %s "
+                "(trainer.args.label_names); name the batch keys that hold them",
+                label_names,
+                level=logging.WARNING,
+            )
         metrics = self._checked_metrics(metrics)
         loss, weight = losses.reduced(self.all_reduce_sum, self.device)
         if weight:  # some rank's batches gave a loss

@@ -341,3 +341,11 @@ def test_batch_eval_metrics_calls_compute_metrics_per_batch(tmp_path):
     metrics = trainer.evaluate()
     assert [(n, last) for n, _, last in calls] == [(8, False), (8, False), (4, True)]
     assert metrics["eval_accuracy"] == expected
+
+
+def test_label_names_that_match_no_batch_key_are_reported(tmp_path, caplog):
+    trainer = forge_classifier_trainer(tmp_path, classifier(), eval_size=8, label_names=["y"])
+    assert "eval_accuracy" not in trainer.evaluate()
+    assert "compute_metrics was not called: the eval batches hold no labels under ['y']" in (
+        caplog.text
+    )
