@@ -155,7 +155,10 @@ def test_sigkill_at_random_moments_always_leaves_a_resumable_run(project):
 def test_bad_training_argument_exits_2_and_leaves_no_run(project):
     result = run_forge("train", "-p", str(project), *SMALL, "-D", "save_steps=0")
     assert result.returncode == 2
-    assert "trainer.args.save_steps must be a positive integer (got 0)" in result.stderr
+    assert (
+        "train.yaml:17: .trainer_args.save_steps: trainer.args.save_steps must be a positive"
+        in (result.stderr)
+    )  # found by the config check, at the template line that wrote it
     assert "Traceback" not in result.stderr
     assert not (project / "output" / "train" / "run_001").exists()
 
