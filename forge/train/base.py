@@ -362,6 +362,8 @@ class BaseTrainer:
             )
             save = control.should_save or every.due("save", step)
             control.reset_step_flags()
+        if save and step >= self.max_steps:
+            evaluate = True  # the final evaluation belongs to the final checkpoint
         evaluate = evaluate and self._evaluation_enabled()
         if log:
             self.log_step()

@@ -332,3 +332,19 @@ def test_torch_compile(tmp_path):
     trainer = make_trainer(make_args(tmp_path, max_steps=3, torch_compile=True))
     output = trainer.train()
     assert output.global_step == 3 and math.isfinite(output.training_loss)
+
+
+def test_the_final_checkpoint_carries_the_final_evaluation(tmp_path):
+    from forge.checkpoint import read_manifest
+
+    args = make_args(
+        tmp_path,
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        eval_strategy="steps",
+        eval_steps=4,
+    )
+    make_trainer(args, eval_size=8).train()
+    # step 6 is a save step but not an eval step: it is evaluated before it is saved
+    assert "eval_loss" in read_manifest(checkpoint_dir(tmp_path, 6)).metrics
