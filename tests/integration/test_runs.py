@@ -80,11 +80,13 @@ def test_resume_without_checkpoint_exits_1_and_changes_nothing(project):
     run_dir = Path(result.stdout.splitlines()[0])
     for ckpt in (run_dir / "checkpoints").iterdir():
         (ckpt / "manifest.json").unlink()
-    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")}
     resumed = run_forge("resume", "-p", str(project))
     assert resumed.returncode == 1
     assert "no valid checkpoint" in resumed.stderr
-    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    assert {
+        p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")
+    } == before
 
 
 def test_training_state_with_pickled_code_is_refused(trained):
@@ -176,9 +178,11 @@ def test_sigterm_is_acknowledged_at_once_and_a_complete_run_has_nothing_to_resum
         "resume", "-p", str(project), "--set", "trainer.args.max_steps=20", cwd=REPO
     )
     assert finished.returncode == 0, finished.stderr
-    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")}
     again = run_forge("resume", "-p", str(project), cwd=REPO)
     assert again.returncode == 0, again.stderr
     assert "run_001 is complete (step 20 of 20); nothing to do" in again.stderr
     assert again.stdout == ""
-    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    assert {
+        p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")
+    } == before
