@@ -6,16 +6,17 @@ torchrun with one process per stage (gloo on the CPU, nccl on GPUs). All train t
 project's Llama (``--hidden``, ``--layers``; 8 layers so 4 stages get 2 each) on seeded random
 blocks of ``--seq-len`` token ids, batch ``--batch-size`` split into ``--microbatches``
 pieces (1F1B), with AdamW and a cosine schedule. Only the steady state is timed: a callback
-takes the time at the end of steps W and W + N. Then one checkpoint is saved, and every rank
-reports how long it spent writing its own files (its stage's weights and optimizer state, its
-random and data state) and the whole save (state dicts, writes, the commit by rank 0).
+takes the time at the end of steps W and W + N. Then each of ``--saves`` more steps saves a
+checkpoint, and every rank reports (the median over the saves) how long it spent writing its
+own files (its stage's weights and optimizer state, its random and data state) and the whole
+save (state dicts, writes, the commit by rank 0).
 
 On a machine with fewer cores than processes, stages share cores, so the 2- and 4-stage
 rows measure the pipeline's overheads (sends, bubbles) more than a speed-up; what a stage
 writes shrinks with the number of stages either way.
 
     .venv/bin/python bench/pipeline_speed.py [--stages 1,2,4] [--warmup 3 --steps 20]
-        [--hidden 256 --layers 8] [--quick]
+        [--saves 3] [--hidden 256 --layers 8] [--quick]
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import argparse
 import functools
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,15 +70,23 @@ def worker(args: argparse.Namespace) -> None:
             return {"input_ids": self.ids[index]}
 
     class Clock(TrainerCallback):
+        """Times the steps; asks for a save at each of the last ``--saves`` steps and times it
+        (the whole save, and this rank's own file writes)."""
+
         def __init__(self) -> None:
             self.marks: dict[int, float] = {}
-            self.saved = 0.0
+            self.saves: list[float] = []
+            self.writes: list[float] = []
 
         def on_step_end(self, a, state, control, **kwargs):
             self.marks[state.global_step] = time.perf_counter()
+            if state.global_step > timed_end:
+                control.should_save = True
+                written[0] = 0.0
 
         def on_save(self, a, state, control, **kwargs):
-            self.saved = time.perf_counter() - self.marks[state.global_step]
+            self.saves.append(time.perf_counter() - self.marks[state.global_step])
+            self.writes.append(written[0])
 
     config = LlamaConfig(
         vocab_size=args.vocab,
@@ -87,7 +97,8 @@ def worker(args: argparse.Namespace) -> None:
         max_position_embeddings=args.seq_len,
         tie_word_embeddings=True,
     )
-    total = args.warmup + args.steps
+    timed_end = args.warmup + args.steps
+    total = timed_end + args.saves
     values = dict(
         output_dir=args.worker,
         max_steps=total,
@@ -98,8 +109,7 @@ def worker(args: argparse.Namespace) -> None:
         warmup_steps=2,
         logging_steps=total,
         eval_strategy="no",
-        save_strategy="steps",
-        save_steps=total,
+        save_strategy="no",  # the clock asks for the saves it times
         save_final_checkpoint=False,
         report_to=[],
     )
@@ -120,9 +130,9 @@ def worker(args: argparse.Namespace) -> None:
     result = {
         "rank": topology.rank,
         "stage": topology.stage,
-        "steps_per_second": args.steps / (clock.marks[total] - clock.marks[args.warmup]),
-        "save_seconds": clock.saved,
-        "write_seconds": written[0],
+        "steps_per_second": args.steps / (clock.marks[timed_end] - clock.marks[args.warmup]),
+        "save_seconds": statistics.median(clock.saves),
+        "write_seconds": statistics.median(clock.writes),
         "params": sum(p.numel() for p in trainer.model.parameters()),
     }
     out = Path(args.worker) / f"result-rank-{topology.rank}.json"
@@ -157,7 +167,8 @@ def run_contender(args: argparse.Namespace, kind: str, stages: int, root: Path) 
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),
         "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
         "--microbatches", str(args.microbatches), "--warmup", str(args.warmup),
-        "--steps", str(args.steps), "--threads", str(args.threads),
+        "--steps", str(args.steps), "--saves", str(args.saves),
+        "--threads", str(args.threads),
     ]  # fmt: skip
     if kind == "plain" or stages == 1:
         command = [sys.executable, *worker_args]
@@ -183,7 +194,8 @@ def main() -> int:
     print(
         f"model: Llama hidden {args.hidden}, {args.layers} layers, vocab {args.vocab}; batch "
         f"{args.batch_size} x {args.seq_len} tokens, {args.microbatches} microbatches; "
-        f"{args.steps} timed steps after {args.warmup}; {args.threads} thread(s) per process"
+        f"{args.steps} timed steps after {args.warmup}, {args.saves} timed saves; "
+        f"{args.threads} thread(s) per process"
     )
     rows = []
     with tempfile.TemporaryDirectory(prefix="forge-pipeline-bench-") as tmp:
@@ -198,7 +210,7 @@ def main() -> int:
     base_save = plain[0]["save_seconds"]
     print()
     print(f"{'contender':24s} {'steps/s':>8s} {'vs plain':>9s} {'save s':>8s} {'vs plain':>9s}  "
-          "per stage: params, own writes s")  # fmt: skip
+          "per stage: parameters held, own writes s")  # fmt: skip
     for name, _, results in rows:
         speed = min(r["steps_per_second"] for r in results)  # the pipeline moves at its slowest
         save = max(r["save_seconds"] for r in results)
@@ -226,6 +238,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--warmup", type=int, default=3, help="untimed first steps (W)")
     parser.add_argument("--steps", type=int, default=20, help="timed steps (N)")
+    parser.add_argument("--saves", type=int, default=3, help="timed saves (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--quick", action="store_true", help="a smoke run: small model, N=4")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -233,7 +246,7 @@ def parse_args() -> argparse.Namespace:
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.vocab, args.seq_len = 64, 4, 1024, 64
-        args.warmup, args.steps = 2, 4
+        args.warmup, args.steps, args.saves = 2, 4, 1
     return args
 
 

@@ -7,9 +7,9 @@ Contenders (all in this process, on the CPU, one at a time):
   forge's ``CausalLMCollator``, fused AdamW, ``transformers.get_scheduler``, ``clip_grad_norm_``,
   ``zero_grad(set_to_none=True)``; no logging.
 * ``forge``: ``forge.train.Trainer`` as a throughput run is configured (no eval, no saves),
-  reporting to the progress log and ``metrics.jsonl`` every ``--logging-steps``. Also measured:
-  ``forge report_to=[]`` (no reporting callbacks) and ``forge default report_to`` (progress,
-  jsonl and TensorBoard).
+  reporting to the progress log and ``metrics.jsonl`` every ``--logging-steps`` (always on;
+  ``report_to`` none). Also measured: ``forge tensorboard`` (``report_to: tensorboard``, as
+  forge's base config sets it).
 * ``accelerate loop``: the raw loop with the model and optimizer through
   ``accelerator.prepare`` and ``accelerator.backward`` / ``clip_grad_norm_``: the bare
   Accelerate baseline. ``forge accel``: ``forge.train.AccelTrainer``, configured as ``forge``.
@@ -284,7 +284,7 @@ def run_accelerate_loop(setup: Setup, dataset: Dataset, clock: StepClock) -> Non
 def forge_runner(
     report_to: tuple[str, ...] | None, accel: bool = False
 ) -> Callable[[Setup, Dataset, StepClock], None]:
-    """A forge contender; ``report_to`` None keeps the default (every reporter); ``accel``
+    """A forge contender; ``report_to`` None keeps the default (no integration); ``accel``
     runs the Accelerate trainer."""
 
     def run(setup: Setup, dataset: Dataset, clock: StepClock) -> None:
@@ -361,19 +361,17 @@ def hf_runner(optim: str | None) -> Callable[[Setup, Dataset, StepClock], None]:
 
 CONTENDERS: dict[str, Callable[[Setup, Dataset, StepClock], None]] = {
     "raw loop": run_raw_loop,
-    "forge": forge_runner(("progress", "jsonl")),
-    "forge report_to=[]": forge_runner(()),
-    "forge default report_to": forge_runner(None),
+    "forge": forge_runner(None),
+    "forge tensorboard": forge_runner(("tensorboard",)),
     "accelerate loop": run_accelerate_loop,
-    "forge accel": forge_runner(("progress", "jsonl"), accel=True),
+    "forge accel": forge_runner(None, accel=True),
     "HF Trainer": hf_runner(None),
     "HF Trainer for-loop AdamW": hf_runner("adamw_torch"),
 }
 SHORT_NAMES = {
     "raw": "raw loop",
     "forge": "forge",
-    "forge-quiet": "forge report_to=[]",
-    "forge-default": "forge default report_to",
+    "forge-tb": "forge tensorboard",
     "accel-loop": "accelerate loop",
     "forge-accel": "forge accel",
     "hf": "HF Trainer",

@@ -1,7 +1,9 @@
-"""Sampling text from a checkpoint (``forge generate``).
+"""Sampling text from a checkpoint (``forge generate``), and finding the checkpoint a command
+names (a checkpoint, a run's newest, or its best).
 
 A forge checkpoint is a Hugging Face model directory, so this is plain transformers:
-``AutoModelForCausalLM.from_pretrained`` and ``generate``.
+``AutoModelForCausalLM.from_pretrained`` and ``generate``. A checkpoint of a model that does
+not generate (a classifier) is refused with a pointer to ``forge predict``.
 """
 
 from __future__ import annotations
@@ -9,19 +11,33 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from forge.errors import RuntimeFailure
+from forge.errors import RuntimeFailure, UsageError
 
 logger = logging.getLogger(__name__)
 
 
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory as given, or the newest valid checkpoint of a run directory."""
+def resolve_checkpoint(path: Path, best: bool = False) -> Path:
+    """A checkpoint directory as given (``RUN/best`` too), or a run directory's newest valid
+    checkpoint (its best with ``best``)."""
     from forge.checkpoint.layout import find_latest_checkpoint, validate_checkpoint
 
     path = Path(path)
     if not path.exists():
         raise RuntimeFailure(f"{path}: no such checkpoint or run directory")
-    if (path / "manifest.json").exists() or (path / "config.json").exists():
+    is_checkpoint = (path / "manifest.json").exists() or (path / "config.json").exists()
+    if best:
+        if is_checkpoint:
+            raise UsageError(
+                f"--best picks a run's best checkpoint, and {path} is a checkpoint; "
+                "give the run directory, or drop --best"
+            )
+        from forge.runs import RunError, best_checkpoint
+
+        try:
+            return best_checkpoint(path)
+        except RunError as err:
+            raise RuntimeFailure(str(err)) from None
+    if is_checkpoint:
         problems = validate_checkpoint(path) if (path / "manifest.json").exists() else []
         if problems:
             raise RuntimeFailure(f"{path} is not a valid checkpoint:\n  " + "\n  ".join(problems))
@@ -58,6 +74,7 @@ def generate_text(
         raise RuntimeFailure(
             f"{checkpoint} holds no tokenizer files; give the trainer a tokenizer to save"
         )
+    check_generative(checkpoint)
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     model.eval()
@@ -71,8 +88,45 @@ def generate_text(
             top_k=top_k if temperature > 0 else None,
             max_new_tokens=max_new_tokens,
             num_return_sequences=num,
+            use_cache=True,  # training saves use_cache: false in the config (as HF's Trainer)
             pad_token_id=tokenizer.pad_token_id
             if tokenizer.pad_token_id is not None
             else tokenizer.eos_token_id,
         )
     return [tokenizer.decode(seq, skip_special_tokens=True) for seq in output]
+
+
+def model_kind(checkpoint: Path) -> tuple[str, str]:
+    """(kind, architecture) of a checkpoint's model: kind is "causal_lm", "classifier" or
+    "other", from its ``config.json``."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    if not (checkpoint / "config.json").is_file():
+        raise RuntimeFailure(
+            f"{checkpoint} has no config.json: it is not a Hugging Face model directory "
+            "(a model without a transformers config is used through its project's config)"
+        )
+    config = AutoConfig.from_pretrained(checkpoint)
+    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    if architecture == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):
+        return "causal_lm", architecture
+    if architecture == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type):
+        return "classifier", architecture
+    return "other", architecture
+
+
+def check_generative(checkpoint: Path) -> None:
+    """Refuse a checkpoint whose model does not generate text, naming what it is."""
+    kind, architecture = model_kind(checkpoint)
+    if kind == "causal_lm":
+        return
+    hint = (
+        "; `forge predict CKPT --input FILE.jsonl --output OUT.jsonl` writes its class labels"
+        if kind == "classifier"
+        else ""
+    )
+    raise UsageError(f"{checkpoint} holds a {architecture}, which does not generate text{hint}")

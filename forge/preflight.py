@@ -94,6 +94,11 @@ def _check(
 
     dataset = built.value(dataset_node)
     collator = built.value(trainer.kwargs.get("data_collator"))
+    args = built.value(trainer.kwargs.get("args"))
+    if getattr(args, "remove_unused_columns", False):  # as the trainer's loader will
+        columns = set(inspect.signature(model_class.forward).parameters) - {"self"}
+        columns |= {"label", "label_ids", *(getattr(args, "label_names", None) or ())}
+        collator = _keep_columns(collator, columns)
     batch, problem = _sample_batch(cfg, dataset, collator, dataset_node, trainer)
     if problem is not None or batch is None:
         return [problem] if problem else []
@@ -162,6 +167,20 @@ def _is_module_class(obj: Any) -> bool:
     from torch import nn
 
     return isinstance(obj, type) and issubclass(obj, nn.Module)
+
+
+def _keep_columns(collator: Any, columns: set[str]) -> Any:
+    """``collator`` applied to items stripped of the keys ``forward`` does not take."""
+    from torch.utils.data import default_collate
+
+    def collate(items: list[Any]) -> Any:
+        kept = [
+            {k: v for k, v in item.items() if k in columns} if isinstance(item, Mapping) else item
+            for item in items
+        ]
+        return (collator or default_collate)(kept)
+
+    return collate
 
 
 def _sample_batch(

@@ -2,8 +2,9 @@
 
 A run holds the rendered config exactly as trained (``config.yaml``), a ``run.json`` record
 (number, config, overrides, host, versions, status, checkpoint history, best, resumes,
-restarts), the metrics log, TensorBoard events and the checkpoints. While a run trains, two
-lock files in its directory say so (:class:`RunLock`); nothing here imports torch.
+restarts), the metrics log, TensorBoard events, the checkpoints, and ``best``: a link to the
+best checkpoint (by ``metric_for_best_model``), kept current at every save. While a run
+trains, two lock files in its directory say so (:class:`RunLock`); nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ except ImportError:  # pragma: no cover - not POSIX: runs are not locked
     fcntl = None  # type: ignore[assignment]
 
 RUN_PATTERN = re.compile(r"^run_(\d{3,})$")
+BEST_LINK = "best"
 STATUSES = ("created", "running", "completed", "failed", "interrupted")
 
 
@@ -238,7 +240,41 @@ class RunRecord:
         self.data["step"] = step
         if best:
             self.data["best"] = best
+            link_best_checkpoint(self.run_dir, self.run_dir / best["checkpoint"])
         self.update()
+
+
+def link_best_checkpoint(run_dir: Path, checkpoint: Path) -> None:
+    """Point ``RUN/best`` at ``checkpoint`` (a relative symlink, replaced atomically)."""
+    link = Path(run_dir) / BEST_LINK
+    target = os.path.relpath(checkpoint, run_dir)
+    if link.is_symlink() and os.readlink(link) == target:
+        return
+    staging = link.with_name(f".{BEST_LINK}.{os.getpid()}.tmp")
+    staging.unlink(missing_ok=True)
+    try:
+        os.symlink(target, staging)
+        os.replace(staging, link)
+    except OSError:  # a filesystem without symlinks: run.json's "best" still names it
+        staging.unlink(missing_ok=True)
+
+
+def best_checkpoint(run_dir: Path) -> Path:
+    """The run's best checkpoint (``run.json``'s ``best``, which ``RUN/best`` links to).
+
+    Raises RunError saying why when the run has none.
+    """
+    record = RunRecord.load(run_dir)
+    best = record.data.get("best") or {}
+    if not best.get("checkpoint"):
+        raise RunError(
+            f"{run_dir} has no best checkpoint: no checkpoint was saved with the metric "
+            "metric_for_best_model names (set metric_for_best_model and evaluate where you save)"
+        )
+    path = (Path(run_dir) / best["checkpoint"]).resolve()
+    if not path.is_dir():
+        raise RunError(f"{run_dir}: the best checkpoint {path} is missing")
+    return path
 
 
 def create_run(

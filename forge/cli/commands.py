@@ -441,7 +441,7 @@ def _tree_bytes(path: Path) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from forge.generate import generate_text, resolve_checkpoint
 
-    checkpoint = resolve_checkpoint(Path(args.checkpoint))
+    checkpoint = resolve_checkpoint(Path(args.checkpoint), best=args.best)
     logger.info("generating from %s", checkpoint)
     texts = generate_text(
         checkpoint,
@@ -470,6 +470,51 @@ def cmd_export(args: argparse.Namespace) -> int:
     )
     print(Path(args.output))
     logger.info("exported %s; load it with AutoModelForCausalLM.from_pretrained", source)
+    return EXIT_OK
+
+
+def cmd_evaluate(args: argparse.Namespace) -> int:
+    import json
+
+    from forge.generate import resolve_checkpoint
+    from forge.predict import evaluate_checkpoint
+
+    checkpoint = resolve_checkpoint(Path(args.checkpoint), best=args.best)
+    logger.info("evaluating %s on the %s split", checkpoint, args.split)
+    metrics = evaluate_checkpoint(checkpoint, args.split, args.allow or [])
+    if args.json:
+        print(json.dumps({"checkpoint": str(checkpoint), **metrics}))
+        return EXIT_OK
+    width = max(len(name) for name in metrics)
+    for name, value in metrics.items():
+        print(
+            f"{name:{width}}  {value:.6g}"
+            if isinstance(value, float)
+            else f"{name:{width}}  {value}"
+        )
+    return EXIT_OK
+
+
+def cmd_predict(args: argparse.Namespace) -> int:
+    from forge.generate import resolve_checkpoint
+    from forge.predict import predict_file
+
+    if args.batch_size < 1 or args.max_new_tokens < 1:
+        raise UsageError("--batch-size and --max-new-tokens must be positive integers")
+    checkpoint = resolve_checkpoint(Path(args.checkpoint), best=args.best)
+    logger.info("predicting with %s", checkpoint)
+    count = predict_file(
+        checkpoint,
+        Path(args.input),
+        Path(args.output),
+        text_field=args.text_field,
+        batch_size=args.batch_size,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        seed=args.seed,
+    )
+    logger.info("wrote %d predictions", count)
+    print(args.output)
     return EXIT_OK
 
 
@@ -600,6 +645,8 @@ COMMANDS = {
     "checkpoints": cmd_checkpoints,
     "generate": cmd_generate,
     "export": cmd_export,
+    "evaluate": cmd_evaluate,
+    "predict": cmd_predict,
     "new": cmd_new,
     "new-config": cmd_new_config,
     "code": cmd_code,

@@ -69,6 +69,7 @@ EXAMPLES = {
     "generate": """
         examples:
           forge generate projects/tiny_lm/output/train/run_001 --prompt "def "
+          forge generate projects/tiny_lm/output/train/run_001 --best --prompt "class "
           forge generate path/to/checkpoint-000400 --prompt "import " --num 3
     """,
     "export": """
@@ -76,6 +77,20 @@ EXAMPLES = {
           forge export projects/tiny_lm/output/train/run_001 exported/   # the run's newest
           forge export path/to/checkpoint-000400 exported/ --force        # replace exported/
           python -c "from transformers import AutoModelForCausalLM; AutoModelForCausalLM.from_pretrained('exported')"
+    """,
+    "evaluate": """
+        examples:
+          forge evaluate projects/text_cls/output/train/run_001 --best     # the best checkpoint
+          forge evaluate projects/text_cls/output/train/run_001/best       # the same, by its link
+          forge evaluate path/to/run_001/checkpoints/checkpoint-000100 --split train
+          forge evaluate projects/text_cls/output/train/run_001 --json     # one JSON object
+    """,
+    "predict": """
+        examples:
+          forge predict projects/text_cls/output/train/run_001 --best \\
+              --input reviews.jsonl --output labelled.jsonl    # {"text": ...} per line
+          forge predict projects/tiny_lm/output/train/run_001 --input prompts.jsonl \\
+              --output continued.jsonl --max-new-tokens 40     # a causal LM continues each text
     """,
     "new": """
         examples:
@@ -279,6 +294,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _sub(subparsers, "generate", "sample text from a checkpoint (or a run's newest one)")
     p.add_argument("checkpoint", metavar="CKPT", help="checkpoint directory or run directory")
+    p.add_argument("--best", action="store_true", help="the run's best checkpoint (RUN/best)")
     p.add_argument("--prompt", default="", help="text to continue")
     p.add_argument("--num", type=int, default=1, help="number of samples")
     p.add_argument("--max-new-tokens", type=int, default=80)
@@ -300,6 +316,46 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="largest weights file before sharding, as save_pretrained (default: 5GB)",
     )
+
+    p = _sub(subparsers, "evaluate", "print a checkpoint's metrics on a split of its run's data")
+    p.add_argument(
+        "checkpoint",
+        metavar="CKPT|RUN",
+        help="checkpoint directory (RUN/best too) or run directory (its newest checkpoint)",
+    )
+    p.add_argument("--best", action="store_true", help="the run's best checkpoint (RUN/best)")
+    p.add_argument(
+        "--split",
+        default="eval",
+        metavar="NAME",
+        help="eval (default), train, or NAME for the config's NAME_dataset target",
+    )
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
+
+    p = _sub(subparsers, "predict", "write a checkpoint's predictions for a JSON Lines file")
+    p.add_argument(
+        "checkpoint",
+        metavar="CKPT|RUN",
+        help="checkpoint directory (RUN/best too) or run directory (its newest checkpoint)",
+    )
+    p.add_argument("--best", action="store_true", help="the run's best checkpoint (RUN/best)")
+    p.add_argument("--input", required=True, metavar="FILE.jsonl", help="one JSON object a line")
+    p.add_argument("--output", required=True, metavar="FILE.jsonl", help="where to write them")
+    p.add_argument(
+        "--text-field", default="text", metavar="NAME", help="the input field (default: text)"
+    )
+    p.add_argument("--batch-size", type=int, default=32, metavar="N")
+    p.add_argument(
+        "--max-new-tokens", type=int, default=50, metavar="N", help="causal LMs: tokens to add"
+    )
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="causal LMs: 0 (default) continues greedily; above 0 samples",
+    )
+    p.add_argument("--seed", type=int, default=0)
 
     p = _sub(subparsers, "new", "create a project that trains at once (from a scaffold)")
     p.add_argument("name", metavar="NAME", help="project name; the directory PARENT/NAME")

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .errors import short_list, suggestion
-from .graph import CallNode, Loc, walk
+from .graph import CallNode, ContainerNode, Loc, Node, walk
 from .resolve import Resolver, SpecError
 
 logger = logging.getLogger(__name__)
@@ -95,7 +95,10 @@ def check_call(
     except (TypeError, ValueError):
         logger.debug("no signature for %s; arguments not checked", node.spec)
         return []
-    return _check_binding(node, target, signature, [] if warnings is None else warnings)
+    findings = _check_binding(node, target, signature, [] if warnings is None else warnings)
+    if not findings:
+        findings = _check_values(node, target, signature)
+    return findings
 
 
 def _check_binding(
@@ -129,6 +132,51 @@ def _check_binding(
     except TypeError as err:
         findings.append((node.loc, _binding_message(label, str(err), signature, node), None))
     return findings
+
+
+def _check_values(node: CallNode, target: Any, signature: inspect.Signature) -> list[Finding]:
+    """The callable's own checks of the values a config gives it, for callables that offer
+    them: a `forge_check_values(values, computed)` classmethod returning `(argument, message)`
+    pairs (forge's TrainingArguments), so that bad values are found before anything is built.
+    `values` holds the literal arguments; `computed` names those only the build will know."""
+    hook = getattr(target, "forge_check_values", None)
+    if not isinstance(target, type) or not callable(hook):
+        return []
+    try:
+        bound = signature.bind_partial(*node.args, **node.kwargs).arguments
+    except TypeError:
+        return []
+    values, computed = {}, []
+    for name, value in bound.items():
+        known, literal = _literal(value)
+        if known:
+            values[name] = literal
+        else:
+            computed.append(name)
+    return [
+        (node.arg_locs.get(name, node.loc) if name else node.loc, message, None)
+        for name, message in hook(values, computed)
+    ]
+
+
+def _literal(value: Any) -> tuple[bool, Any]:
+    """(True, the plain value) for a scalar or a container of them; (False, None) for a
+    value the build computes (a call or a `!var`)."""
+    if isinstance(value, ContainerNode):
+        value = value.items
+    if isinstance(value, Node):
+        return False, None
+    if isinstance(value, dict):
+        items = {key: _literal(item) for key, item in value.items()}
+        if all(known for known, _ in items.values()):
+            return True, {key: item for key, (_, item) in items.items()}
+        return False, None
+    if isinstance(value, (list, tuple)):
+        items = [_literal(item) for item in value]
+        if all(known for known, _ in items):
+            return True, [item for _, item in items]
+        return False, None
+    return True, value
 
 
 def _near_miss(node: CallNode, label: str, key: str, keywords: list[str]) -> list[Finding]:

@@ -198,12 +198,15 @@ def build_dataloader(
     num_workers: int = 0,
     pin_memory: bool = False,
     persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+    multiprocessing_context: str | None = None,
 ) -> ResumableDataLoader:
     """A resumable loader over this rank's shard of a map-style ``dataset``.
 
     ``drop_last`` applies to the shard (drop the tail that does not split evenly over
     ranks, instead of padding with repeats) and to the batch (drop a last, smaller batch).
-    ``collate_fn=None`` uses torch's default collation.
+    ``collate_fn=None`` uses torch's default collation. ``prefetch_factor`` and
+    ``multiprocessing_context`` apply to worker processes (``num_workers > 0``).
     """
     _check_int("batch_size", batch_size, 1)
     _check_int("world_size", world_size, 1)
@@ -211,8 +214,18 @@ def build_dataloader(
     _check_int("seed", seed, None)
     if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
         raise ValueError(f"rank must be an integer in [0, world_size={world_size}) (got {rank!r})")
-    if persistent_workers and num_workers == 0:
-        raise ValueError("persistent_workers=True needs num_workers > 0; set one of them")
+    if num_workers == 0 and (persistent_workers or prefetch_factor or multiprocessing_context):
+        raise ValueError(
+            "persistent_workers, prefetch_factor and multiprocessing_context need worker "
+            "processes; set num_workers > 0 or leave them unset"
+        )
+    workers: dict[str, Any] = {}
+    if num_workers:
+        workers = {
+            "persistent_workers": persistent_workers,
+            "prefetch_factor": prefetch_factor,
+            "multiprocessing_context": multiprocessing_context,
+        }
     if not hasattr(dataset, "__len__") or len(dataset) == 0:  # type: ignore[arg-type]
         raise ValueError("dataset must be a non-empty map-style dataset (with __len__)")
     sampler = ResumableDistributedSampler(
@@ -233,8 +246,8 @@ def build_dataloader(
             drop_last=drop_last,
             num_workers=num_workers,
             pin_memory=pin_memory,
-            persistent_workers=persistent_workers,
-            snapshot_every_n_steps=1,  # every step is a valid resume point
+            snapshot_every_n_steps=1,
+            **workers,  # every step is a valid resume point
         )
     if len(loader) == 0:
         raise ValueError(

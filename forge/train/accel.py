@@ -112,6 +112,7 @@ class AccelTrainer(BaseTrainer):
                 split_batches=getattr(args, "split_batches", False)
             ),
             step_scheduler_with_optimizer=False,
+            kwargs_handlers=self._accelerate_kwargs(),
         )
         accel = self.accelerator
         if accel.num_processes != self.topology.world_size or (
@@ -134,6 +135,25 @@ class AccelTrainer(BaseTrainer):
             AcceleratorState._reset_state(reset_partial_state=True)
             self.accelerator = None
 
+    def _accelerate_kwargs(self) -> list[Any]:
+        """The ``ddp_*`` arguments that are set, as Accelerate's kwargs handlers."""
+        from datetime import timedelta
+
+        from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
+
+        args = self.args
+        given = {
+            "find_unused_parameters": args.ddp_find_unused_parameters,
+            "bucket_cap_mb": args.ddp_bucket_cap_mb,
+            "broadcast_buffers": args.ddp_broadcast_buffers,
+            "static_graph": args.ddp_static_graph,
+        }
+        ddp = {k: v for k, v in given.items() if v is not None}
+        handlers: list[Any] = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))]
+        if ddp:
+            handlers.append(DistributedDataParallelKwargs(**ddp))
+        return handlers
+
     def distributed(self) -> AbstractContextManager:
         if self.accelerator is not None:  # evaluate() inside train()
             return nullcontext(False)
@@ -151,7 +171,7 @@ class AccelTrainer(BaseTrainer):
         optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
         self.wrapped_model, self.optimizer = self.accelerator.prepare(self.model, optimizer)
         if self.args.torch_compile:
-            self.wrapped_model = torch.compile(self.wrapped_model)
+            self.wrapped_model = self.compile_model(self.wrapped_model)
         self.scaler = self.accelerator.scaler
 
     def per_rank_batch_size(self, field: str) -> int:

@@ -47,22 +47,44 @@ from forge.checkpoint import (
     unwrap_model,
 )
 from forge.data import build_dataloader
+from forge.data.columns import remove_unused_columns
 from forge.train import dist
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.callbacks import (
     CallbackHandler,
     EarlyStoppingCallback,
+    EmptyCacheCallback,
     JsonlMetricsCallback,
     ProgressCallback,
-    TensorBoardCallback,
     TrainerCallback,
     TrainerControl,
     TrainerState,
+    integration_callback,
 )
 from forge.train.components import DataPosition
+from forge.train.evaluation import (
+    Accumulator,
+    LossMean,
+    StridedSampler,
+    batch_size_of,
+    default_label_names,
+    gather_in_order,
+    is_causal_lm,
+    labels_of,
+    loss_weight,
+    missing_metric_message,
+    output_logits,
+)
 from forge.train.loop_state import Batch, Position, StepResult, Tally, TrainOutput, count_tokens
-from forge.train.optim import build_optimizer, build_scheduler, current_lr, set_seed
+from forge.train.optim import (
+    MetricSchedule,
+    build_optimizer,
+    build_scheduler,
+    current_lr,
+    set_seed,
+)
 from forge.train.precision import device_problems, numerics
+from forge.train.runtime import Intervals, apply_runtime_settings, prepare_model
 from forge.train.signals import StopSignals, TrainingInterrupted
 from forge.train.topology import Topology
 
@@ -78,8 +100,12 @@ class BaseTrainer:
     ``optimizer`` is None (AdamW from ``args``) or a callable taking the trainable parameters;
     ``lr_scheduler`` is None (``args.lr_scheduler_type``) or a callable taking
     ``(optimizer, num_training_steps)``. Datasets are map-style and yield dicts; the loss is
-    ``model(**batch).loss`` unless ``compute_loss`` is overridden. A ``tokenizer`` is saved
-    into every checkpoint.
+    ``model(**batch).loss`` unless ``compute_loss`` is overridden. A ``tokenizer`` (HF 5's
+    ``processing_class``) is saved into every checkpoint.
+
+    ``compute_metrics(EvalPrediction) -> dict`` and ``preprocess_logits_for_metrics(logits,
+    labels)`` are Hugging Face's: evaluation hands the gathered predictions and labels (numpy)
+    to ``compute_metrics``, and its metrics are reported with the ``eval_`` prefix.
     """
 
     trainer_kind: ClassVar[str] = "base"
@@ -95,6 +121,9 @@ class BaseTrainer:
         optimizer: Callable[[list[nn.Parameter]], Optimizer] | Optimizer | None = None,
         lr_scheduler: Callable[[Optimizer, int], LRScheduler] | LRScheduler | None = None,
         callbacks: list[TrainerCallback] | tuple[TrainerCallback, ...] = (),
+        compute_metrics: Callable[[Any], dict[str, float]] | None = None,
+        preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
+        processing_class: Any = None,
     ) -> None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"trainer.args must be TrainingArguments (got {type(args).__name__})")
@@ -103,13 +132,33 @@ class BaseTrainer:
                 "trainer.model must be an nn.Module or a callable that builds one "
                 f"(got {type(model).__name__})"
             )
+        if processing_class is not None and tokenizer is not None:
+            raise TypeError(
+                "trainer got both tokenizer and processing_class (HF 5's name for it); pass one"
+            )
+        for name, value in (
+            ("compute_metrics", compute_metrics),
+            ("preprocess_logits_for_metrics", preprocess_logits_for_metrics),
+        ):
+            if value is not None and not callable(value):
+                raise TypeError(
+                    f"trainer.{name} must be a function (got {type(value).__name__}); in a config "
+                    f"write it as !partial:./metrics.py:{name} []"
+                )
         self.args = args
         self.model_init = None if isinstance(model, nn.Module) else model
         self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
         self.train_dataset = train_dataset
         self.eval_dataset = eval_dataset
         self.data_collator = data_collator
-        self.tokenizer = tokenizer
+        self.tokenizer = tokenizer if tokenizer is not None else processing_class
+        self.compute_metrics = compute_metrics
+        self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self._label_smoother = None
+        if args.label_smoothing_factor:
+            from transformers.trainer_pt_utils import LabelSmoother
+
+            self._label_smoother = LabelSmoother(epsilon=args.label_smoothing_factor)
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.topology = self.make_topology()
@@ -129,7 +178,7 @@ class BaseTrainer:
         self.lr_scheduler: LRScheduler | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self.train_loader: Any = None
-        self.eval_loader: Any = None
+        self._eval_loaders: dict[int, tuple[Any, Any]] = {}  # id -> (dataset, its loader)
         self.max_steps = 0
         self.num_epochs = 0
         self._position = Position()
@@ -145,6 +194,8 @@ class BaseTrainer:
         self._last_save_step: int | None = None
         self._data_position: DataPosition | None = None
         self._eval_model: nn.Module | None = None
+        self._in_train = False
+        self._every = Intervals()
 
     # ------------------------------------------------------------------ properties
     def make_topology(self) -> Topology:
@@ -178,16 +229,14 @@ class BaseTrainer:
         self.callback_handler.add(callback)
 
     def default_callbacks(self, user_callbacks: list[TrainerCallback]) -> list[TrainerCallback]:
-        """Reporting callbacks from ``args.report_to`` on rank 0, plus early stopping."""
+        """On rank 0 the console progress, ``metrics.jsonl`` and the ``args.report_to``
+        integrations; early stopping and cache emptying where asked."""
         callbacks: list[TrainerCallback] = []
         if self.is_main_process:
-            report_to = self.args.report_to
-            if "progress" in report_to:
-                callbacks.append(ProgressCallback())
-            if "jsonl" in report_to:
-                callbacks.append(JsonlMetricsCallback())
-            if "tensorboard" in report_to:
-                callbacks.append(TensorBoardCallback())
+            callbacks += [ProgressCallback(), JsonlMetricsCallback()]
+            callbacks += [integration_callback(name) for name in self.args.report_to]
+        if self.args.torch_empty_cache_steps:
+            callbacks.append(EmptyCacheCallback())
         has_early_stopping = any(isinstance(cb, EarlyStoppingCallback) for cb in user_callbacks)
         if self.args.early_stopping_patience and not has_early_stopping:
             callbacks.append(EarlyStoppingCallback())
@@ -206,6 +255,7 @@ class BaseTrainer:
             resume_from_checkpoint = self.args.resume_from_checkpoint
         with self.distributed(), numerics(self.args):
             try:
+                self._in_train = True
                 self._setup_training()
                 checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
                 if checkpoint is not None:
@@ -213,12 +263,15 @@ class BaseTrainer:
                 with self._signals:
                     return self._train_loop()
             finally:
+                self._in_train = False
                 self.release_wrappers()
 
     def _train_loop(self) -> TrainOutput:
-        state = self.state
+        args, state = self.args, self.state
         self._log_start()
         self._call("on_train_begin")
+        if args.eval_on_start and self._evaluation_enabled():
+            self._evaluate_in_training(start=True)  # a first check of metrics and eval data
         self.wrapped_model.train()
         start_step, run_tally = state.global_step, Tally()
         self._tally.started = run_tally.started  # tokens/s counts training time only
@@ -290,30 +343,33 @@ class BaseTrainer:
         self.state.tokens_seen += settled.tokens
 
     def _log_evaluate_save(self, *, epoch_end: bool) -> bool:
-        """Log, evaluate and save where the strategies, or a callback's flags, ask for it.
+        """Log, evaluate and save where the strategies, or a callback's flags, ask for it;
+        ``save_strategy: "best"`` saves after an evaluation that improved the best metric.
 
         Returns whether it did any of them: each waits for the device, so the step has synced.
         """
-        args, step, control = self.args, self.state.global_step, self.control
+        args, state, control, every = self.args, self.state, self.control, self._every
+        step = state.global_step
         if epoch_end:
-            log = False
-            evaluate = args.eval_strategy == "epoch"
+            log = args.logging_strategy == "epoch"
+            evaluate = args.eval_strategy == "epoch" and state.epoch >= args.eval_delay
             save = args.save_strategy == "epoch"
         else:
             first = args.logging_first_step and step == 1
-            log = control.should_log or first or step % args.logging_steps == 0
+            log = control.should_log or first or every.due("logging", step)
             evaluate = control.should_evaluate or (
-                args.eval_strategy == "steps" and step % args.eval_steps == 0
+                every.due("eval", step) and step >= args.eval_delay
             )
-            save = control.should_save or (
-                args.save_strategy == "steps" and step % args.save_steps == 0
-            )
+            save = control.should_save or every.due("save", step)
             control.reset_step_flags()
+        if save and step >= self.max_steps:
+            evaluate = True  # the final evaluation belongs to the final checkpoint
         evaluate = evaluate and self._evaluation_enabled()
         if log:
             self.log_step()
         if evaluate:
-            self._evaluate_once()
+            improved = self._evaluate_in_training()
+            save = save or (improved and args.save_strategy == "best")
         if save:
             self.save_checkpoint()
         return log or evaluate or save
@@ -337,11 +393,11 @@ class BaseTrainer:
 
     def _finish(self, steps: int, run_tally: Tally) -> TrainOutput:
         args, state = self.args, self.state
-        if self._tally.steps:
+        if self._tally.steps and args.logging_strategy != "no":
             self.log_step()  # the steps since the last log
         run_tally.settle()
         if self._evaluation_enabled():
-            self._evaluate_once()
+            self._evaluate_in_training()
         if args.save_final_checkpoint:
             self.save_checkpoint()
         if args.load_best_model_at_end and state.best_checkpoint:
@@ -385,12 +441,23 @@ class BaseTrainer:
             loss_sum += loss.detach().float()
         return loss_sum, tokens
 
-    def compute_loss(self, model: nn.Module, batch: Batch) -> torch.Tensor:
-        """``model(**batch).loss`` (the Hugging Face convention)."""
-        outputs = model(**batch)
-        loss = getattr(outputs, "loss", None)
-        if loss is None and isinstance(outputs, Mapping):
-            loss = outputs.get("loss")
+    def compute_loss(
+        self, model: nn.Module, batch: Batch, return_outputs: bool = False
+    ) -> torch.Tensor | tuple[torch.Tensor, Any]:
+        """``model(**batch).loss`` (the Hugging Face convention); with
+        ``label_smoothing_factor``, the smoothed cross-entropy of the logits and labels.
+        ``return_outputs`` also returns the model's outputs (evaluation reads the logits)."""
+        smoother = self._label_smoother
+        if smoother is not None and "labels" in batch:
+            batch = dict(batch)
+            labels = batch.pop("labels")
+            outputs = model(**batch)
+            loss = smoother(outputs, labels, shift_labels=is_causal_lm(model))
+        else:
+            outputs = model(**batch)
+            loss = getattr(outputs, "loss", None)
+            if loss is None and isinstance(outputs, Mapping):
+                loss = outputs.get("loss")
         if loss is None:
             name = type(unwrap_model(model)).__name__
             if isinstance(outputs, torch.Tensor):
@@ -404,7 +471,7 @@ class BaseTrainer:
                 "the batches labels (e.g. data_collator: CausalLMCollator) or override "
                 "Trainer.compute_loss"
             )
-        return loss
+        return (loss, outputs) if return_outputs else loss
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -489,7 +556,14 @@ class BaseTrainer:
 
     def wrap_model(self, model: nn.Module) -> nn.Module:
         """What the training step calls; ``torch.compile`` when requested."""
-        return torch.compile(model) if self.args.torch_compile else model
+        return self.compile_model(model) if self.args.torch_compile else model
+
+    def compile_model(self, model: nn.Module) -> nn.Module:
+        """``torch.compile`` with ``torch_compile_backend`` / ``torch_compile_mode``."""
+        args = self.args
+        return torch.compile(
+            model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode
+        )
 
     def evaluation_model(self) -> nn.Module:
         """What evaluation calls: the model, compiled when ``torch_compile`` is on.
@@ -517,7 +591,8 @@ class BaseTrainer:
 
     def distributed(self) -> AbstractContextManager:
         """The process group for a torchrun job (created here if needed, then destroyed)."""
-        return dist.process_group(self.topology, self.device, self.args.ddp_backend)
+        args = self.args
+        return dist.process_group(self.topology, self.device, args.ddp_backend, args.ddp_timeout)
 
     def _agree_max(self, value: float) -> float:
         if not self.topology.distributed:
@@ -527,9 +602,11 @@ class BaseTrainer:
     # ------------------------------------------------------------------ setup
     def _setup_training(self) -> None:
         args = self.args
+        apply_runtime_settings(args, self.topology.is_main)
         set_seed(args.seed)
         if self.model_init is not None:
             self.model = self.build_model()
+        prepare_model(self.model, args)
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
         self.train_loader = self.build_train_loader()
@@ -540,6 +617,7 @@ class BaseTrainer:
         else:
             self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
             self.num_epochs = math.ceil(args.num_train_epochs)
+        self._every = Intervals.of(args, self.max_steps)
         self.setup_components()
         self.lr_scheduler = build_scheduler(
             self.lr_scheduler_factory, self.optimizer, args, self.max_steps
@@ -569,10 +647,6 @@ class BaseTrainer:
         builds only its own part)."""
         return self._call_model_init()
 
-    def load_weights(self, checkpoint: Path) -> None:
-        """Load a checkpoint's weights into this rank's model (the best one, at the end)."""
-        load_model_weights(self.model, checkpoint, strict=True)
-
     def _call_model_init(self) -> nn.Module:
         model = self.model_init()
         if not isinstance(model, nn.Module):
@@ -588,39 +662,62 @@ class BaseTrainer:
 
     def build_train_loader(self) -> Any:
         args = self.args
+        dataset, collator = self._model_columns(self.train_dataset, "train")
         return build_dataloader(
-            self.train_dataset,
+            dataset,
             batch_size=self.per_rank_batch_size("per_device_train_batch_size"),
-            collate_fn=self.data_collator,
-            shuffle=True,
+            collate_fn=collator,
+            shuffle=args.train_sampling_strategy == "random",
             seed=args.seed if args.data_seed is None else args.data_seed,
             rank=self.topology.dp_rank,
             world_size=self.topology.dp_size,
             drop_last=args.dataloader_drop_last,
-            **self._loader_options(),
+            **self._worker_settings(),
         )
 
-    def build_eval_loader(self) -> Any:
-        return build_dataloader(
-            self.eval_dataset,
+    def build_eval_loader(self, dataset: Dataset | None = None, description: str = "eval") -> Any:
+        """This rank's share of ``dataset`` (default: the eval dataset), in order: items
+        ``rank, rank + world_size, ...``, each item once."""
+        dataset, collator = self._model_columns(
+            self.eval_dataset if dataset is None else dataset, description
+        )
+        sampler = StridedSampler(len(dataset), self.topology.dp_rank, self.topology.dp_size)
+        return torch.utils.data.DataLoader(
+            dataset,
             batch_size=self.per_rank_batch_size("per_device_eval_batch_size"),
-            collate_fn=self.data_collator,
-            shuffle=False,
-            rank=self.topology.dp_rank,
-            world_size=self.topology.dp_size,
-            drop_last=False,
-            **self._loader_options(),
+            sampler=sampler,
+            collate_fn=collator,
+            **self._worker_settings(),
         )
 
-    def _loader_options(self) -> dict[str, Any]:
-        """Workers that live across epochs, and page-locked batches for a GPU, so that the
-        non-blocking copy to the device overlaps the step instead of waiting for it."""
-        workers = self.args.dataloader_num_workers
-        return {
-            "num_workers": workers,
-            "persistent_workers": workers > 0,
-            "pin_memory": self.device.type == "cuda",
+    def _worker_settings(self) -> dict[str, Any]:
+        args = self.args
+        settings: dict[str, Any] = {
+            "num_workers": args.dataloader_num_workers,
+            "pin_memory": args.dataloader_pin_memory and self.device.type == "cuda",
         }
+        if args.dataloader_num_workers:
+            settings.update(
+                persistent_workers=args.dataloader_persistent_workers,
+                prefetch_factor=args.dataloader_prefetch_factor,
+                multiprocessing_context=args.dataloader_multiprocessing_context,
+            )
+        return settings
+
+    def _model_columns(self, dataset: Any, description: str) -> tuple[Any, Any]:
+        """The dataset and collator, with ``remove_unused_columns`` applied."""
+        if not self.args.remove_unused_columns:
+            return dataset, self.data_collator
+        return remove_unused_columns(
+            dataset, self.data_collator, self.model, self.label_names, description
+        )
+
+    @property
+    def label_names(self) -> list[str]:
+        """``args.label_names``, else the model's ``forward`` parameters named like labels."""
+        if self.args.label_names is not None:
+            return list(self.args.label_names)
+        return default_label_names(self.model) if self.model is not None else ["labels"]
 
     def _check_eval_dataset(self) -> None:
         if self.eval_dataset is not None:
@@ -629,6 +726,7 @@ class BaseTrainer:
         needs = [
             name
             for name, on in (
+                ("eval_strategy", args.eval_strategy != "no"),
                 ("load_best_model_at_end", args.load_best_model_at_end),
                 ("early_stopping_patience", args.early_stopping_patience is not None),
             )
@@ -637,8 +735,12 @@ class BaseTrainer:
         if needs:
             raise TrainingArgumentsError(
                 [
-                    f"trainer.eval_dataset is required by {args.config_key}.{name}; "
-                    f"pass an eval dataset or unset {name}"
+                    f"trainer.eval_dataset is required by {args.config_key}.{name}; pass an "
+                    + (
+                        'eval dataset or set eval_strategy: "no"'
+                        if name == "eval_strategy"
+                        else f"eval dataset or unset {name}"
+                    )
                     for name in needs
                 ]
             )
@@ -765,6 +867,15 @@ class BaseTrainer:
         if better:
             state.best_metric, state.best_checkpoint = float(value), str(checkpoint)
 
+    def load_weights(self, checkpoint: str | os.PathLike) -> None:
+        """Load a checkpoint's model weights, building the model first (``model_init``,
+        seeded) if need be: the model ``evaluate()`` / ``predict()`` then use, or the best one
+        at the end of training. A pipeline stage builds and loads only its own part."""
+        if self.model is None:
+            set_seed(self.args.seed)
+            self.model = self.build_model()
+        load_model_weights(self.model, Path(checkpoint), strict=True)
+
     def _resolve_checkpoint(self, resume: bool | str | os.PathLike) -> Path | None:
         """The checkpoint to resume from, found on rank 0 and shared with every rank."""
         if resume is False or resume is None:
@@ -793,49 +904,275 @@ class BaseTrainer:
             self._position.batch = 0  # no data position restored: the epoch restarts
 
     # ------------------------------------------------------------------ evaluation
-    def evaluate(self) -> dict[str, float]:
-        """Mean loss over the eval set (``max_eval_batches`` at most), reduced over ranks.
+    def evaluate(
+        self,
+        eval_dataset: Dataset | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Loss and ``compute_metrics`` metrics over ``eval_dataset`` (default: the trainer's),
+        each prefixed ``{metric_key_prefix}_``, reported to the callbacks (``on_evaluate``).
 
+        The loss is the mean over samples (over label tokens for token-level labels), reduced
+        over ranks; a causal LM also gets ``eval_perplexity``. A dict of datasets is evaluated
+        one by one, each one's metrics prefixed ``eval_NAME_`` (as HF's Trainer does).
         Evaluation forks the random generators, so it never changes the training trajectory.
         """
-        if self.eval_dataset is None:
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
             raise ValueError("trainer.eval_dataset is not set; there is nothing to evaluate")
+        parts = dataset if isinstance(dataset, Mapping) else {None: dataset}
+        metrics: dict[str, float] = {}
         with self.distributed():
-            if self.model is None:
-                set_seed(self.args.seed)
-                self.model = self._call_model_init()
-                self.model.to(self.device)
-            metrics = self.evaluation_loop()
+            self._model_for_evaluation()
+            for name, part in parts.items():
+                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+                started = time.time()
+                output = self.evaluation_loop(
+                    part,
+                    description=prefix,
+                    prediction_loss_only=True if self.compute_metrics is None else None,
+                    ignore_keys=ignore_keys,
+                    metric_key_prefix=prefix,
+                )
+                metrics.update(output.metrics)
+                metrics.update(self._speed_metrics(prefix, started, output.num_samples))
+        if self._in_train:
+            metrics["epoch"] = self.state.epoch
+            self._check_best_metric(metrics)
         self._last_eval = (self.state.global_step, metrics)
         self._call("on_evaluate", metrics=metrics)
         return metrics
 
-    def evaluation_loop(self) -> dict[str, float]:
-        if self.eval_loader is None:
-            self.eval_loader = self.build_eval_loader()
-        model, limit = self.evaluation_model(), self.args.max_eval_batches
+    def predict(
+        self,
+        test_dataset: Dataset,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> Any:
+        """Predictions (and, where the dataset has labels, labels and metrics) over
+        ``test_dataset``: a ``transformers.trainer_utils.PredictionOutput``."""
+        from transformers.trainer_utils import PredictionOutput
+
+        with self.distributed():
+            self._model_for_evaluation()
+            started = time.time()
+            output = self.evaluation_loop(
+                test_dataset,
+                description=metric_key_prefix,
+                ignore_keys=ignore_keys,
+                metric_key_prefix=metric_key_prefix,
+            )
+        metrics = output.metrics
+        metrics.update(self._speed_metrics(metric_key_prefix, started, output.num_samples))
+        return PredictionOutput(output.predictions, output.label_ids, metrics)
+
+    def evaluation_loop(
+        self,
+        dataset: Dataset,
+        description: str = "eval",
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """Run the model over this rank's share of ``dataset`` and gather what every rank saw:
+        a ``transformers.trainer_utils.EvalLoopOutput`` (predictions, label ids, metrics,
+        number of samples), as HF's ``Trainer.evaluation_loop``."""
+        from transformers.trainer_utils import EvalLoopOutput, EvalPrediction
+
+        args, model = self.args, self.model
+        if prediction_loss_only is None:
+            prediction_loss_only = args.prediction_loss_only
+        if ignore_keys is None:  # as HF: what the model's config says, e.g. the KV cache
+            config = getattr(model, "config", None)
+            default = ["past_key_values"] if config is not None else []
+            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", default))
+        streaming = args.batch_eval_metrics and self.compute_metrics is not None
+        if streaming and self.topology.dp_size > 1:
+            raise TrainingArgumentsError(
+                [
+                    f"{args.config_key}.batch_eval_metrics computes metrics batch by batch on one "
+                    "process; with several processes set it to false"
+                ]
+            )
+        if self._eval_loaders.get(id(dataset), (None,))[0] is not dataset:
+            self._eval_loaders[id(dataset)] = (
+                dataset,
+                self.build_eval_loader(dataset, description),
+            )
+        loader = self._eval_loaders[id(dataset)][1]
+        causal = is_causal_lm(model)
+        label_names = self.label_names
+        main_input = getattr(model, "main_input_name", "input_ids")
+        losses, count = LossMean(args.logging_nan_inf_filter), 0
+        concat = args.eval_do_concat_batches
+        kept = {name: Accumulator(concat) for name in ("preds", "labels", "inputs", "losses")}
+        metrics: dict[str, Any] = {}
         was_training = model.training
         model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, batches
         devices = [self.device] if self.device.type == "cuda" else []
+        batches = list(itertools.islice(range(len(loader)), args.max_eval_batches))
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for batch in itertools.islice(self.eval_loader, limit):
-                with self.autocast():
-                    loss = self.compute_loss(model, self._to_device(batch))
-                totals += torch.stack([loss.detach().double(), totals.new_ones(())])
+            for step, batch in zip(batches, loader, strict=False):
+                batch = self._to_device(batch)
+                size = batch_size_of(batch)
+                loss, logits, labels = self.prediction_step(
+                    self.evaluation_model(), batch, prediction_loss_only, ignore_keys, label_names
+                )
+                count += size
+                if loss is not None:
+                    losses.add(float(loss), loss_weight(size, labels, causal))
+                if prediction_loss_only:
+                    continue
+                if logits is not None and self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, labels)
+                include = args.include_for_metrics
+                batch_losses = loss.repeat(size) if loss is not None and "loss" in include else None
+                batch_inputs = batch.get(main_input) if "inputs" in include else None
+                if streaming:
+                    if logits is not None and labels is not None:
+                        metrics = self.compute_metrics(
+                            EvalPrediction(
+                                logits,
+                                labels,
+                                inputs=batch_inputs,
+                                losses=batch_losses,
+                            ),
+                            compute_result=step == batches[-1],
+                        )
+                    continue
+                kept["preds"].add(logits)
+                kept["labels"].add(labels)
+                kept["inputs"].add(batch_inputs)
+                kept["losses"].add(batch_losses)
+                if args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
+                    for accumulator in kept.values():
+                        accumulator.to_host()
         model.train(was_training)
-        loss_sum, batches = self.all_reduce_sum(totals).tolist()
-        loss = loss_sum / batches if batches else float("nan")
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+        world = self.topology.dp_size
+        found = {
+            name: gather_in_order(acc.result(), count, world, concat) for name, acc in kept.items()
+        }
+        total = int(self.all_reduce_sum(torch.tensor(float(count), device=self.device)).item())
+        if (
+            self.compute_metrics is not None
+            and not streaming
+            and found["preds"] is not None
+            and found["labels"] is not None
+        ):
+            metrics = self.compute_metrics(
+                EvalPrediction(
+                    found["preds"],
+                    found["labels"],
+                    inputs=found["inputs"] if "inputs" in args.include_for_metrics else None,
+                    losses=found["losses"] if "loss" in args.include_for_metrics else None,
+                )
+            )
+        elif self.compute_metrics is not None and not streaming and metric_key_prefix == "eval":
+            self._info(
+                "compute_metrics was not called: the eval batches hold no labels under %s "
+                "(trainer.args.label_names); name the batch keys that hold them",
+                label_names,
+                level=logging.WARNING,
+            )
+        metrics = self._checked_metrics(metrics)
+        loss, weight = losses.reduced(self.all_reduce_sum, self.device)
+        if weight:  # some rank's batches gave a loss
+            metrics["loss"] = loss
+            if causal:
+                metrics["perplexity"] = math.exp(min(loss, 50.0))
+        prefix = f"{metric_key_prefix}_"
+        metrics = {k if k.startswith(prefix) else prefix + k: v for k, v in metrics.items()}
+        return EvalLoopOutput(found["preds"], found["labels"], metrics, total)
+
+    def prediction_step(
+        self,
+        model: nn.Module,
+        batch: Batch,
+        prediction_loss_only: bool,
+        ignore_keys: list[str],
+        label_names: list[str],
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """One evaluation batch: (mean loss or None, logits or None, labels or None)."""
+        labels = labels_of(batch, label_names)
+        with self.autocast():
+            if labels is not None:
+                loss, outputs = self.compute_loss(model, batch, return_outputs=True)
+                loss = loss.detach().mean()
+            else:
+                loss, outputs = None, model(**batch)
+        if loss is None and not prediction_loss_only:
+            found = getattr(outputs, "loss", None)
+            loss = found.detach().mean() if isinstance(found, torch.Tensor) else None
+        if prediction_loss_only:
+            return loss, None, None
+        return loss, output_logits(outputs, ignore_keys), labels
+
+    def _checked_metrics(self, metrics: Any) -> dict[str, Any]:
+        from transformers.trainer_utils import denumpify_detensorize
+
+        if not isinstance(metrics, Mapping):
+            raise TypeError(
+                "compute_metrics must return a dict of metric name to number (got "
+                f"{type(metrics).__name__})"
+            )
+        return dict(denumpify_detensorize(dict(metrics)))
+
+    def _speed_metrics(self, prefix: str, started: float, num_samples: int) -> dict[str, float]:
+        from transformers.trainer_utils import speed_metrics
+
+        batch = self.per_rank_batch_size("per_device_eval_batch_size") * self.topology.dp_size
+        steps = math.ceil(num_samples / batch) if num_samples else 0
+        return speed_metrics(prefix, started, num_samples=num_samples, num_steps=steps)
+
+    def _model_for_evaluation(self) -> None:
+        """Outside ``train()``: build the model (``model_init``), put it on the device and,
+        with ``bf16_full_eval`` / ``fp16_full_eval``, in that precision."""
+        if self._in_train:
+            return
+        if self.model is None:
+            set_seed(self.args.seed)
+            self.model = self._call_model_init()
+        args = self.args
+        dtype = (
+            torch.bfloat16
+            if args.bf16_full_eval
+            else torch.float16
+            if args.fp16_full_eval
+            else None
+        )
+        self.model.to(device=self.device, dtype=dtype)
+
+    def _check_best_metric(self, metrics: dict[str, Any]) -> None:
+        """``metric_for_best_model`` must be among the evaluation's metrics (as HF checks)."""
+        metric = self.args.metric_for_best_model
+        if metric is not None and metric not in metrics:
+            message = missing_metric_message(
+                self.args, metric, metrics, self.state.global_step, self.compute_metrics is not None
+            )
+            raise TrainingArgumentsError([message])
 
     def _evaluation_enabled(self) -> bool:
         return self.eval_dataset is not None and self.args.eval_strategy != "no"
 
-    def _evaluate_once(self) -> dict[str, float]:
-        """Evaluate unless this step already was."""
-        if self._last_eval[0] == self.state.global_step:
-            return self._last_eval[1]
-        return self.evaluate()
+    def _evaluate_in_training(self, *, start: bool = False) -> bool:
+        """Evaluate (unless this step already was), check ``metric_for_best_model`` against
+        what the evaluation produced, step a metric-driven schedule; True when the metric
+        improved on the best checkpoint's."""
+        args, state = self.args, self.state
+        if self._last_eval[0] == state.global_step and not start:
+            return False
+        metrics = self.evaluate()
+        metric = args.metric_for_best_model
+        if metric is None or start:
+            return False
+        value = metrics[metric]  # evaluate() checked it is there
+        if isinstance(self.lr_scheduler, MetricSchedule):
+            self.lr_scheduler.step(value)
+        best = state.best_metric
+        if not math.isfinite(value):
+            return False
+        return best is None or (value > best if args.greater_is_better else value < best)
 
     # ------------------------------------------------------------------ logging
     def log_step(self) -> None:
@@ -851,6 +1188,8 @@ class BaseTrainer:
         }
         if tally.skipped:
             logs["nonfinite_skipped"] = state.nonfinite_skipped
+        if self.args.include_num_input_tokens_seen != "no":
+            logs["num_input_tokens_seen"] = state.tokens_seen
         self._tally = Tally()
         self._call("on_log", logs=logs)
 

@@ -1,8 +1,10 @@
 """Trainer state, control flags and callbacks (progress, JSON lines, TensorBoard, early stopping).
 
 Hooks follow Hugging Face's ``TrainerCallback``: each receives ``(args, state, control,
-**kwargs)`` and may set flags on ``control``. The trainer adds the reporting callbacks named
-by ``args.report_to`` on rank 0 only; user callbacks and early stopping run on every rank.
+**kwargs)`` and may set flags on ``control``. On rank 0 the trainer always adds the console
+progress and ``metrics.jsonl``, plus the integrations ``args.report_to`` names (TensorBoard,
+and Weights & Biases / MLflow from forge.train.integrations); user callbacks and early
+stopping run on every rank.
 """
 
 from __future__ import annotations
@@ -23,12 +25,14 @@ logger = logging.getLogger(__name__)
 __all__ = [
     "CallbackHandler",
     "EarlyStoppingCallback",
+    "EmptyCacheCallback",
     "JsonlMetricsCallback",
     "ProgressCallback",
     "TensorBoardCallback",
     "TrainerCallback",
     "TrainerControl",
     "TrainerState",
+    "integration_callback",
 ]
 
 
@@ -280,7 +284,9 @@ class JsonlMetricsCallback(TrainerCallback):
         os.replace(tmp, path)
 
     def _write(self, args: TrainingArguments, record: dict[str, Any]) -> None:
-        with open(self._file(args), "a", encoding="utf-8") as f:
+        path = self._file(args)
+        path.parent.mkdir(parents=True, exist_ok=True)  # evaluate() may run before train()
+        with open(path, "a", encoding="utf-8") as f:
             f.write(json.dumps({k: _json_safe(v) for k, v in record.items()}) + "\n")
 
     def on_log(self, args, state, control, logs, **kwargs):
@@ -383,3 +389,28 @@ class EarlyStoppingCallback(TrainerCallback):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         names = {f.name for f in fields(_EarlyStoppingState)}
         self.state = _EarlyStoppingState(**{k: v for k, v in state.items() if k in names})
+
+
+class EmptyCacheCallback(TrainerCallback):
+    """Empties the accelerator's memory cache every ``args.torch_empty_cache_steps`` steps."""
+
+    def on_step_end(self, args, state, control, **kwargs):
+        every = args.torch_empty_cache_steps
+        if every and state.global_step % every == 0:
+            import torch
+
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
+            elif hasattr(torch, "xpu") and torch.xpu.is_available():
+                torch.xpu.empty_cache()
+            elif torch.backends.mps.is_available():
+                torch.mps.empty_cache()
+
+
+def integration_callback(name: str) -> TrainerCallback:
+    """The callback of one ``report_to`` integration."""
+    if name == "tensorboard":
+        return TensorBoardCallback()
+    from forge.train import integrations
+
+    return integrations.CALLBACKS[name]()

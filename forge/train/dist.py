@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import datetime
 import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -65,12 +66,15 @@ def is_distributed() -> bool:
 
 
 @contextmanager
-def process_group(topology: Topology, device: torch.device, backend: str | None) -> Iterator[bool]:
+def process_group(
+    topology: Topology, device: torch.device, backend: str | None, timeout_s: int | None = None
+) -> Iterator[bool]:
     """Initialise the default process group for a multi-rank job unless one exists.
 
     Yields whether this call created it; a group it created is destroyed on exit.
-    ``backend`` None means nccl on CUDA, gloo otherwise. A CUDA device becomes the current
-    one, so that libraries allocating on "the" GPU (NCCL, compiled kernels) use this rank's.
+    ``backend`` None means nccl on CUDA, gloo otherwise; ``timeout_s`` bounds each collective.
+    A CUDA device becomes the current one, so that libraries allocating on "the" GPU (NCCL,
+    compiled kernels) use this rank's.
     """
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -78,7 +82,10 @@ def process_group(topology: Topology, device: torch.device, backend: str | None)
         yield False
         return
     backend = backend or ("nccl" if device.type == "cuda" else "gloo")
-    dist.init_process_group(backend=backend, rank=topology.rank, world_size=topology.world_size)
+    timeout = datetime.timedelta(seconds=timeout_s) if timeout_s else None
+    dist.init_process_group(
+        backend=backend, rank=topology.rank, world_size=topology.world_size, timeout=timeout
+    )
     try:
         yield True
         dist.barrier()  # no collective is still in flight when the group goes
@@ -106,3 +113,12 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src)
     return box[0]
+
+
+def all_gather_objects(obj: Any) -> list[Any]:
+    """Every rank's ``obj``, in rank order (picklable values; a list of one on one process)."""
+    if not is_distributed():
+        return [obj]
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, obj)
+    return gathered

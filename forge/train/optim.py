@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-import math
+import inspect
+import logging
 import random
 from collections.abc import Callable
 from typing import Any
@@ -13,7 +14,9 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from forge.train.args import TrainingArguments
+from forge.train.args import METRIC_SCHEDULERS, TrainingArguments
+
+logger = logging.getLogger(__name__)
 
 OptimizerFactory = Callable[[list[nn.Parameter]], Optimizer]
 SchedulerFactory = Callable[[Optimizer, int], LRScheduler]
@@ -27,7 +30,8 @@ def set_seed(seed: int) -> None:
 
 
 def default_optimizer(model: nn.Module, args: TrainingArguments) -> Optimizer:
-    """AdamW from ``args``; biases and norm weights (tensors under 2-d) get no weight decay."""
+    """The optimizer ``args.optim`` names, built from ``args`` as HF's Trainer builds it;
+    biases and norm weights (tensors under 2-d) get no weight decay."""
     params = [p for p in model.parameters() if p.requires_grad]
     decay = [p for p in params if p.ndim >= 2]
     no_decay = [p for p in params if p.ndim < 2]
@@ -35,22 +39,48 @@ def default_optimizer(model: nn.Module, args: TrainingArguments) -> Optimizer:
         {"params": decay, "weight_decay": args.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    # The fused kernel (HF Trainer's default on recent torch) is 2-3x faster per step than
-    # the for-loop one, and as deterministic; it needs floating tensors on CPU or CUDA.
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]],
-        lr=args.learning_rate,
-        betas=(args.adam_beta1, args.adam_beta2),
-        eps=args.adam_epsilon,
-        fused=fused or None,
-    )
+    optimizer_class, kwargs = optimizer_class_and_kwargs(args, params)
+    return optimizer_class([g for g in groups if g["params"]], **kwargs)
+
+
+def optimizer_class_and_kwargs(
+    args: TrainingArguments, params: list[nn.Parameter]
+) -> tuple[type[Optimizer], dict[str, Any]]:
+    """The torch optimizer class for ``args.optim`` and its keywords (``optim_args`` parsed)."""
+    kwargs: dict[str, Any] = {"lr": args.learning_rate}
+    if args.optim in ("adamw_torch", "adamw_torch_fused"):
+        kwargs.update(betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon)
+        if args.optim == "adamw_torch_fused":
+            # the fused kernel needs floating tensors on CPU or CUDA; elsewhere the for-each one
+            fusable = all(
+                p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params
+            )
+            if fusable:
+                kwargs["fused"] = True
+            else:
+                logger.info("optim adamw_torch_fused: parameters it cannot fuse; using adamw_torch")
+        return torch.optim.AdamW, kwargs
+    if args.optim == "adafactor":
+        from transformers.optimization import Adafactor
+
+        kwargs.update(scale_parameter=False, relative_step=False)  # as HF: lr from the schedule
+        return Adafactor, kwargs
+    classes = {
+        "sgd": torch.optim.SGD,
+        "adagrad": torch.optim.Adagrad,
+        "rmsprop": torch.optim.RMSprop,
+    }
+    if args.optim not in classes:
+        raise ValueError(f"{args.config_key}.optim {args.optim!r} is not an optimizer forge builds")
+    kwargs.update(args.parsed_optim_args())
+    return classes[args.optim], kwargs
 
 
 def build_optimizer(
     spec: OptimizerFactory | Optimizer | None, model: nn.Module, args: TrainingArguments
 ) -> Optimizer:
-    """None: AdamW from ``args``; a callable gets the trainable parameters; an instance is kept."""
+    """None: ``args.optim`` from ``args``; a callable gets the trainable parameters; an
+    instance is kept."""
     if spec is None:
         return default_optimizer(model, args)
     if isinstance(spec, Optimizer):
@@ -64,10 +94,37 @@ def build_optimizer(
 
 
 def num_warmup_steps(args: TrainingArguments, num_training_steps: int) -> int:
-    """``warmup_steps`` when set, else ``warmup_ratio`` of the training steps, rounded up."""
-    if args.warmup_steps > 0:
-        return args.warmup_steps
-    return math.ceil(args.warmup_ratio * num_training_steps)
+    """``warmup_steps`` (a fraction of the training steps when below 1), else
+    ``warmup_ratio`` of the training steps, rounded up."""
+    return args.warmup_steps_for(num_training_steps)
+
+
+#: keywords every schedule function gets from the trainer, never from lr_scheduler_kwargs
+_SCHEDULE_OWN = ("optimizer", "num_warmup_steps", "num_training_steps", "last_epoch")
+
+
+def schedule_keywords(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """(keywords ``lr_scheduler_kwargs`` may give schedule ``name``, keywords it must give)."""
+    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, SchedulerType
+
+    function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]
+    if name == "reduce_lr_on_plateau":
+        function = torch.optim.lr_scheduler.ReduceLROnPlateau
+    elif name == "greedy":
+        function = GreedyLR
+    if name == "constant":  # transformers.get_scheduler passes it nothing else
+        return (), ()
+    params = [
+        p
+        for p in inspect.signature(function).parameters.values()
+        if p.name not in (*_SCHEDULE_OWN, "self") and p.kind is not p.VAR_KEYWORD
+    ]
+    if name == "constant_with_warmup":
+        params = []
+    required = tuple(p.name for p in params if p.default is p.empty)
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
+        required = ("min_lr|min_lr_rate",)  # one of the two
+    return tuple(p.name for p in params), required
 
 
 def build_scheduler(
@@ -76,17 +133,28 @@ def build_scheduler(
     args: TrainingArguments,
     num_training_steps: int,
 ) -> LRScheduler:
-    """None: ``transformers.get_scheduler`` from ``args``; a callable gets
-    ``(optimizer, num_training_steps)``; an instance is kept."""
+    """None: ``transformers.get_scheduler`` from ``args`` (``lr_scheduler_kwargs`` included);
+    a callable gets ``(optimizer, num_training_steps)``; an instance is kept.
+
+    Schedules that step on the evaluation metric (``reduce_lr_on_plateau``, ``greedy``) come
+    wrapped in :class:`MetricSchedule`, which the loop's per-step ``step()`` leaves alone.
+    """
     if spec is None:
         from transformers import get_scheduler
 
-        return get_scheduler(
+        kwargs = dict(args.lr_scheduler_kwargs or {})
+        if args.lr_scheduler_type == "reduce_lr_on_plateau" and "mode" not in kwargs:
+            kwargs["mode"] = "max" if args.greater_is_better else "min"  # follow the metric
+        scheduler = get_scheduler(
             args.lr_scheduler_type,
             optimizer,
             num_warmup_steps=num_warmup_steps(args, num_training_steps),
             num_training_steps=num_training_steps,
+            scheduler_specific_kwargs=kwargs,
         )
+        if args.lr_scheduler_type in METRIC_SCHEDULERS:
+            return MetricSchedule(scheduler)  # type: ignore[return-value]
+        return scheduler
     if isinstance(spec, LRScheduler):
         return spec
     if not callable(spec):
@@ -95,6 +163,27 @@ def build_scheduler(
             f"(got {type(spec).__name__})"
         )
     return spec(optimizer, num_training_steps)
+
+
+class MetricSchedule:
+    """A schedule stepped with the evaluation metric (``step(value)`` after each evaluation);
+    ``step()`` without a value, which the loop calls every optimizer step, does nothing."""
+
+    def __init__(self, scheduler: Any) -> None:
+        self.scheduler = scheduler
+
+    def step(self, metric: float | None = None) -> None:
+        if metric is not None:
+            self.scheduler.step(metric)
+
+    def get_last_lr(self) -> list[float]:
+        return self.scheduler.get_last_lr()
+
+    def state_dict(self) -> dict[str, Any]:
+        return self.scheduler.state_dict()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.scheduler.load_state_dict(state)
 
 
 def current_lr(scheduler: LRScheduler) -> float:

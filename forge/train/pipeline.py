@@ -253,7 +253,13 @@ class PipelineTrainer(BaseTrainer):
         return layout, writer, shared
 
     def _meta_skeleton(self, model_init: Callable[[], nn.Module]) -> nn.Module:
-        with torch.device("meta"):
+        """The model's structure, without its weights (or, for a builder that cannot run on
+        the meta device, such as one that reads weights from disk, the model itself)."""
+        try:
+            with torch.device("meta"):
+                skeleton = model_init()
+        except Exception as exc:  # any failure: plan on the real model instead
+            logger.info("the model cannot be built on the meta device (%s); building it", exc)
             skeleton = model_init()
         if not isinstance(skeleton, nn.Module):
             raise TypeError(

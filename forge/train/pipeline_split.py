@@ -244,7 +244,10 @@ def prune_to_stages(model: nn.Module, parts: ModelParts, specs: Sequence[StageSp
     """
     held_layers = sorted({i for spec in specs for i in spec.layers})
     layers = model.get_submodule(parts.layers)
-    kept_layers = nn.ModuleDict({str(i): layers[i] for i in held_layers})
+    if isinstance(layers, nn.ModuleDict):  # pruned before (a module trained again)
+        kept_layers = nn.ModuleDict({str(i): layers[str(i)] for i in held_layers})
+    else:
+        kept_layers = nn.ModuleDict({str(i): layers[i] for i in held_layers})
     _set_submodule(model, parts.layers, kept_layers)
     first = any(spec.first for spec in specs)
     last = any(spec.last for spec in specs)

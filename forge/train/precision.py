@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 
 import torch
 
@@ -57,30 +57,45 @@ def numerics(args: TrainingArguments) -> Iterator[None]:
     ``tf32`` None leaves torch's settings alone; true / false sets TF32 for matmuls and
     cuDNN convolutions. ``full_determinism`` makes torch use deterministic algorithms only
     (an op without one raises), turns cuDNN's benchmark off and gives cuBLAS the fixed
-    workspace it needs; slower, and the same bits on every run of the same hardware.
+    workspace it needs; slower, and the same bits on every run of the same hardware. Only
+    the settings asked for are touched, and each is put back on exit.
     """
-    saved_tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    saved_det = (
+    with ExitStack() as stack:
+        if args.tf32 is not None:
+            stack.enter_context(_tf32(bool(args.tf32)))
+        if args.full_determinism:
+            stack.enter_context(_full_determinism())
+        yield
+
+
+@contextmanager
+def _tf32(enabled: bool) -> Iterator[None]:
+    saved = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
+
+
+@contextmanager
+def _full_determinism() -> Iterator[None]:
+    saved = (
         torch.are_deterministic_algorithms_enabled(),
         torch.is_deterministic_algorithms_warn_only_enabled(),
         torch.backends.cudnn.deterministic,
         torch.backends.cudnn.benchmark,
     )
     saved_env = os.environ.get("CUBLAS_WORKSPACE_CONFIG")
+    # read when cuBLAS starts on a device; a user's own setting wins
+    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
+    torch.use_deterministic_algorithms(True)
+    torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = False
     try:
-        if args.tf32 is not None:
-            torch.backends.cuda.matmul.allow_tf32 = bool(args.tf32)
-            torch.backends.cudnn.allow_tf32 = bool(args.tf32)
-        if args.full_determinism:
-            # read when cuBLAS starts on a device; a user's own setting wins
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", CUBLAS_WORKSPACE)
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.deterministic = True
-            torch.backends.cudnn.benchmark = False
         yield
     finally:
-        torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved_tf32
-        enabled, warn_only, deterministic, benchmark = saved_det
+        enabled, warn_only, deterministic, benchmark = saved
         torch.use_deterministic_algorithms(enabled, warn_only=warn_only)
         torch.backends.cudnn.deterministic = deterministic
         torch.backends.cudnn.benchmark = benchmark

@@ -10,7 +10,9 @@ one's ``_init_weights`` runs again from its recorded state. Memory stays at the 
 plus one scratch tensor at a time.
 
 Other modules initialise their weights inside their constructors, where no such record is
-possible; they are built whole on the CPU and pruned afterwards.
+possible; they are built whole on the CPU and pruned afterwards, as is a Hugging Face model
+whose ``_init_weights`` leaves a kept weight unset (materialised tensors start as NaN, so one
+left unwritten is seen).
 """
 
 from __future__ import annotations
@@ -99,7 +101,8 @@ def _builds_hf_model(model_init: Callable[[], nn.Module]) -> bool:
         return False
     from transformers import PreTrainedModel
 
-    return issubclass(target, PreTrainedModel)
+    # the recording relies on the per-module initialisation hook of transformers 4.x / 5.x
+    return issubclass(target, PreTrainedModel) and hasattr(PreTrainedModel, "_initialize_weights")
 
 
 def keeps(name: str, kept: Collection[str]) -> bool:
@@ -132,8 +135,17 @@ def build_partial_model(model_init: Callable[[], nn.Module], kept: Collection[st
         if keeps(names.get(id(module), ""), kept):
             torch.set_rng_state(state)
             owner._init_weights(module)
-    torch.set_rng_state(end)
     _retie(ties)
+    unset = _unset_tensors(model)
+    if unset:  # a weight its _init_weights leaves to the constructor: build the model whole
+        logger.info(
+            "%s initialises %s in its constructor; building the whole model for this stage",
+            type(model).__name__,
+            unset[0],
+        )
+        torch.set_rng_state(start)
+        return _build_whole(model_init, kept)
+    torch.set_rng_state(end)
     return model
 
 
@@ -171,8 +183,9 @@ def with_tie_owners(kept: Collection[str], ties: list[list[Holder]]) -> set[str]
 
 
 def _materialise(model: nn.Module, kept: Collection[str], ties: list[list[Holder]]) -> None:
-    """Give each holder in a kept module its own uninitialised CPU tensor (ties undone, so each
-    module's initialisation writes its own tensor, as in the unsplit model before tying)."""
+    """Give each holder in a kept module its own CPU tensor, NaN until initialised (ties undone,
+    so each module's initialisation writes its own tensor, as in the unsplit model before
+    tying)."""
     for group in ties:
         for module_name, module, attr, is_param in group:
             if not keeps(module_name, kept):
@@ -180,7 +193,19 @@ def _materialise(model: nn.Module, kept: Collection[str], ties: list[list[Holder
             table = module._parameters if is_param else module._buffers
             old = table[attr]
             new = torch.empty_like(old, device="cpu")
+            if new.is_floating_point():
+                new.fill_(float("nan"))
             table[attr] = nn.Parameter(new, requires_grad=old.requires_grad) if is_param else new
+
+
+def _unset_tensors(model: nn.Module) -> list[str]:
+    """Names of materialised tensors that initialisation left (partly) unwritten."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return [
+        name
+        for name, t in tensors
+        if not t.is_meta and t.is_floating_point() and bool(torch.isnan(t).any())
+    ]
 
 
 def _retie(ties: list[list[Holder]]) -> None:

@@ -190,11 +190,19 @@ def kill_job(proc) -> None:
 
 
 @pytest.mark.slow
-def test_sigkill_and_resume_is_bit_identical_for_two_stages(straight, project):
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGTERM], ids=["sigkill", "sigterm"])
+def test_stop_and_resume_is_bit_identical_for_two_stages(straight, project, sig):
+    """SIGKILL: the whole job dies after the step-20 checkpoint; SIGTERM: every stage saves
+    at the next step boundary and the job exits 143."""
     proc = start_forge("train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2", cwd=REPO)
     run_dir = Path(proc.stdout.readline().strip())
     wait_for(checkpoint(run_dir, 20), proc)
-    kill_job(proc)
+    if sig == signal.SIGKILL:
+        kill_job(proc)
+    else:
+        proc.send_signal(sig)  # forge forwards it to torchrun, which passes it to each rank
+        assert proc.wait(timeout=300) == 143, proc.stderr.read()
+        assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"
     assert not checkpoint(run_dir, 40).exists()
     resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
     assert resumed.returncode == 0, resumed.stderr
@@ -224,36 +232,38 @@ def test_a_stage_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(p
     assert json.loads((run_dir / "run.json").read_text())["step"] == 40
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    ("config", "nproc"), [("pipeline", "4"), ("train", "1")], ids=["to-4-stages", "to-plain"]
-)
-def test_a_two_stage_checkpoint_resumes_in_another_split(straight, project, config, nproc):
-    """Weights and optimizer state reshard by name; the data epoch restarts (another number of
-    ranks), so the curve continues close to, not exactly on, the straight run's."""
-    source = checkpoint(straight, 20)
+def resume_in(project: Path, config: str, nproc: str, source: Path) -> Path:
+    """A new run of ``config`` on ``nproc`` processes, starting from ``source``."""
     result = run_forge(
         "train", config, "-p", str(project), *PIPE, "--nproc", nproc,
         "--set", f"trainer.args.resume_from_checkpoint={source}",
     )  # fmt: skip
     assert result.returncode == 0, result.stderr
-    assert f"resumed from {source} at step 20" in result.stderr
-    run_dir = Path(result.stdout.splitlines()[0])
-    assert final_eval_loss(run_dir) == pytest.approx(final_eval_loss(straight), rel=0.03)
+    assert f"resumed from {source} at step {int(source.name.split('-')[1])}" in result.stderr
+    return Path(result.stdout.splitlines()[0])
+
+
+@pytest.mark.slow
+def test_two_stages_reshard_to_four_and_back_to_two(straight, project):
+    """Weights and optimizer state reshard by name; the data epoch restarts (another number of
+    ranks), so the curve continues close to, not exactly on, the straight run's."""
+    four = resume_in(project, "pipeline", "4", checkpoint(straight, 20))
+    assert final_eval_loss(four) == pytest.approx(final_eval_loss(straight), rel=0.03)
+    two = resume_in(project, "pipeline", "2", checkpoint(four, 30))
+    assert final_eval_loss(two) == pytest.approx(final_eval_loss(straight), rel=0.03)
+
+
+@pytest.mark.slow
+def test_a_two_stage_checkpoint_resumes_with_the_plain_trainer(straight, project):
+    plain = resume_in(project, "train", "1", checkpoint(straight, 20))
+    assert final_eval_loss(plain) == pytest.approx(final_eval_loss(straight), rel=0.03)
 
 
 @pytest.mark.slow
 def test_a_plain_checkpoint_resumes_on_two_stages(project):
     plain = train(project, "train")
-    source = checkpoint(plain, 20)
-    result = run_forge(
-        "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2",
-        "--set", f"trainer.args.resume_from_checkpoint={source}",
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
-    assert f"resumed from {source} at step 20" in result.stderr
-    run_dir = Path(result.stdout.splitlines()[0])
-    assert final_eval_loss(run_dir) == pytest.approx(final_eval_loss(plain), rel=0.03)
+    two = resume_in(project, "pipeline", "2", checkpoint(plain, 20))
+    assert final_eval_loss(two) == pytest.approx(final_eval_loss(plain), rel=0.03)
 
 
 @pytest.mark.slow

@@ -80,11 +80,13 @@ def test_resume_without_checkpoint_exits_1_and_changes_nothing(project):
     run_dir = Path(result.stdout.splitlines()[0])
     for ckpt in (run_dir / "checkpoints").iterdir():
         (ckpt / "manifest.json").unlink()
-    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")}
     resumed = run_forge("resume", "-p", str(project))
     assert resumed.returncode == 1
     assert "no valid checkpoint" in resumed.stderr
-    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    assert {
+        p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")
+    } == before
 
 
 def test_training_state_with_pickled_code_is_refused(trained):
@@ -155,7 +157,10 @@ def test_sigkill_at_random_moments_always_leaves_a_resumable_run(project):
 def test_bad_training_argument_exits_2_and_leaves_no_run(project):
     result = run_forge("train", "-p", str(project), *SMALL, "-D", "save_steps=0")
     assert result.returncode == 2
-    assert "trainer.args.save_steps must be a positive integer (got 0)" in result.stderr
+    assert (
+        "train.yaml:17: .trainer_args.save_steps: trainer.args.save_steps must be a positive"
+        in (result.stderr)
+    )  # found by the config check, at the template line that wrote it
     assert "Traceback" not in result.stderr
     assert not (project / "output" / "train" / "run_001").exists()
 
@@ -173,9 +178,11 @@ def test_sigterm_is_acknowledged_at_once_and_a_complete_run_has_nothing_to_resum
         "resume", "-p", str(project), "--set", "trainer.args.max_steps=20", cwd=REPO
     )
     assert finished.returncode == 0, finished.stderr
-    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")}
+    before = {p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")}
     again = run_forge("resume", "-p", str(project), cwd=REPO)
     assert again.returncode == 0, again.stderr
     assert "run_001 is complete (step 20 of 20); nothing to do" in again.stderr
     assert again.stdout == ""
-    assert {p: p.stat().st_mtime_ns for p in run_dir.rglob("*")} == before
+    assert {
+        p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")
+    } == before

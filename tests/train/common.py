@@ -66,7 +66,7 @@ def make_args(output_dir: str | os.PathLike, **overrides: Any) -> TrainingArgume
         "logging_steps": 4,
         "save_strategy": "no",
         "eval_strategy": "no",
-        "report_to": ["jsonl"],
+        "report_to": "none",
     }
     values.update(overrides)
     return TrainingArguments(**values)

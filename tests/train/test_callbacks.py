@@ -28,7 +28,7 @@ def jsonl_args(output_dir, **overrides):
         eval_steps=6,
         save_strategy="steps",
         save_steps=6,
-        report_to=["jsonl", "tensorboard"],
+        report_to="tensorboard",
     )
     values.update(overrides)
     return make_args(output_dir, **values)
@@ -62,7 +62,7 @@ def test_metrics_jsonl_is_rewritten_consistently_on_resume(tmp_path):
 
 
 def test_progress_logs_plain_lines_without_a_tty(tmp_path, caplog):
-    args = make_args(tmp_path, max_steps=4, logging_steps=2, report_to=["progress"])
+    args = make_args(tmp_path, max_steps=4, logging_steps=2, report_to="none")  # the console stays
     with caplog.at_level(logging.INFO, logger="forge.train"):
         make_trainer(args).train()
     lines = [r.getMessage() for r in caplog.records if r.name == "forge.train.callbacks"]
@@ -111,7 +111,7 @@ class FakeTerminal(io.StringIO):
 def test_progress_bar_on_a_terminal(tmp_path, monkeypatch, caplog):
     terminal = FakeTerminal()
     monkeypatch.setattr(sys, "stderr", terminal)
-    args = make_args(tmp_path, max_steps=4, logging_steps=2, report_to=["progress"])
+    args = make_args(tmp_path, max_steps=4, logging_steps=2, report_to="none")  # the console stays
     trainer = make_trainer(args)
     with caplog.at_level(logging.INFO, logger="forge.train.callbacks"):
         trainer.train()

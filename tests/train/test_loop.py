@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers.trainer_utils import EvalLoopOutput
 
 from forge.data import CausalLMCollator
 from forge.train import EarlyStoppingCallback, Trainer, TrainerCallback
@@ -191,8 +192,9 @@ class ScriptedEval(Trainer):
 
     losses: dict[int, float] = {}
 
-    def evaluation_loop(self):
-        return {"eval_loss": self.losses.get(self.state.global_step, 9.0)}
+    def evaluation_loop(self, dataset, description="eval", prediction_loss_only=None, **kwargs):
+        loss = self.losses.get(self.state.global_step, 9.0)
+        return EvalLoopOutput(None, None, {"eval_loss": loss}, len(dataset))
 
 
 def scripted(losses: dict[int, float]) -> type[ScriptedEval]:
@@ -206,6 +208,7 @@ def test_best_checkpoint_is_tracked_and_never_rotated_away(tmp_path):
         eval_strategy="steps",
         save_strategy="steps",
         save_steps=10,
+        eval_steps=10,
         save_total_limit=2,
         metric_for_best_model="loss",
     )
@@ -226,6 +229,7 @@ def test_load_best_model_at_end(tmp_path):
         eval_strategy="steps",
         save_strategy="steps",
         save_steps=10,
+        eval_steps=10,
         load_best_model_at_end=True,
     )
     trainer = make_trainer(args, eval_size=8, trainer_cls=scripted({10: 3.0, 20: 1.0, 30: 2.0}))
@@ -280,9 +284,19 @@ def test_evaluate_reports_mean_loss_without_touching_training_rng(tmp_path):
     trainer = make_trainer(make_args(tmp_path, max_steps=1), eval_size=20)
     metrics = trainer.evaluate()  # builds the (seeded) model first
     state = torch.get_rng_state()
-    assert trainer.evaluate() == metrics
+    speed = ("eval_runtime", "eval_samples_per_second", "eval_steps_per_second")
+    again = trainer.evaluate()
+    assert {k: again[k] for k in metrics if k not in speed} == {
+        k: metrics[k] for k in metrics if k not in speed
+    }
     assert torch.equal(state, torch.get_rng_state())
-    assert set(metrics) == {"eval_loss", "eval_perplexity"}
+    assert set(metrics) == {
+        "eval_loss",
+        "eval_perplexity",  # a causal LM
+        "eval_runtime",
+        "eval_samples_per_second",
+        "eval_steps_per_second",
+    }
     assert math.log(128) - 0.5 < metrics["eval_loss"] < math.log(128) + 0.5  # random init
     limited = make_trainer(make_args(tmp_path, max_steps=1, max_eval_batches=1), eval_size=20)
     assert limited.evaluate()["eval_loss"] != metrics["eval_loss"]
@@ -318,3 +332,19 @@ def test_torch_compile(tmp_path):
     trainer = make_trainer(make_args(tmp_path, max_steps=3, torch_compile=True))
     output = trainer.train()
     assert output.global_step == 3 and math.isfinite(output.training_loss)
+
+
+def test_the_final_checkpoint_carries_the_final_evaluation(tmp_path):
+    from forge.checkpoint import read_manifest
+
+    args = make_args(
+        tmp_path,
+        max_steps=6,
+        save_strategy="steps",
+        save_steps=3,
+        eval_strategy="steps",
+        eval_steps=4,
+    )
+    make_trainer(args, eval_size=8).train()
+    # step 6 is a save step but not an eval step: it is evaluated before it is saved
+    assert "eval_loss" in read_manifest(checkpoint_dir(tmp_path, 6)).metrics

@@ -128,6 +128,29 @@ def test_a_stage_built_alone_has_the_unsplit_models_weights(kept_layers):
         assert stage.lm_head.weight is stage.model.embed_tokens.weight
 
 
+class HeadFromConstructor(LlamaForCausalLM):
+    """A Hugging Face model whose _init_weights leaves the output head to its constructor."""
+
+    def _init_weights(self, module):
+        if module is not getattr(self, "lm_head", None):
+            super()._init_weights(module)
+
+
+def test_a_weight_only_the_constructor_sets_is_still_the_whole_models():
+    """The replayed initialisation cannot set it, so the stage is built whole and pruned."""
+    config = tiny_llama_config()  # untied: lm_head has its own weight
+    init = functools.partial(HeadFromConstructor, config)
+    torch.manual_seed(5)
+    whole = init().state_dict()
+    (last,) = [s for s in split_layers(2, 2, None, PARTS, KEY) if s.last]
+    torch.manual_seed(5)
+    stage = build_partial_model(init, last.module_names(PARTS))
+    prune_to_stages(stage, PARTS, [last])
+    assert "lm_head.weight" in stage.state_dict()
+    for name, tensor in stage.state_dict().items():
+        assert torch.equal(tensor, whole[name]), name
+
+
 class TinyNet(nn.Module):
     """A model that is not a Hugging Face one: initialised in its constructors."""
 

@@ -156,7 +156,7 @@ def test_resume_from_an_invalid_checkpoint_names_the_problem(straight, tmp_path)
     shutil.copytree(checkpoint_dir(straight.args.output_dir, 20), broken)
     with open(broken / "model.safetensors", "r+b") as f:
         f.truncate(100)
-    trainer = make_trainer(resume_args(tmp_path / "run"), train_size=TRAIN_SIZE)
+    trainer = make_trainer(resume_args(tmp_path / "run"), train_size=TRAIN_SIZE, eval_size=16)
     with pytest.raises(CheckpointError, match="model.safetensors"):
         trainer.train(resume_from_checkpoint=str(broken))
 

@@ -1,0 +1,80 @@
+"""What ``train()`` applies from the arguments before the first step: process-wide settings
+(determinism, TF32, log levels), model settings (activation checkpointing, ``use_cache``) and
+the step intervals of logging, evaluation and saving."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from torch import nn
+
+from forge.train.args import TrainingArguments, TrainingArgumentsError
+
+logger = logging.getLogger(__name__)
+
+_LEVELS = {
+    "debug": logging.DEBUG,
+    "info": logging.INFO,
+    "warning": logging.WARNING,
+    "error": logging.ERROR,
+    "critical": logging.CRITICAL,
+}
+
+
+@dataclass(frozen=True)
+class Intervals:
+    """Every how many optimizer steps the loop logs, evaluates and saves (0: never by step)."""
+
+    logging: int = 0
+    eval: int = 0
+    save: int = 0
+
+    @classmethod
+    def of(cls, args: TrainingArguments, max_steps: int) -> Intervals:
+        """From the ``*_strategy`` / ``*_steps`` arguments (fractions of ``max_steps`` too)."""
+
+        def every(strategy: str, name: str) -> int:
+            return max(1, args.steps_for(name, max_steps)) if strategy == "steps" else 0
+
+        return cls(
+            logging=every(args.logging_strategy, "logging_steps"),
+            eval=every(args.eval_strategy, "eval_steps"),
+            save=every(args.save_strategy, "save_steps"),
+        )
+
+    def due(self, what: str, step: int) -> bool:
+        every = getattr(self, what)
+        return every > 0 and step % every == 0
+
+
+def apply_runtime_settings(args: TrainingArguments, is_main: bool) -> None:
+    """``log_level`` / ``log_level_replica`` (``tf32`` and ``full_determinism`` are applied,
+    and put back, by ``forge.train.precision.numerics`` around ``train()``)."""
+    level = args.log_level if is_main else args.log_level_replica
+    if level != "passive":
+        import transformers
+
+        logging.getLogger("forge").setLevel(_LEVELS[level])
+        transformers.logging.set_verbosity(_LEVELS[level])
+
+
+def prepare_model(model: nn.Module, args: TrainingArguments) -> None:
+    """``activation_checkpointing`` (HF's ``gradient_checkpointing_enable``) and, for a model
+    with a config, ``use_cache`` (HF's Trainer sets it the same way)."""
+    config = getattr(model, "config", None)
+    if config is not None and hasattr(config, "use_cache"):
+        config.use_cache = args.use_cache
+    if not args.activation_checkpointing:
+        return
+    enable = getattr(model, "gradient_checkpointing_enable", None)
+    if not callable(enable):
+        raise TrainingArgumentsError(
+            [
+                f"{args.config_key}.activation_checkpointing (gradient_checkpointing) needs a "
+                f"model with gradient_checkpointing_enable(), as Hugging Face models have; "
+                f"{type(model).__name__} has none. Wrap its blocks in "
+                "torch.utils.checkpoint.checkpoint yourself, or set it to false"
+            ]
+        )
+    enable(gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs)
