@@ -35,6 +35,11 @@ test: $(STAMP)
 test-all: $(STAMP)
 	$(PY) -m pytest -q -m ""
 
+# The whole reliability suite (kills, restarts, corruption, hostile input, full disk,
+# concurrency) with its slow tests; rewrites docs/RELIABILITY.md from what it saw.
+reliability: $(STAMP)
+	$(PY) scripts/reliability.py
+
 # Mutation testing of the checkpoint layer and the loop's resume state (pyproject's
 # [tool.mutmut] says which files and tests); slow, not part of `make test`.
 mutation: $(STAMP)

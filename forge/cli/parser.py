@@ -287,7 +287,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--run", type=int, metavar="N", help="only this run number")
     p.add_argument("--run-dir", metavar="DIR", help="only this run directory")
     p.add_argument(
-        "--verify", action="store_true", help="check every file's hash, not only its size"
+        "--verify",
+        action="store_true",
+        help="check every file's hash and every state file's header, not only sizes",
     )
 
     p = _sub(subparsers, "generate", "sample text from a checkpoint (or a run's newest one)")
