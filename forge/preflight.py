@@ -95,20 +95,43 @@ def _check(
     dataset = built.value(dataset_node)
     collator = built.value(trainer.kwargs.get("data_collator"))
     args = built.value(trainer.kwargs.get("args"))
+    dropped: list[str] = []
     if getattr(args, "remove_unused_columns", False):  # as the trainer's loader will
         columns = set(inspect.signature(model_class.forward).parameters) - {"self"}
         columns |= {"label", "label_ids", *(getattr(args, "label_names", None) or ())}
+        dropped = [k for k in _item_keys(dataset) if k not in columns]
         collator = _keep_columns(collator, columns)
     batch, problem = _sample_batch(cfg, dataset, collator, dataset_node, trainer)
     if problem is not None or batch is None:
         return [problem] if problem else []
     label = f"{model_class.__name__}.forward"
-    mismatch = _signature_mismatch(inspect.signature(model_class.forward), batch, label)
+    signature = inspect.signature(model_class.forward)
+    mismatch = _signature_mismatch(signature, batch, label, dropped)
     if mismatch:
         return [cfg.problem(model_node.loc, mismatch, _FIX_KEYS)]
     returned = _meta_forward(model_node, resolver, variables, cfg, batch)
-    message = _return_problem(returned, label, batch)
+    message = _return_problem(returned, label, batch, dropped)
     return [cfg.problem(model_node.loc, message, None)] if message else []
+
+
+def _item_keys(dataset: Any) -> list[str]:
+    """The keys of the dataset's first item (empty when items are not dicts)."""
+    try:
+        item = dataset[0]
+    except Exception:  # not map-style or empty: _sample_batch reports it
+        return []
+    return [str(k) for k in item] if isinstance(item, Mapping) else []
+
+
+def _with_dropped(keys: list[str], dropped: list[str]) -> list[str]:
+    """The batch's keys with the dropped columns put back (sorted when there are any)."""
+    return sorted({*keys, *dropped}) if dropped else keys
+
+
+def _dropped_note(dropped: list[str]) -> str:
+    """How the batch lost ``dropped``, for a message that lists the batch's keys."""
+    them = "it" if len(dropped) == 1 else "them"
+    return f"forward takes no {_names(dropped)} (remove_unused_columns drops {them})"
 
 
 _FIX_KEYS = (
@@ -223,7 +246,10 @@ def _describe_item(item: Any) -> str:
     return type(item).__name__
 
 
-def _signature_mismatch(signature: inspect.Signature, batch: Mapping, label: str) -> str | None:
+def _signature_mismatch(
+    signature: inspect.Signature, batch: Mapping, label: str, dropped: list[str] = ()
+) -> str | None:
+    """What keeps ``batch`` (whose keys ``dropped`` were removed from) from binding."""
     params = list(signature.parameters.values())[1:]  # drop self
     takes_any = any(p.kind is p.VAR_KEYWORD for p in params)
     by_name = {p.name for p in params if p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)}
@@ -240,9 +266,13 @@ def _signature_mismatch(signature: inspect.Signature, batch: Mapping, label: str
     said = []
     if extra:
         said.append(f"forward takes no {_names(extra)}")
+    if missing and dropped:
+        said.append(_dropped_note(list(dropped)))
     if missing:
         said.append(f"it needs {_names(missing)}, which the batch lacks")
     shown = ", ".join(str(p.replace(annotation=p.empty)) for p in params)
+    if missing and dropped:
+        keys = _with_dropped(keys, dropped)
     return (
         f"the batches do not fit {label}: {'; '.join(said)} "
         f"(batch keys: {', '.join(keys)}; forward({shown}))"
@@ -278,7 +308,9 @@ def _meta_forward(
         return None
 
 
-def _return_problem(returned: Any, label: str, batch: Mapping) -> str | None:
+def _return_problem(
+    returned: Any, label: str, batch: Mapping, dropped: list[str] = ()
+) -> str | None:
     import torch
 
     if returned is None:
@@ -294,8 +326,10 @@ def _return_problem(returned: Any, label: str, batch: Mapping) -> str | None:
     if loss is not None:
         return None
     kind = type(returned).__name__
+    keys = _with_dropped([str(k) for k in batch], dropped)
+    lost = f", of which {_dropped_note(list(dropped))}" if dropped else ""
     return (
         f"{label} returned no loss ({kind} without 'loss') for a batch with keys "
-        f"{', '.join(map(str, batch))}: give the batches labels (e.g. data_collator: "
+        f"{', '.join(keys)}{lost}: give the batches labels (e.g. data_collator: "
         "CausalLMCollator), or compute the loss in forward"
     )
