@@ -521,8 +521,19 @@ class PipelineTrainer(BaseTrainer):
         return total
 
     # ------------------------------------------------------------------ evaluation
-    def evaluation_loop(self) -> dict[str, float]:
-        """Mean eval loss, each batch through the pipeline forward only."""
+    def evaluation_loop(
+        self,
+        dataset: Any,
+        description: str = "eval",
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """Mean eval loss, each batch through the pipeline forward only (the loss lives on
+        the last stage, so ``compute_metrics`` is not run: its predictions would have to
+        travel back through the stages)."""
+        from transformers.trainer_utils import EvalLoopOutput
+
         if not self.stage_modules:
             raise RuntimeError(
                 "PipelineTrainer.evaluate() runs inside train() (the stages are built there); "
@@ -530,23 +541,42 @@ class PipelineTrainer(BaseTrainer):
             )
         import itertools
 
-        if self.eval_loader is None:
-            self.eval_loader = self.build_eval_loader()
+        if self.compute_metrics is not None and not getattr(self, "_warned_metrics", False):
+            self._warned_metrics = True
+            self._info(
+                "compute_metrics is not run by the pipeline trainer; it reports %s_loss only",
+                metric_key_prefix,
+                level=logging.WARNING,
+            )
+        if self._eval_loaders.get(id(dataset), (None,))[0] is not dataset:
+            self._eval_loaders[id(dataset)] = (
+                dataset,
+                self.build_eval_loader(dataset, description),
+            )
+        loader = self._eval_loaders[id(dataset)][1]
         was_training = self.model.training
         self.model.eval()
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)  # loss sum, batches
+        # loss sum weighted by samples, samples
+        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
         devices = [self.device] if self.device.type == "cuda" else []
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for batch in itertools.islice(self.eval_loader, self.args.max_eval_batches):
+            for batch in itertools.islice(loader, self.args.max_eval_batches):
                 inputs, labels, _ = self._inputs(batch)
                 losses = self._run(inputs, labels, train=False)
                 if self.holds_last:
-                    loss = torch.stack(losses).mean().double()
-                    totals += torch.stack([loss, totals.new_ones(())])
+                    samples = float(labels.shape[0]) if torch.is_tensor(labels) else 1.0
+                    loss = torch.stack(losses).mean().double() * samples
+                    totals += torch.stack([loss, totals.new_tensor(samples)])
         self.model.train(was_training)
-        loss_sum, batches = self.all_reduce_sum(totals).tolist()
-        loss = loss_sum / batches if batches else float("nan")
-        return {"eval_loss": loss, "eval_perplexity": math.exp(min(loss, 50.0))}
+        loss_sum, samples = self.all_reduce_sum(totals).tolist()
+        loss = loss_sum / samples if samples else float("nan")
+        metrics = {
+            f"{metric_key_prefix}_loss": loss,
+            f"{metric_key_prefix}_perplexity": math.exp(min(loss, 50.0)),
+        }
+        return EvalLoopOutput(
+            predictions=None, label_ids=None, metrics=metrics, num_samples=int(samples)
+        )
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_components(self) -> list[Component]:

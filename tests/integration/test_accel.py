@@ -37,10 +37,10 @@ def kill_job(proc: subprocess.Popen, run_dir: Path) -> None:
     """SIGKILL the whole job at once, as a lost machine would: the CLI, and torchrun with its
     workers (their command lines name the run directory)."""
     proc.kill()
-    subprocess.run(["pkill", "-KILL", "-f", f"--run-dir {run_dir}"], check=False)
+    subprocess.run(["pkill", "-KILL", "-f", f"run-dir {run_dir}"], check=False)
     proc.wait(timeout=120)
     deadline = time.monotonic() + 60
-    while subprocess.run(["pgrep", "-f", f"--run-dir {run_dir}"], capture_output=True).stdout:
+    while subprocess.run(["pgrep", "-f", f"run-dir {run_dir}"], capture_output=True).stdout:
         assert time.monotonic() < deadline, "the job's processes did not die"
         time.sleep(0.2)
 

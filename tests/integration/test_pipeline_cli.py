@@ -8,6 +8,8 @@ import json
 import os
 import shutil
 import signal
+import subprocess
+import time
 from pathlib import Path
 
 import pytest
@@ -179,14 +181,21 @@ def straight(warm_project, tmp_path_factory):
     return train(dest, "pipeline", "--nproc", "2")
 
 
-def kill_job(proc) -> None:
+def kill_job(proc, run_dir: Path) -> None:
     """SIGKILL every process of a `forge train --nproc N` job at once, as a lost machine would:
-    torchrun and the workers run in a session of their own, the launcher's child."""
+    torchrun and the workers run in a session of their own, the launcher's child; the workers'
+    command lines name the run directory. Returns once they are gone (their run lock with
+    them)."""
     children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
     for child in children:
         os.killpg(int(child), signal.SIGKILL)
     proc.kill()
+    subprocess.run(["pkill", "-KILL", "-f", f"run-dir {run_dir}"], check=False)
     proc.wait(timeout=60)
+    deadline = time.monotonic() + 60
+    while subprocess.run(["pgrep", "-f", f"run-dir {run_dir}"], capture_output=True).stdout:
+        assert time.monotonic() < deadline, "the job's processes did not die"
+        time.sleep(0.2)
 
 
 @pytest.mark.slow
@@ -198,7 +207,7 @@ def test_stop_and_resume_is_bit_identical_for_two_stages(straight, project, sig)
     run_dir = Path(proc.stdout.readline().strip())
     wait_for(checkpoint(run_dir, 20), proc)
     if sig == signal.SIGKILL:
-        kill_job(proc)
+        kill_job(proc, run_dir)
     else:
         proc.send_signal(sig)  # forge forwards it to torchrun, which passes it to each rank
         assert proc.wait(timeout=300) == 143, proc.stderr.read()

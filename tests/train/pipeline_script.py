@@ -47,7 +47,7 @@ def train(output_dir: str | Path, kind: str, **overrides: Any) -> Trainer:
         "logging_steps": 1,
         "save_strategy": "no",
         "eval_strategy": "no",
-        "report_to": ["jsonl"],
+        "report_to": "none",  # metrics.jsonl is always written
         "save_final_checkpoint": False,
     }
     values.update(overrides)

@@ -170,27 +170,28 @@ def test_random_state_is_the_trainers_gpu_on_every_rank(gpus, monkeypatch, tmp_p
 
 
 def test_loaders_pin_memory_for_a_gpu_and_keep_their_workers(tmp_path):
-    trainer = make_trainer(make_args(tmp_path, dataloader_num_workers=2), eval_size=8)
+    # HF's names: dataloader_persistent_workers (default false, as HF), dataloader_pin_memory
+    args = make_args(tmp_path, dataloader_num_workers=2, dataloader_persistent_workers=True)
+    trainer = make_trainer(args, eval_size=8)
+    trainer.model = trainer.model_init()  # remove_unused_columns reads forward's parameters
     for loader in (trainer.build_train_loader(), trainer.build_eval_loader()):
         assert loader.num_workers == 2 and loader.persistent_workers
         assert not loader.pin_memory  # nothing to pin for on CPU
     trainer.device = torch.device("cuda", 0)
-    assert trainer._loader_options() == {
-        "num_workers": 2,
-        "persistent_workers": True,
-        "pin_memory": True,
-    }
+    settings = trainer._worker_settings()
+    assert settings["num_workers"] == 2 and settings["persistent_workers"] is True
+    assert settings["pin_memory"] is True
     trainer = make_trainer(make_args(tmp_path))
-    assert trainer._loader_options()["persistent_workers"] is False  # no workers to keep
+    assert "persistent_workers" not in trainer._worker_settings()  # no workers to keep
 
 
 class EvalModels(Trainer):
     """Records the module evaluation calls."""
 
-    def compute_loss(self, model, batch):
+    def compute_loss(self, model, batch, return_outputs=False):
         if not model.training:
             self.eval_models.append(model)
-        return super().compute_loss(model, batch)
+        return super().compute_loss(model, batch, return_outputs=return_outputs)
 
 
 @pytest.mark.slow
