@@ -1,6 +1,6 @@
 """Every kind of damaged checkpoint is found before anything is loaded, named, skipped by
-discovery (so `forge resume` continues from the newest good one) and reported by
-`forge checkpoints --verify`, through the real command line."""
+discovery and reported by `forge checkpoints --verify`, through the real command line; under
+-m slow, `forge resume` of each continues from the newest good checkpoint."""
 
 from __future__ import annotations
 
@@ -124,8 +124,17 @@ def test_damage_is_named_skipped_and_reported_before_loading(trained, case):
         assert message in rows["train/run_001/checkpoints/checkpoint-000040"]
     assert rows["train/run_001/checkpoints/checkpoint-000030"].endswith("valid")
 
-    # discovery (what `forge resume` runs first) passes it over, naming the problem
+    # discovery (what `forge resume` runs first) passes it over
     assert find_resume_checkpoint(run_dir) == checkpoints / f"checkpoint-{resumes_at:06d}"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(CASES))
+def test_resume_continues_from_the_newest_good_checkpoint(trained, case):
+    project, run_dir, _ = trained
+    damage, resumes_at = CASES[case]
+    checkpoints = run_dir / "checkpoints"
+    message = damage(checkpoints / "checkpoint-000040")
     longer = f"trainer.args.max_steps={resumes_at + 1}"
     resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir), "--set", longer)
     assert resumed.returncode == 0, resumed.stderr
