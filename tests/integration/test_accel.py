@@ -57,7 +57,7 @@ def kill_after_step_20_and_resume(project: Path, *extra: str) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("nproc", ["1", "2"])
+@pytest.mark.parametrize("nproc", ["1", pytest.param("2", marks=pytest.mark.slow)])
 def test_accel_sigkill_and_resume_is_bit_identical(project, nproc):
     extra = () if nproc == "1" else ("--nproc", "2")
     straight = train(project, "accel.yaml", *extra)

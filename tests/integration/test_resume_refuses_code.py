@@ -51,7 +51,9 @@ def plant(checkpoint, names, marker) -> None:
     manifest_path.write_text(json.dumps(manifest, indent=2))
 
 
-@pytest.mark.parametrize("kind", list(KINDS))
+@pytest.mark.parametrize(
+    "kind", [pytest.param(k, marks=pytest.mark.slow) if k == "per-rank" else k for k in KINDS]
+)
 def test_a_state_file_carrying_a_pickled_callable_is_refused_unrun(trained, tmp_path, kind):
     project, run_dir, _ = trained
     checkpoint = run_dir / "checkpoints" / "checkpoint-000040"

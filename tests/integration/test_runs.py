@@ -127,6 +127,7 @@ def test_generate_from_a_run_directory(trained_once):
     assert result.stdout.startswith("def ")
 
 
+@pytest.mark.slow  # fast representative: tests/reliability/test_kills.py (a random kill)
 def test_sigkill_at_random_moments_always_leaves_a_resumable_run(project):
     rng = random.Random(1234)
     args = [*SMALL, "-D", "save_steps=2", "-D", "max_steps=400"]

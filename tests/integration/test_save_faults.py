@@ -85,7 +85,10 @@ def test_two_processes_killed_inside_a_save_then_resumed_are_bit_identical(
 
 @pytest.mark.parametrize(
     ("fail_at", "failing_rank", "file"),
-    [("after:trainer.pt@10:0", 0, "trainer.pt"), ("after:rng-rank-00001.pt@10:1", 1, "rng")],
+    [
+        pytest.param("after:trainer.pt@10:0", 0, "trainer.pt", marks=pytest.mark.slow),
+        ("after:rng-rank-00001.pt@10:1", 1, "rng"),
+    ],
     ids=["rank0", "rank1"],
 )
 def test_a_failed_write_on_one_rank_ends_every_rank(project, fail_at, failing_rank, file):

@@ -82,7 +82,13 @@ def stop_and_resume(project: Path, sig: int, *extra: str) -> Path:
 
 
 @pytest.mark.parametrize(
-    "sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL], ids=["sigterm", "sigint", "sigkill"]
+    "sig",
+    [
+        signal.SIGTERM,
+        pytest.param(signal.SIGINT, marks=pytest.mark.slow),  # the same path as SIGTERM
+        signal.SIGKILL,
+    ],
+    ids=["sigterm", "sigint", "sigkill"],
 )
 def test_stop_and_resume_is_bit_identical(project, trained_once, sig):
     _, straight, _ = trained_once  # the same SMALL config, trained 40 steps straight
