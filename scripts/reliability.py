@@ -6,6 +6,7 @@ the kill harness's per-trainer records, then writes the document: each scenario,
 trials it ran and what was seen. The document is rewritten only from a complete run.
 
     python scripts/reliability.py [--output docs/RELIABILITY.md] [--kills 20] [-- PYTEST ARGS]
+    python scripts/reliability.py --records DIR   # rewrite the page from a finished run's records
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))  # the tests' settings (hypothesis example counts) are read back
 TESTS = [
     "tests/reliability",
     "tests/integration/test_save_faults.py",
@@ -127,25 +129,50 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", default=str(REPO / "docs" / "RELIABILITY.md"))
     parser.add_argument("--kills", type=int, default=20, help="kills per trainer")
+    parser.add_argument(
+        "--records",
+        metavar="DIR",
+        help="do not run: write the page from the records of an earlier run (printed at its end)",
+    )
     args = parser.parse_args(argv)
 
-    records = Path(tempfile.mkdtemp(prefix="forge-reliability-"))
+    code = 0
+    if args.records:
+        records = Path(args.records)
+    else:
+        records = Path(tempfile.mkdtemp(prefix="forge-reliability-"))
+        code = run_suite(records, args.kills, extra)
     junit = records / "junit.xml"
-    env = dict(os.environ, FORGE_RELIABILITY_DIR=str(records), FORGE_KILLS=str(args.kills))
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
-    env.setdefault("OMP_NUM_THREADS", "1")
-    command = [sys.executable, "-m", "pytest", "-m", "", "-q", f"--junitxml={junit}", *TESTS]
-    started = dt.datetime.now().astimezone()
-    code = subprocess.call([*command, *extra], cwd=REPO, env=env)
     if not junit.exists():
-        print(f"pytest wrote no results ({junit}); {args.output} unchanged", file=sys.stderr)
+        print(f"no test results in {records}; {args.output} unchanged", file=sys.stderr)
         return code or 1
+    run = json.loads((records / "run.json").read_text())
     kills = [json.loads(p.read_text()) for p in sorted(records.glob("kills-*.json"))]
-    text = render(parse_junit(junit), kills, started, " ".join(["pytest", "-m", '""', *TESTS]))
+    text = render(parse_junit(junit), kills, run)
     Path(args.output).parent.mkdir(parents=True, exist_ok=True)
     Path(args.output).write_text(text)
     print(f"wrote {args.output} (records in {records})")
     return code
+
+
+def run_suite(records: Path, kills: int, extra: list[str]) -> int:
+    """pytest over TESTS with the slow tests; its JUnit XML and the run's facts in ``records``."""
+    env = dict(os.environ, FORGE_RELIABILITY_DIR=str(records), FORGE_KILLS=str(kills))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))
+    env.setdefault("OMP_NUM_THREADS", "1")
+    commit = subprocess.run(
+        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
+    ).stdout.strip()
+    run = {
+        "started": dt.datetime.now().astimezone().isoformat(timespec="minutes"),
+        "commit": commit or "unknown",
+        "command": " ".join(["pytest", "-m", '""', *TESTS, *extra]),
+        "cores": len(os.sched_getaffinity(0)),
+    }
+    (records / "run.json").write_text(json.dumps(run, indent=2))
+    junit = records / "junit.xml"
+    command = [sys.executable, "-m", "pytest", "-m", "", "-q", f"--junitxml={junit}", *TESTS]
+    return subprocess.call([*command, *extra], cwd=REPO, env=env)
 
 
 def parse_junit(path: Path) -> list[dict]:
@@ -179,12 +206,10 @@ def _examples(case_id: str) -> int:
     return (SLOW if case_id.endswith("_many") else FAST).max_examples
 
 
-def render(cases: list[dict], kills: list[dict], started, command: str) -> str:
+def render(cases: list[dict], kills: list[dict], run: dict) -> str:
     import torch
 
-    commit = subprocess.run(
-        ["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True, text=True
-    ).stdout.strip()
+    started = dt.datetime.fromisoformat(run["started"])
     lines = [
         "# Reliability",
         "",
@@ -194,9 +219,9 @@ def render(cases: list[dict], kills: list[dict], started, command: str) -> str:
         "the suite with its slow tests and records each scenario's trials; do not edit it by "
         "hand.",
         "",
-        f"Last run: {started:%Y-%m-%d %H:%M %Z}, commit {commit or 'unknown'}, "
-        f"{len(os.sched_getaffinity(0))} CPU core(s) available, Python {platform.python_version()}, torch "
-        f"{torch.__version__}, on CPU with the gloo backend. Command: `{command}`.",
+        f"Last run: {started:%Y-%m-%d %H:%M %Z}, commit {run['commit']}, "
+        f"{run['cores']} CPU core(s) available, Python {platform.python_version()}, torch "
+        f"{torch.__version__}, on CPU with the gloo backend. Command: `{run['command']}`.",
         "",
         "## Scenarios",
         "",
