@@ -142,13 +142,7 @@ class AccelTrainer(BaseTrainer):
         from accelerate.utils import DistributedDataParallelKwargs, InitProcessGroupKwargs
 
         args = self.args
-        given = {
-            "find_unused_parameters": args.ddp_find_unused_parameters,
-            "bucket_cap_mb": args.ddp_bucket_cap_mb,
-            "broadcast_buffers": args.ddp_broadcast_buffers,
-            "static_graph": args.ddp_static_graph,
-        }
-        ddp = {k: v for k, v in given.items() if v is not None}
+        ddp = args.ddp_kwargs()
         handlers: list[Any] = [InitProcessGroupKwargs(timeout=timedelta(seconds=args.ddp_timeout))]
         if ddp:
             handlers.append(DistributedDataParallelKwargs(**ddp))

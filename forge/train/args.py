@@ -820,6 +820,17 @@ class TrainingArguments:
                 )
 
     # ------------------------------------------------------------------ derived values
+    def ddp_kwargs(self) -> dict[str, Any]:
+        """The ``ddp_*`` arguments that are set, as ``DistributedDataParallel`` keywords
+        (torch's defaults for the others); Accelerate's DDP kwargs handler takes the same."""
+        given = {
+            "find_unused_parameters": self.ddp_find_unused_parameters,
+            "bucket_cap_mb": self.ddp_bucket_cap_mb,
+            "broadcast_buffers": self.ddp_broadcast_buffers,
+            "static_graph": self.ddp_static_graph,
+        }
+        return {k: v for k, v in given.items() if v is not None}
+
     def steps_for(self, name: str, max_steps: int) -> int:
         """``logging_steps`` / ``eval_steps`` / ``save_steps`` as a step count: a value below
         1 is that fraction of ``max_steps``, rounded up (as HF does)."""

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any
 
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
@@ -30,20 +29,11 @@ class Trainer(BaseTrainer):
         self._ddp = None
         if self.topology.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
-            self._ddp = DistributedDataParallel(model, device_ids=device_ids, **self._ddp_kwargs())
+            self._ddp = DistributedDataParallel(
+                model, device_ids=device_ids, **self.args.ddp_kwargs()
+            )
             model = self._ddp
         return super().wrap_model(model)
-
-    def _ddp_kwargs(self) -> dict[str, Any]:
-        """The ``ddp_*`` arguments that are set (torch's defaults for the others)."""
-        args = self.args
-        given = {
-            "find_unused_parameters": args.ddp_find_unused_parameters,
-            "bucket_cap_mb": args.ddp_bucket_cap_mb,
-            "broadcast_buffers": args.ddp_broadcast_buffers,
-            "static_graph": args.ddp_static_graph,
-        }
-        return {k: v for k, v in given.items() if v is not None}
 
     def no_sync(self, last: bool) -> AbstractContextManager:
         """Gradients are all-reduced only on a window's last micro-batch."""
