@@ -78,10 +78,11 @@ def test_code_paths_allows_the_directory(config_project, outside, monkeypatch):
     assert config.build("x") == 1
 
 
-def test_search_paths_allow_their_directory(config_project, outside):
+def test_search_paths_allow_their_directory(config_project, outside, monkeypatch):
     project = config_project(
         "x: !call:./../elsewhere/evil.py:x []\n", meta="name: demo\nsearch_paths: [../elsewhere]\n"
     )
+    monkeypatch.chdir(project.root)  # the check imports evil.py, which writes into the cwd
     assert project.code_roots == [project.root, outside]
     assert load_config(project, "train").check() == []
 
