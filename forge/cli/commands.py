@@ -461,15 +461,23 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from forge.export import export_model
+    from forge.generate import model_kind
 
+    output = Path(args.output)
     source = export_model(
         Path(args.checkpoint),
-        Path(args.output),
+        output,
         force=args.force,
         max_shard_size=args.max_shard_size,
+        submodule=args.submodule,
     )
-    print(Path(args.output))
-    logger.info("exported %s; load it with AutoModelForCausalLM.from_pretrained", source)
+    print(output)
+    kind, architecture = model_kind(output)
+    auto = {"causal_lm": "AutoModelForCausalLM", "classifier": "AutoModelForSequenceClassification"}
+    loader = auto.get(kind, f"transformers.{architecture}")
+    logger.info(
+        "exported %s as a %s; load it with %s.from_pretrained", source, architecture, loader
+    )
     return EXIT_OK
 
 

@@ -316,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="SIZE",
         help="largest weights file before sharding, as save_pretrained (default: 5GB)",
     )
+    p.add_argument(
+        "--submodule",
+        metavar="NAME",
+        help="export only the transformers model the checkpoint's model holds as NAME "
+        "(a wrapper's self.NAME), leaving the wrapper's other weights out",
+    )
 
     p = _sub(subparsers, "evaluate", "print a checkpoint's metrics on a split of its run's data")
     p.add_argument(
