@@ -10,6 +10,7 @@ import logging
 
 import pytest
 import torch
+from checkpoint_helpers import LMWrapper, models_of_every_kind, tiny_gpt2
 from torch import nn
 from transformers import AutoConfig, GPT2LMHeadModel
 
@@ -22,7 +23,6 @@ from forge.checkpoint import (
     validate_checkpoint,
 )
 from forge.checkpoint.hf import expected_weights, hf_model_in, is_hf_model
-from checkpoint_helpers import LMWrapper, models_of_every_kind, tiny_gpt2
 
 MODELS = models_of_every_kind()
 WAYS = ["one_stage", "gathered", "two_stages"]
@@ -88,9 +88,7 @@ def test_every_way_of_writing_a_model_gives_one_answer(kind, tmp_path):
     assert record.get("hf_submodule") == ("lm" if isinstance(model, LMWrapper) else None)
 
 
-def test_a_config_json_beside_names_of_another_class_is_removed_with_a_warning(
-    tmp_path, caplog
-):
+def test_a_config_json_beside_names_of_another_class_is_removed_with_a_warning(tmp_path, caplog):
     wrapper = LMWrapper(tiny_gpt2())
     with CheckpointWriter(tmp_path, 4, trainer="pipeline") as writer:
         wrapper.config.save_pretrained(writer.path)  # what the stages wrote for a wrapper
