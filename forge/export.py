@@ -169,10 +169,6 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
             f"outside it ({few(outside)}), which a {architecture} directory cannot hold; pass "
             f"--submodule {prefix} to export the {architecture} alone, without them"
         )
-    if prefix:
-        logger.info(
-            "exporting the %s that the checkpoint's model holds as %r", architecture, prefix
-        )
     return _Plan(config, architecture, prefix, from_file)
 
 

@@ -464,7 +464,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     from forge.generate import model_kind
 
     output = Path(args.output)
-    source = export_model(
+    export_model(
         Path(args.checkpoint),
         output,
         force=args.force,
@@ -475,9 +475,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     kind, architecture = model_kind(output)
     auto = {"causal_lm": "AutoModelForCausalLM", "classifier": "AutoModelForSequenceClassification"}
     loader = auto.get(kind, f"transformers.{architecture}")
-    logger.info(
-        "exported %s as a %s; load it with %s.from_pretrained", source, architecture, loader
-    )
+    logger.info("load it with %s.from_pretrained(%r)", loader, str(output))
     return EXIT_OK
 
 
