@@ -285,3 +285,17 @@ def directory_mismatch(directory: Path, weight_files: Iterable[Path]) -> str | N
         return str(exc)
     problem = expected.mismatch(weight_shapes(weight_files))
     return f"its weights are not {expected.architecture}'s ({problem})" if problem else None
+
+
+def hf_directory_problem(directory: Path) -> str | None:
+    """Why ``from_pretrained`` would not load ``directory``'s weights in full (no config.json,
+    or weights that are not its architecture's), or None when it would."""
+    from forge.checkpoint.io import CheckpointError, weight_files
+
+    if not (Path(directory) / CONFIG_NAME).is_file():
+        return f"it has no {CONFIG_NAME}"
+    try:
+        files, _ = weight_files(Path(directory))
+    except CheckpointError as exc:
+        return str(exc)
+    return directory_mismatch(Path(directory), files)

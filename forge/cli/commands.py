@@ -451,6 +451,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
+        allow=args.allow or [],
     )
     for index, text in enumerate(texts):
         if len(texts) > 1:
@@ -518,6 +519,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        allow=args.allow or [],
     )
     logger.info("wrote %d predictions", count)
     print(args.output)
