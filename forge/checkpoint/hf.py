@@ -15,8 +15,8 @@ transformers model, the checkpoint's manifest records where and with which confi
 
 from __future__ import annotations
 
+import functools
 import json
-import logging
 import re
 import sys
 from collections.abc import Iterable, Mapping
@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from torch import nn
 
-logger = logging.getLogger(__name__)
 
 CONFIG_NAME = "config.json"
 GENERATION_CONFIG_NAME = "generation_config.json"
@@ -265,6 +264,17 @@ def config_from_dict(data: Any, where: str) -> Any:
     return CONFIG_MAPPING[model_type].from_dict(data)
 
 
+@functools.lru_cache(maxsize=4)
+def _expected_for_config_text(text: str) -> ExpectedWeights:
+    """expected_weights of a config.json's text; a training run writes the same one at every
+    save, so its class is built once."""
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise ArchitectureError(f"{CONFIG_NAME} is not JSON ({exc})") from exc
+    return expected_weights(config_from_dict(data, CONFIG_NAME))
+
+
 def weight_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor name in safetensors ``files`` with its shape, read from their headers."""
     from forge.checkpoint.io import read_safetensors_header
@@ -279,8 +289,11 @@ def weight_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
 
 def directory_mismatch(directory: Path, weight_files: Iterable[Path]) -> str | None:
     """Why ``directory``'s ``config.json`` does not describe its weights, or None."""
+    path = directory / CONFIG_NAME
     try:
-        expected = expected_weights(read_config(directory / CONFIG_NAME))
+        expected = _expected_for_config_text(path.read_text())
+    except OSError as exc:
+        return f"{path}: unreadable ({exc})"
     except ArchitectureError as exc:
         return str(exc)
     problem = expected.mismatch(weight_shapes(weight_files))
