@@ -32,6 +32,23 @@ class TinyLM(nn.Module):
         return out
 
 
+class WrappedLlama(nn.Module):
+    """A user's wrapper around a transformers causal LM, carrying its config as its own."""
+
+    def __init__(self, vocab_size: int) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.config = LlamaConfig(
+            vocab_size=vocab_size, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+            num_attention_heads=2, max_position_embeddings=32, tie_word_embeddings=True,
+        )
+        self.lm = LlamaForCausalLM(self.config)
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        return self.lm(input_ids=input_ids, attention_mask=attention_mask, labels=labels)
+
+
 class TinyClassifier(nn.Module):
     """Mean of embeddings, then a linear layer; its labels' names in a config attribute."""
 
@@ -132,9 +149,28 @@ data_collator: &data_collator !singleton:forge.data:CausalLMCollator
 """
 
 
+WRAPPED_PIPELINE_CONFIG = """\
+-- extends 'configs/wrapped.yaml'
+-- from 'trainers/pipeline_trainer.yaml' import trainer_class, trainer_args_class, trainer_kind, pipeline_args
+-- block collator
+data_collator: &data_collator !singleton:forge.data:CausalLMCollator
+    pad_token_id: 0
+-- endblock
+-- block trainer_args
+    == super()
+== pipeline_args()
+    pipeline_embedding: lm.model.embed_tokens
+    pipeline_layers: lm.model.layers
+    pipeline_head: [lm.model.norm, lm.lm_head]
+    pipeline_rotary: lm.model.rotary_emb
+-- endblock
+"""
+
+
 def write_project(root: Path) -> Path:
-    """The project: configs ``lm`` (TinyLM), ``cls`` (TinyClassifier) and ``pipeline`` (a
-    Llama under the pipeline trainer, one process)."""
+    """The project: configs ``lm`` (TinyLM), ``cls`` (TinyClassifier), ``pipeline`` (a Llama
+    under the pipeline trainer), ``wrapped`` (WrappedLlama) and ``wrapped_pipeline`` (it under
+    the pipeline trainer)."""
     configs = root / "templates" / "configs"
     configs.mkdir(parents=True)
     (root / "meta.yaml").write_text("name: plain\ndescription: own modules\ndefault_config: lm\n")
@@ -143,6 +179,8 @@ def write_project(root: Path) -> Path:
     (configs / "lm.yaml").write_text(CONFIG.format(model="TinyLM", labelled="false"))
     (configs / "cls.yaml").write_text(CONFIG.format(model="TinyClassifier", labelled="true"))
     (configs / "pipeline.yaml").write_text(PIPELINE_CONFIG)
+    (configs / "wrapped.yaml").write_text(CONFIG.format(model="WrappedLlama", labelled="false"))
+    (configs / "wrapped_pipeline.yaml").write_text(WRAPPED_PIPELINE_CONFIG)
     return root
 
 
