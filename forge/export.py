@@ -93,6 +93,11 @@ class _Plan:
         config for a model that generates."""
         from forge.checkpoint.hf import architecture_class
 
+        if self.config is None:  # not checked (custom code, quantized): the files as they are
+            for name in (_CONFIG, _GENERATION_CONFIG):
+                if (source / name).is_file():
+                    shutil.copy2(source / name, directory / name)
+            return
         verbatim = self.from_file and not self.prefix and self.config.architectures
         if verbatim:
             shutil.copy2(source / _CONFIG, directory / _CONFIG)
@@ -113,6 +118,7 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
     """Check that the weights are the described architecture's, and find where they sit."""
     from forge.checkpoint.hf import (
         ArchitectureError,
+        Unverifiable,
         config_from_dict,
         expected_weights,
         few,
@@ -137,6 +143,13 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
             )
         expected = expected_weights(config)
         found = weight_shapes(weight_files)
+    except Unverifiable as exc:
+        if not (source / _CONFIG).is_file() or submodule is not None:
+            raise RuntimeFailure(f"{source}: cannot export its model: {exc}") from None
+        logger.warning(
+            "%s: the weights' names are not checked against config.json: %s", source, exc
+        )
+        return _Plan(None, "model", "", True)
     except ArchitectureError as exc:
         raise RuntimeFailure(f"{source}: cannot export its model: {exc}") from None
     architecture = expected.architecture
@@ -170,6 +183,28 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
             f"--submodule {prefix} to export the {architecture} alone, without them"
         )
     return _Plan(config, architecture, prefix, from_file)
+
+
+def pretrained_loader(directory: Path) -> str:
+    """The transformers class that loads an exported directory: the Auto class of its task
+    (causal LM, sequence classifier), else its architecture (read from config.json as text:
+    a config that needs custom code is never run here)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    try:
+        data = json.loads((Path(directory) / _CONFIG).read_text())
+        architecture = (data.get("architectures") or [""])[0]
+        model_type = data.get("model_type")
+    except (OSError, ValueError, AttributeError, IndexError):
+        return "AutoModel"
+    if architecture == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type):
+        return "AutoModelForCausalLM"
+    if architecture == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type):
+        return "AutoModelForSequenceClassification"
+    return f"transformers.{architecture}" if architecture else "AutoModel"
 
 
 def _model_record(source: Path) -> dict[str, Any]:

@@ -36,7 +36,12 @@ Shapes = Mapping[str, tuple[int, ...]]
 
 
 class ArchitectureError(ValueError):
-    """A config names no transformers class forge can build (the message says why)."""
+    """A config's architecture cannot hold these weights, or cannot be built from it."""
+
+
+class Unverifiable(ArchitectureError):
+    """The names cannot be checked here: custom model code (never loaded by forge), a class
+    this transformers does not have, or quantized weights (their layout is the quantizer's)."""
 
 
 def is_hf_model(model: nn.Module) -> bool:
@@ -98,7 +103,7 @@ class ExpectedWeights:
 
     architecture: str
     shapes: dict[str, tuple[int, ...]]
-    aliases: dict[str, list[str]]  # a tied name -> every name of the same tensor
+    aliases: dict[str, set[str]]  # a name -> every name of the same tensor (tied weights)
     optional: list[str] = field(default_factory=list)  # patterns from_pretrained may miss
     ignored: list[str] = field(default_factory=list)  # patterns from_pretrained drops
     saved_shapes: dict[str, tuple[int, ...]] | None = None  # as save_pretrained renames them
@@ -172,13 +177,13 @@ def architecture_class(config: Any) -> type:
     names = getattr(config, "architectures", None) or []
     name = names[0] if names else MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type)
     if not name:
-        raise ArchitectureError(
+        raise Unverifiable(
             f"its config names no architecture, and model type {config.model_type!r} has no "
             "causal LM class in transformers"
         )
     cls = getattr(transformers, name, None)
     if not isinstance(cls, type):
-        raise ArchitectureError(
+        raise Unverifiable(
             f"its config names the architecture {name!r}, which transformers "
             f"{transformers.__version__} does not have (forge never loads custom model code)"
         )
@@ -190,6 +195,8 @@ def expected_weights(config: Any) -> ExpectedWeights:
     (no memory, no initialisation that touches global state)."""
     import torch
 
+    if getattr(config, "quantization_config", None):
+        raise Unverifiable("its weights are quantized; their names and shapes are the quantizer's")
     cls = architecture_class(config)
     try:
         with torch.device("meta"):
@@ -197,13 +204,13 @@ def expected_weights(config: Any) -> ExpectedWeights:
     except Exception as exc:  # a config the class cannot be built from
         raise ArchitectureError(f"{cls.__name__} cannot be built from its config: {exc}") from exc
     state = model.state_dict(keep_vars=True)
-    by_tensor: dict[int, list[str]] = {}
+    by_tensor: dict[int, set[str]] = {}
     for name, tensor in state.items():
-        by_tensor.setdefault(id(tensor), []).append(name)
-    aliases = {name: names for names in by_tensor.values() if len(names) > 1 for name in names}
+        by_tensor.setdefault(id(tensor), set()).add(name)
+    aliases = {name: set(names) for names in by_tensor.values() for name in names}
     for target, source in (getattr(model, "all_tied_weights_keys", None) or {}).items():
-        aliases.setdefault(target, []).append(source)
-        aliases.setdefault(source, []).append(target)
+        aliases.setdefault(target, set()).add(source)
+        aliases.setdefault(source, set()).add(target)
     optional = [*(model._keys_to_ignore_on_load_missing or ())]
     optional += [
         re.escape(k) + "$" for k in (getattr(model, "_keys_to_ignore_on_save", None) or ())
@@ -215,11 +222,11 @@ def expected_weights(config: Any) -> ExpectedWeights:
         optional=optional,
         ignored=[*(model._keys_to_ignore_on_load_unexpected or ())],
     )
-    expected.saved_shapes = _saved_shapes(model, state, aliases)
+    expected.saved_shapes = _saved_shapes(model, state)
     return expected
 
 
-def _saved_shapes(model: Any, state: Mapping[str, Any], aliases: Mapping) -> dict | None:
+def _saved_shapes(model: Any, state: Mapping[str, Any]) -> dict | None:
     """The names ``save_pretrained`` writes when they are not the in-memory ones (fused
     mixture-of-experts weights written per expert), or None."""
     try:
@@ -257,7 +264,7 @@ def config_from_dict(data: Any, where: str) -> Any:
 
     model_type = data.get("model_type") if isinstance(data, dict) else None
     if model_type not in CONFIG_MAPPING:
-        raise ArchitectureError(
+        raise Unverifiable(
             f"{where}: model type {model_type!r} is not one transformers knows "
             "(forge never loads custom model code)"
         )
@@ -288,12 +295,15 @@ def weight_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
 
 
 def directory_mismatch(directory: Path, weight_files: Iterable[Path]) -> str | None:
-    """Why ``directory``'s ``config.json`` does not describe its weights, or None."""
+    """Why ``directory``'s ``config.json`` does not describe its weights, or None (also when
+    that cannot be checked here: custom model code, quantized weights)."""
     path = directory / CONFIG_NAME
     try:
         expected = _expected_for_config_text(path.read_text())
     except OSError as exc:
         return f"{path}: unreadable ({exc})"
+    except Unverifiable:
+        return None
     except ArchitectureError as exc:
         return str(exc)
     problem = expected.mismatch(weight_shapes(weight_files))

@@ -461,8 +461,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from forge.export import export_model
-    from forge.generate import model_kind
+    from forge.export import export_model, pretrained_loader
 
     output = Path(args.output)
     export_model(
@@ -473,10 +472,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         submodule=args.submodule,
     )
     print(output)
-    kind, architecture = model_kind(output)
-    auto = {"causal_lm": "AutoModelForCausalLM", "classifier": "AutoModelForSequenceClassification"}
-    loader = auto.get(kind, f"transformers.{architecture}")
-    logger.info("load it with %s.from_pretrained(%r)", loader, str(output))
+    logger.info("load it with %s.from_pretrained(%r)", pretrained_loader(output), str(output))
     return EXIT_OK
 
 

@@ -126,3 +126,27 @@ def test_the_expected_names_are_the_classes_own_with_tied_and_ignored_ones():
     assert hf_model_in(LMWrapper(model)) == ("lm", model)
     assert hf_model_in(nn.ModuleList([tiny_gpt2(), tiny_gpt2()])) is None  # which one?
     assert isinstance(model, GPT2LMHeadModel)
+
+
+def test_a_config_forge_cannot_check_is_kept_and_exported_as_it_is(tmp_path, caplog):
+    from forge.export import export_model
+
+    custom = {  # a model with its own code (trust_remote_code), which forge never runs
+        "model_type": "my_custom_lm",
+        "architectures": ["MyCustomLM"],
+        "auto_map": {"AutoModelForCausalLM": "modeling_my.MyCustomLM"},
+    }
+    net = nn.Linear(4, 4)
+    with caplog.at_level(logging.WARNING), CheckpointWriter(tmp_path, 2) as writer:
+        ModelWeights(net).write(writer, net.state_dict(), None)
+        writer.save_json("config.json", custom)
+        writer.save_json("modeling_my.py", "# the model's code")
+    assert json.loads((writer.final_path / "config.json").read_text()) == custom
+    assert "not a Hugging Face model directory" not in caplog.text
+    export_model(writer.final_path, tmp_path / "out")
+    assert json.loads((tmp_path / "out" / "config.json").read_text()) == custom
+    assert (tmp_path / "out" / "modeling_my.py").is_file()
+    assert (
+        "not checked against config.json: its config's model type 'my_custom_lm'" in (caplog.text)
+        or "model type 'my_custom_lm' is not one transformers knows" in caplog.text
+    )
