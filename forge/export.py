@@ -204,7 +204,13 @@ def pretrained_loader(directory: Path) -> str:
         return "AutoModelForCausalLM"
     if architecture == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type):
         return "AutoModelForSequenceClassification"
-    return f"transformers.{architecture}" if architecture else "AutoModel"
+    if not architecture:
+        return "AutoModel"
+    import transformers
+
+    if hasattr(transformers, architecture):
+        return f"transformers.{architecture}"
+    return f"{architecture} (the model's own class)"
 
 
 def _model_record(source: Path) -> dict[str, Any]:
