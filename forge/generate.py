@@ -118,9 +118,9 @@ def _generate_with_module(
 ) -> list[str]:
     import torch
 
-    from forge.predict import _run_model, continue_with_module, module_logits
+    from forge.predict import continue_with_module, model_through_run, module_logits
 
-    model = _run_model(checkpoint, problem, allow)
+    model = model_through_run(checkpoint, problem, allow)
     ids = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
     if module_logits(model, ids[:, -1:]).dim() != 3:
         raise UsageError(

@@ -26,7 +26,16 @@ from forge.generate import model_kind
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["build_checkpoint_model", "evaluate_checkpoint", "predict_file", "run_of_checkpoint"]
+__all__ = [
+    "build_checkpoint_model",
+    "checkpoint_tokenizer",
+    "continue_with_module",
+    "evaluate_checkpoint",
+    "model_through_run",
+    "module_logits",
+    "predict_file",
+    "run_of_checkpoint",
+]
 
 
 def run_of_checkpoint(checkpoint: Path) -> Path:
@@ -230,7 +239,7 @@ def predict_file(
                 checkpoint, tokenizer, rows, text_field, batch_size, max_new_tokens, temperature
             )
     else:
-        model = _run_model(checkpoint, problem, allow)
+        model = model_through_run(checkpoint, problem, allow)
         tokenizer = checkpoint_tokenizer(checkpoint)
         torch.manual_seed(seed)
         results = [
@@ -247,7 +256,7 @@ def predict_file(
     return len(rows)
 
 
-def _run_model(checkpoint: Path, problem: str, allow: list[str]) -> Any:
+def model_through_run(checkpoint: Path, problem: str, allow: list[str]) -> Any:
     """The checkpoint's model through its run's config (it is no Hugging Face directory)."""
     try:
         run_of_checkpoint(checkpoint)
