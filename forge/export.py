@@ -4,7 +4,13 @@ A checkpoint's weights may be one ``model.safetensors``, shards of ``save_pretra
 file per pipeline stage with an index. The export holds the same tensors, bit for bit, in the
 layout ``save_pretrained`` writes (``model.safetensors``, sharded with an index past
 ``max_shard_size``), beside the model config, generation config and tokenizer files, and none
-of the training state. ``AutoModelForCausalLM.from_pretrained(OUT)`` loads it.
+of the training state, so ``from_pretrained`` of the config's architecture loads it.
+
+The weights must be the ones the config's architecture class has (by name and shape, built on
+the meta device; forge.checkpoint.hf): a directory of other names would load as an untrained
+model, so it is refused, naming the mismatch. A checkpoint of a module that holds one
+transformers model (a user's wrapper) exports that model, under its own names, when the
+wrapper has no weights of its own; ``submodule`` exports it even then.
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import os
 import shutil
 import uuid
 from pathlib import Path
+from typing import Any
 
 from forge.errors import RuntimeFailure, UsageError
 
@@ -23,6 +30,8 @@ logger = logging.getLogger(__name__)
 _STATE_SUFFIXES = (".pt",)
 _MANIFEST = "manifest.json"
 _INDEX = "model.safetensors.index.json"
+_CONFIG = "config.json"
+_GENERATION_CONFIG = "generation_config.json"
 
 
 def export_model(
@@ -31,12 +40,14 @@ def export_model(
     *,
     force: bool = False,
     max_shard_size: str | int = "5GB",
+    submodule: str | None = None,
 ) -> Path:
     """Write ``checkpoint``'s model to ``output``; returns the checkpoint exported.
 
     ``checkpoint`` is a checkpoint directory or a run directory (its newest valid
     checkpoint). A non-empty ``output`` is refused unless ``force``; then it is replaced only
-    once the export is complete.
+    once the export is complete. ``submodule`` names the transformers model inside the
+    checkpoint's model to export alone (``lm`` for a wrapper's ``self.lm``).
     """
     from forge.generate import resolve_checkpoint
 
@@ -47,27 +58,177 @@ def export_model(
             f"{output} exists and is not empty; choose a new directory or pass --force to "
             "replace its contents"
         )
-    if not (source / "config.json").is_file():
-        raise RuntimeFailure(
-            f"{source} has no config.json: its model is not a Hugging Face model, so there is "
-            "no model directory to export (its weights are the checkpoint's safetensors files)"
-        )
     weight_files, extras = _classify(source)
+    plan = _plan(source, weight_files, submodule)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.export-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        count = _write_weights(weight_files, staging, max_shard_size)
+        count = _write_weights(weight_files, staging, max_shard_size, plan.prefix)
+        plan.write_configs(source, staging)
         for name in extras:
-            shutil.copy2(source / name, staging / name)
-        if "generation_config.json" not in extras:
-            _write_generation_config(staging)
+            if name not in (_CONFIG, _GENERATION_CONFIG):
+                shutil.copy2(source / name, staging / name)
         _replace(staging, output)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    logger.info("exported %d tensors from %s to %s", count, source, output)
+    where = f" (its {plan.prefix} submodule)" if plan.prefix else ""
+    logger.info("exported %d tensors of a %s%s from %s", count, plan.architecture, where, source)
     return source
+
+
+class _Plan:
+    """What an export writes: the config (and its architecture) and the name prefix that the
+    checkpoint's weights carry in front of that architecture's names ("" for none)."""
+
+    def __init__(self, config: Any, architecture: str, prefix: str, from_file: bool) -> None:
+        self.config = config
+        self.architecture = architecture
+        self.prefix = prefix
+        self.from_file = from_file
+
+    def write_configs(self, source: Path, directory: Path) -> None:
+        """config.json (the checkpoint's own when it describes these names) and a generation
+        config for a model that generates."""
+        from forge.checkpoint.hf import architecture_class
+
+        if self.config is None:  # not checked (custom code, quantized): the files as they are
+            for name in (_CONFIG, _GENERATION_CONFIG):
+                if (source / name).is_file():
+                    shutil.copy2(source / name, directory / name)
+            return
+        verbatim = self.from_file and not self.prefix and self.config.architectures
+        if verbatim:
+            shutil.copy2(source / _CONFIG, directory / _CONFIG)
+        else:
+            self.config.architectures = [self.architecture]
+            self.config.save_pretrained(directory)
+        if not architecture_class(self.config).can_generate():
+            return
+        if verbatim and (source / _GENERATION_CONFIG).is_file():
+            shutil.copy2(source / _GENERATION_CONFIG, directory / _GENERATION_CONFIG)
+        else:
+            from transformers import GenerationConfig
+
+            GenerationConfig.from_model_config(self.config).save_pretrained(directory)
+
+
+def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Plan:
+    """Check that the weights are the described architecture's, and find where they sit."""
+    from forge.checkpoint.hf import (
+        ArchitectureError,
+        Unverifiable,
+        config_from_dict,
+        expected_weights,
+        few,
+        read_config,
+        weight_shapes,
+    )
+
+    record = _model_record(source)
+    try:
+        if (source / _CONFIG).is_file():
+            config, hint, from_file = read_config(source / _CONFIG), None, True
+        elif record.get("hf_config"):
+            config = config_from_dict(record["hf_config"], f"{source / _MANIFEST} (model)")
+            hint, from_file = record.get("hf_submodule"), False
+        else:
+            what = f"{record['class']}, which" if record.get("class") else "one that"
+            raise RuntimeFailure(
+                f"{source} has no config.json: its model is {what} neither is nor holds a "
+                "transformers model, so there is no Hugging Face model directory to export (its "
+                "weights are the checkpoint's safetensors files, loaded by name into the model "
+                "its run's config builds: forge evaluate and forge predict do that)"
+            )
+        expected = expected_weights(config)
+        found = weight_shapes(weight_files)
+    except Unverifiable as exc:
+        if not (source / _CONFIG).is_file() or submodule is not None:
+            raise RuntimeFailure(f"{source}: cannot export its model: {exc}") from None
+        logger.warning(
+            "%s: the weights' names are not checked against config.json: %s", source, exc
+        )
+        return _Plan(None, "model", "", True)
+    except ArchitectureError as exc:
+        raise RuntimeFailure(f"{source}: cannot export its model: {exc}") from None
+    architecture = expected.architecture
+    if submodule is not None:
+        prefix = submodule.strip(".")
+        if not any(name.startswith(f"{prefix}.") for name in found):
+            raise UsageError(
+                f"--submodule {submodule}: the checkpoint's model has no weights under "
+                f"{prefix!r}" + (f"; its {architecture} is {hint!r}" if hint else "")
+            )
+    elif hint is not None:
+        prefix = hint
+    elif expected.mismatch(found) is None:
+        prefix = ""
+    else:
+        prefix = expected.prefix_of(found) or ""
+    under = _strip(found, prefix)
+    problem = expected.mismatch(under)
+    if problem is not None:
+        inside = f" (under {prefix!r})" if prefix else ""
+        raise RuntimeFailure(
+            f"{source}: its config describes a {architecture}, but the checkpoint's weights"
+            f"{inside} are not that class's: {problem}. from_pretrained would load such a "
+            "directory as an untrained model, so nothing was exported"
+        )
+    outside = [name for name in found if prefix and not name.startswith(f"{prefix}.")]
+    if outside and submodule is None:
+        raise RuntimeFailure(
+            f"{source}: the checkpoint's model holds a {architecture} as {prefix!r} and weights "
+            f"outside it ({few(outside)}), which a {architecture} directory cannot hold; pass "
+            f"--submodule {prefix} to export the {architecture} alone, without them"
+        )
+    return _Plan(config, architecture, prefix, from_file)
+
+
+def pretrained_loader(directory: Path) -> str:
+    """The transformers class that loads an exported directory: the Auto class of its task
+    (causal LM, sequence classifier), else its architecture (read from config.json as text:
+    a config that needs custom code is never run here)."""
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    try:
+        data = json.loads((Path(directory) / _CONFIG).read_text())
+        architecture = (data.get("architectures") or [""])[0]
+        model_type = data.get("model_type")
+    except (OSError, ValueError, AttributeError, IndexError):
+        return "AutoModel"
+    if architecture == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(model_type):
+        return "AutoModelForCausalLM"
+    if architecture == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(model_type):
+        return "AutoModelForSequenceClassification"
+    if not architecture:
+        return "AutoModel"
+    import transformers
+
+    if hasattr(transformers, architecture):
+        return f"transformers.{architecture}"
+    return f"{architecture} (the model's own class)"
+
+
+def _model_record(source: Path) -> dict[str, Any]:
+    """What the checkpoint's manifest says of its model (forge.checkpoint.hf.describe_model)."""
+    from forge.checkpoint.hf import MODEL_RECORD
+
+    try:
+        record = json.loads((source / _MANIFEST).read_text()).get(MODEL_RECORD)
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return record if isinstance(record, dict) else {}
+
+
+def _strip(names: dict[str, Any], prefix: str) -> dict[str, Any]:
+    if not prefix:
+        return dict(names)
+    cut = len(prefix) + 1
+    return {name[cut:]: value for name, value in names.items() if name.startswith(f"{prefix}.")}
 
 
 def _classify(source: Path) -> tuple[list[Path], list[str]]:
@@ -92,11 +253,16 @@ def _classify(source: Path) -> tuple[list[Path], list[str]]:
     return [source / n for n in names], extras
 
 
-def _write_weights(files: list[Path], directory: Path, max_shard_size: str | int) -> int:
-    """Every tensor of ``files`` into ``directory`` as ``save_pretrained`` lays them out."""
+def _write_weights(
+    files: list[Path], directory: Path, max_shard_size: str | int, prefix: str
+) -> int:
+    """Every tensor of ``files`` (those under ``prefix``, without it) into ``directory`` as
+    ``save_pretrained`` lays them out."""
     from huggingface_hub import save_torch_state_dict
     from safetensors import SafetensorError
     from safetensors.torch import load_file
+
+    from forge.checkpoint.io import quiet_hub_saves
 
     tensors = {}
     for file in files:
@@ -110,24 +276,12 @@ def _write_weights(files: list[Path], directory: Path, max_shard_size: str | int
                 f"{file}: holds {sorted(clashes)[:3]} again (another file has them)"
             )
         tensors.update(loaded)
-    hub_logger = logging.getLogger("huggingface_hub")
-    level = hub_logger.level
-    hub_logger.setLevel(logging.WARNING)  # its "successfully saved" names the staging directory
-    try:
+    tensors = _strip(tensors, prefix)
+    with quiet_hub_saves():  # its "successfully saved" names the staging directory
         save_torch_state_dict(
             tensors, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}
         )
-    finally:
-        hub_logger.setLevel(level)
     return len(tensors)
-
-
-def _write_generation_config(directory: Path) -> None:
-    """A generation config from the model config, for a checkpoint that has none."""
-    from transformers import AutoConfig, GenerationConfig
-
-    config = AutoConfig.from_pretrained(directory)
-    GenerationConfig.from_model_config(config).save_pretrained(directory)
 
 
 def _replace(staging: Path, output: Path) -> None:

@@ -1,15 +1,17 @@
 """Sampling text from a checkpoint (``forge generate``), and finding the checkpoint a command
 names (a checkpoint, a run's newest, or its best).
 
-A forge checkpoint is a Hugging Face model directory, so this is plain transformers:
-``AutoModelForCausalLM.from_pretrained`` and ``generate``. A checkpoint of a model that does
-not generate (a classifier) is refused with a pointer to ``forge predict``.
+A forge checkpoint of a transformers model is a Hugging Face model directory, so this is plain
+transformers: ``AutoModelForCausalLM.from_pretrained`` and ``generate``. Any other model is
+built through its run's config (forge.predict). A checkpoint of a model that does not generate
+(a classifier) is refused with a pointer to ``forge predict``.
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import Any
 
 from forge.errors import RuntimeFailure, UsageError
 
@@ -58,24 +60,30 @@ def generate_text(
     temperature: float = 0.8,
     top_k: int = 50,
     seed: int = 0,
+    allow: list[str] = (),
 ) -> list[str]:
-    """Sample ``num`` continuations of ``prompt`` from a checkpoint's model and tokenizer."""
+    """Sample ``num`` continuations of ``prompt`` from a checkpoint's model and tokenizer.
+
+    A checkpoint that is no Hugging Face model directory (a plain module's, a wrapper's) is
+    built through its run's config and sampled one token at a time."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoModelForCausalLM
+
+    from forge.checkpoint.hf import hf_directory_problem
+    from forge.predict import checkpoint_tokenizer
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
-    if (
-        not (checkpoint / "tokenizer.json").exists()
-        and not (checkpoint / "tokenizer_config.json").exists()
-    ):
-        raise RuntimeFailure(
-            f"{checkpoint} holds no tokenizer files; give the trainer a tokenizer to save"
-        )
+    tokenizer = checkpoint_tokenizer(checkpoint)
+    problem = hf_directory_problem(checkpoint)
+    if problem is not None:
+        return _generate_with_module(
+            checkpoint, tokenizer, problem, prompt, num, max_new_tokens, temperature, top_k, seed,
+            allow,
+        )  # fmt: skip
     check_generative(checkpoint)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     model = AutoModelForCausalLM.from_pretrained(checkpoint)
     model.eval()
     torch.manual_seed(seed)
@@ -94,6 +102,38 @@ def generate_text(
             else tokenizer.eos_token_id,
         )
     return [tokenizer.decode(seq, skip_special_tokens=True) for seq in output]
+
+
+def _generate_with_module(
+    checkpoint: Path,
+    tokenizer: Any,
+    problem: str,
+    prompt: str,
+    num: int,
+    max_new_tokens: int,
+    temperature: float,
+    top_k: int,
+    seed: int,
+    allow: list[str],
+) -> list[str]:
+    import torch
+
+    from forge.predict import continue_with_module, model_through_run, module_logits
+
+    model = model_through_run(checkpoint, problem, allow)
+    ids = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
+    if module_logits(model, ids[:, -1:]).dim() != 3:
+        raise UsageError(
+            f"{checkpoint} holds a {type(model).__name__} whose logits are not a causal LM's "
+            "[batch, tokens, vocabulary]: it does not generate text; `forge predict CKPT "
+            "--input FILE.jsonl --output OUT.jsonl` writes its predictions"
+        )
+    torch.manual_seed(seed)
+    texts = []
+    for _ in range(num):
+        new = continue_with_module(model, tokenizer, ids, max_new_tokens, temperature, top_k=top_k)
+        texts.append(tokenizer.decode(ids[0].tolist() + new, skip_special_tokens=True))
+    return texts
 
 
 def model_kind(checkpoint: Path) -> tuple[str, str]:

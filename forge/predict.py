@@ -2,13 +2,16 @@
 
 ``evaluate_checkpoint`` rebuilds the run's trainer from its saved ``config.yaml`` (the same
 datasets, collator, ``compute_metrics`` and arguments), loads the checkpoint's weights and
-returns ``trainer.evaluate()``'s metrics for one split. ``predict_file`` needs no config: a
-checkpoint is a Hugging Face model directory, so a sequence classifier labels each input with
-its ``id2label`` class and a causal LM continues each input's text.
+returns ``trainer.evaluate()``'s metrics for one split, reported at the checkpoint's step.
+``predict_file`` labels or continues each input line. A checkpoint that is a Hugging Face model
+directory is used through transformers (``id2label`` classes, ``generate``); any other model
+(a plain ``nn.Module``, a wrapper) is built as its run's training built it, from the run's
+config, and given the checkpoint's weights.
 """
 
 from __future__ import annotations
 
+import inspect
 import json
 import logging
 import math
@@ -23,7 +26,16 @@ from forge.generate import model_kind
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["evaluate_checkpoint", "predict_file", "run_of_checkpoint"]
+__all__ = [
+    "build_checkpoint_model",
+    "checkpoint_tokenizer",
+    "continue_with_module",
+    "evaluate_checkpoint",
+    "model_through_run",
+    "module_logits",
+    "predict_file",
+    "run_of_checkpoint",
+]
 
 
 def run_of_checkpoint(checkpoint: Path) -> Path:
@@ -32,9 +44,21 @@ def run_of_checkpoint(checkpoint: Path) -> Path:
     if not (run_dir / "run.json").is_file() or not (run_dir / "config.yaml").is_file():
         raise UsageError(
             f"{checkpoint} is not inside a forge run (no run.json and config.yaml two levels "
-            "up); forge evaluate rebuilds the datasets and metrics from the run's config"
+            "up); forge rebuilds the model, datasets and metrics from the run's config"
         )
     return run_dir
+
+
+def _load_run(checkpoint: Path, allow: list[str]) -> tuple[Any, Any, Any]:
+    """The run's record, project and checked config."""
+    from forge.config import load_project
+    from forge.runs import RunRecord
+    from forge.worker import load_run_config
+
+    run_dir = run_of_checkpoint(checkpoint)
+    record = RunRecord.load(run_dir)
+    project = load_project(Path(record.data.get("project") or run_dir.parents[2]))
+    return record, project, load_run_config(run_dir, project, list(allow))
 
 
 def evaluate_checkpoint(
@@ -44,23 +68,83 @@ def evaluate_checkpoint(
     dataset), ``train``, or any other NAME whose ``NAME_dataset`` target the config has.
 
     Metrics are prefixed with the split (``eval_loss``, ``test_accuracy``). Nothing is written
-    to the run.
+    to the run. A pipeline run's model is evaluated whole, by the plain trainer, in this
+    process (its checkpoints load into it).
     """
-    from forge.config import load_project
-    from forge.runs import RunRecord
-    from forge.worker import build_variables, load_run_config
+    from forge.worker import build_variables
 
-    run_dir = run_of_checkpoint(checkpoint)
-    record = RunRecord.load(run_dir)
-    project = load_project(Path(record.data.get("project") or run_dir.parents[2]))
-    cfg = load_run_config(run_dir, project, list(allow))
+    record, project, cfg = _load_run(checkpoint, allow)
     # the trainer's own files (metrics.jsonl, ...) go to a scratch directory, not to the run
     with tempfile.TemporaryDirectory(prefix="forge-evaluate-") as scratch:
         variables = build_variables(Path(scratch), project, record.data.get("config", "config"))
-        trainer = cfg.build("trainer", variables)
+        trainer = _one_process_trainer(cfg.build("trainer", variables))
         dataset = _split_dataset(cfg, trainer, split, variables)
         trainer.load_weights(checkpoint)
+        _at_checkpoint_step(trainer, checkpoint)
         return trainer.evaluate(dataset, metric_key_prefix=split)
+
+
+def _one_process_trainer(trainer: Any) -> Any:
+    """``trainer``, or for a pipeline trainer outside its torchrun job (which evaluates only
+    inside one) the plain trainer of the same model, data, metrics and arguments."""
+    import dataclasses
+
+    from forge.train import Trainer, TrainingArguments
+
+    if trainer.trainer_kind != "pipeline" or trainer.topology.distributed:
+        return trainer
+    fields = [f.name for f in dataclasses.fields(TrainingArguments) if f.init]
+    args = TrainingArguments(**{name: getattr(trainer.args, name) for name in fields})
+    return Trainer(
+        trainer.model_init or trainer.model,
+        args,
+        trainer.train_dataset,
+        eval_dataset=trainer.eval_dataset,
+        data_collator=trainer.data_collator,
+        tokenizer=trainer.tokenizer,
+        compute_metrics=trainer.compute_metrics,
+        preprocess_logits_for_metrics=trainer.preprocess_logits_for_metrics,
+    )
+
+
+def _at_checkpoint_step(trainer: Any, checkpoint: Path) -> None:
+    """Report the evaluation at the checkpoint's step and epoch (its manifest's), not at 0."""
+    from forge.checkpoint import CheckpointError, read_manifest
+
+    try:
+        manifest = read_manifest(checkpoint)
+    except (CheckpointError, OSError, ValueError):
+        return  # a plain model directory: no step to report
+    trainer.state.global_step = manifest.step
+    trainer.state.epoch = float(manifest.epoch or 0.0)
+
+
+def build_checkpoint_model(checkpoint: Path, allow: list[str] = ()) -> Any:
+    """The model of the run that wrote ``checkpoint``, built as its training built it (the
+    trainer's ``model`` in the run's ``config.yaml``: the module, or what its builder
+    returns), holding the checkpoint's weights by name, in eval mode."""
+    from torch import nn
+
+    from forge.checkpoint import load_model_weights
+    from forge.config.graph import CallNode
+    from forge.worker import build_variables
+
+    record, project, cfg = _load_run(checkpoint, allow)
+    trainer_node = cfg.targets.get("trainer")
+    model_node = trainer_node.kwargs.get("model") if isinstance(trainer_node, CallNode) else None
+    with tempfile.TemporaryDirectory(prefix="forge-predict-") as scratch:
+        variables = build_variables(Path(scratch), project, record.data.get("config", "config"))
+        target = cfg.targets.get("model")
+        if model_node is not None and target is model_node:
+            built = cfg.build("model", variables)  # only the model (and what it needs)
+        else:  # the model is written inside the trainer: build the trainer, as training did
+            trainer = cfg.build("trainer", variables)
+            built = trainer.model if trainer.model is not None else trainer.model_init
+        model = built if isinstance(built, nn.Module) else built()
+    if not isinstance(model, nn.Module):
+        raise RuntimeFailure(f"the run's trainer.model built a {type(model).__name__}, no module")
+    load_model_weights(model, checkpoint, strict=True)
+    return model.eval()
 
 
 def _split_dataset(cfg: Any, trainer: Any, split: str, variables: dict[str, Any]) -> Any:
@@ -116,32 +200,52 @@ def predict_file(
     max_new_tokens: int = 50,
     temperature: float = 0.0,
     seed: int = 0,
+    allow: list[str] = (),
 ) -> int:
     """Write one JSON line per input line to ``output``: the input's fields plus
     ``prediction`` (a class label, labels for a multi-label classifier, a number for a
     regressor, the continuation for a causal LM) and, for a classifier, ``score``.
-    Returns the number of lines written."""
+    Returns the number of lines written.
+
+    A model that is not a Hugging Face directory's is built from its run's config and fed one
+    input at a time (``input_ids``, and ``attention_mask`` when its forward takes one), so its
+    answers never depend on padding; what its forward returns (``logits`` of shape
+    [batch, classes] or [batch, tokens, vocabulary]) says whether it classifies or continues.
+    """
     import torch
     import transformers
     from transformers import AutoTokenizer
 
+    from forge.checkpoint.hf import hf_directory_problem
+
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    kind, architecture = model_kind(checkpoint)
-    if kind == "other":
-        raise UsageError(
-            f"{checkpoint} holds a {architecture}; forge predict handles sequence classifiers "
-            "(class labels) and causal LMs (generated text)"
-        )
+    problem = hf_directory_problem(checkpoint)
+    if problem is None:
+        kind, architecture = model_kind(checkpoint)
+        if kind == "other":
+            raise UsageError(
+                f"{checkpoint} holds a {architecture}; forge predict handles sequence "
+                "classifiers (class labels) and causal LMs (generated text)"
+            )
     rows = read_inputs(inputs, text_field)
-    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-    torch.manual_seed(seed)
-    if kind == "classifier":
-        results = _classify(checkpoint, tokenizer, rows, text_field, batch_size)
+    if problem is None:
+        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+        torch.manual_seed(seed)
+        if kind == "classifier":
+            results = _classify(checkpoint, tokenizer, rows, text_field, batch_size)
+        else:
+            results = _continue(
+                checkpoint, tokenizer, rows, text_field, batch_size, max_new_tokens, temperature
+            )
     else:
-        results = _continue(
-            checkpoint, tokenizer, rows, text_field, batch_size, max_new_tokens, temperature
-        )
+        model = model_through_run(checkpoint, problem, allow)
+        tokenizer = checkpoint_tokenizer(checkpoint)
+        torch.manual_seed(seed)
+        results = [
+            _module_prediction(model, tokenizer, row[text_field], max_new_tokens, temperature)
+            for row in rows
+        ]
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(f".{output.name}.{os.getpid()}.tmp")
@@ -152,15 +256,146 @@ def predict_file(
     return len(rows)
 
 
+def model_through_run(checkpoint: Path, problem: str, allow: list[str]) -> Any:
+    """The checkpoint's model through its run's config (it is no Hugging Face directory)."""
+    try:
+        run_of_checkpoint(checkpoint)
+    except UsageError:
+        raise UsageError(
+            f"{checkpoint} is not a Hugging Face model directory ({problem}) and is not inside "
+            "a forge run whose config.yaml builds its model"
+        ) from None
+    logger.info("building the model as its run did (%s)", problem)
+    return build_checkpoint_model(checkpoint, allow)
+
+
+def checkpoint_tokenizer(checkpoint: Path) -> Any:
+    """The tokenizer saved in a checkpoint (the trainer's), or a clear refusal."""
+    from transformers import AutoTokenizer
+
+    if not any(
+        (checkpoint / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        raise RuntimeFailure(
+            f"{checkpoint} holds no tokenizer files; give the trainer a tokenizer to save"
+        )
+    return AutoTokenizer.from_pretrained(checkpoint)
+
+
+def module_logits(model: Any, input_ids: Any) -> Any:
+    """``model``'s logits for one row of ``input_ids``: its forward's ``logits`` (or the
+    tensor it returns, or the first of a tuple)."""
+    import torch
+
+    parameters = inspect.signature(model.forward).parameters
+    kwargs = {"input_ids": input_ids}
+    if "attention_mask" in parameters or any(p.kind is p.VAR_KEYWORD for p in parameters.values()):
+        kwargs["attention_mask"] = torch.ones_like(input_ids)
+    if "input_ids" not in parameters and not any(
+        p.kind is p.VAR_KEYWORD for p in parameters.values()
+    ):
+        raise UsageError(
+            f"{type(model).__name__}.forward takes no input_ids (it takes "
+            f"{', '.join(parameters)}); forge predict feeds a tokenized text as input_ids"
+        )
+    with torch.no_grad():
+        output = model(**kwargs)
+    if isinstance(output, (tuple, list)) and output:
+        output = output[0]
+    logits = output if torch.is_tensor(output) else _get(output, "logits")
+    if not torch.is_tensor(logits):
+        raise UsageError(
+            f"{type(model).__name__}.forward returned {type(output).__name__} without logits; "
+            "forge predict reads its logits (a tensor, or a 'logits' entry)"
+        )
+    return logits.float()
+
+
+def _get(output: Any, key: str) -> Any:
+    try:
+        return output[key]
+    except (KeyError, TypeError, IndexError):
+        return getattr(output, key, None)
+
+
+def _module_prediction(
+    model: Any, tokenizer: Any, text: str, max_new_tokens: int, temperature: float
+) -> dict[str, Any]:
+    """One input's prediction by a module: a class (logits [1, classes]) or a continuation
+    (logits [1, tokens, vocabulary])."""
+    import torch
+
+    ids = tokenizer(text or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
+    limit = _max_length(tokenizer, model)  # a classifier reads the start, a LM continues the end
+    logits = module_logits(model, ids[:, :limit] if limit else ids)
+    if logits.dim() == 2:
+        config = getattr(model, "config", None)
+        id2label = {int(k): v for k, v in (getattr(config, "id2label", None) or {}).items()}
+        if logits.shape[-1] == 1:  # a regressor
+            return {"prediction": logits[0, 0].item()}
+        score, index = torch.softmax(logits[0], dim=-1).max(dim=-1)
+        return {
+            "prediction": id2label.get(index.item(), index.item()),
+            "score": round(score.item(), 6),
+        }
+    if logits.dim() == 3 and logits.shape[-1] >= len(tokenizer):
+        fits = not limit or ids.shape[1] <= limit
+        new = continue_with_module(
+            model, tokenizer, ids, max_new_tokens, temperature, logits if fits else None
+        )
+        return {"prediction": tokenizer.decode(new, skip_special_tokens=True)}
+    raise UsageError(
+        f"{type(model).__name__} returned logits of shape {list(logits.shape)}, neither a "
+        "classifier's [batch, classes] nor a causal LM's [batch, tokens, vocabulary of "
+        f"{len(tokenizer)}]"
+    )
+
+
+def continue_with_module(
+    model: Any,
+    tokenizer: Any,
+    ids: Any,
+    max_new_tokens: int,
+    temperature: float,
+    logits: Any = None,
+    top_k: int = 50,
+) -> list[int]:
+    """The tokens a causal LM module adds to ``ids`` (one row): greedy, or sampled from the
+    ``top_k`` most likely at ``temperature`` > 0; stops at the end-of-text token. Each step runs
+    the whole sequence (a plain module keeps no cache), cut to the model's context length."""
+    import torch
+
+    limit = _max_length(tokenizer, model)
+    sample = temperature > 0 and math.isfinite(temperature)
+    new: list[int] = []
+    for _ in range(max_new_tokens):
+        if logits is None:
+            logits = module_logits(model, ids[:, -limit:] if limit else ids)
+        last = logits[0, -1, : len(tokenizer)]
+        if sample:
+            values, indices = torch.topk(last / temperature, min(top_k, last.shape[-1]))
+            token = indices[torch.multinomial(torch.softmax(values, dim=-1), 1)].item()
+        else:
+            token = int(last.argmax().item())
+        if token == tokenizer.eos_token_id:
+            break
+        new.append(token)
+        ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
+        logits = None
+    return new
+
+
 def _batches(rows: list[dict[str, Any]], size: int) -> Iterator[list[dict[str, Any]]]:
     for start in range(0, len(rows), size):
         yield rows[start : start + size]
 
 
 def _max_length(tokenizer: Any, model: Any) -> int | None:
+    config = getattr(model, "config", None)
     limits = [
         getattr(tokenizer, "model_max_length", None),
-        getattr(model.config, "max_position_embeddings", None),
+        getattr(config, "max_position_embeddings", None),
+        getattr(config, "n_positions", None),
     ]
     limits = [n for n in limits if isinstance(n, int) and 0 < n < 1_000_000]
     return min(limits) if limits else None

@@ -148,6 +148,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "resumes": (list,),
     "restarts": (list,),
     "signal": (str, type(None)),
+    "reached_step": (int,),
 }
 _TYPE_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
 
@@ -373,11 +374,26 @@ def find_run(
 
 
 def discard_unstarted_run(run_dir: Path) -> bool:
-    """Remove a run that a config error stopped before it wrote anything but its record.
+    """Remove a run that a config error stopped before it trained a step or wrote anything
+    but its record.
 
-    Returns True if the run directory was removed.
+    A run whose record says it trained (``reached_step``), saved a checkpoint (its trainer's
+    ``output_dir`` may lie outside the run), resumed or restarted, or that ended any other way
+    than failing (a run still marked running was not recorded by its rank 0) is kept, as is
+    one whose record cannot be read. Returns True if the run directory was removed.
     """
     if not {p.name for p in run_dir.iterdir()} <= {"config.yaml", "run.json", *LOCK_NAMES}:
+        return False
+    try:
+        data = RunRecord.load(run_dir).data
+    except RunError:
+        return False
+    if (
+        data.get("status") not in ("created", "failed")
+        or data.get("reached_step", 0) != 0
+        or data.get("step", 0) != 0
+        or any(data.get(key) for key in ("checkpoints", "resumes", "restarts", "best"))
+    ):
         return False
     for path in run_dir.iterdir():
         path.unlink()

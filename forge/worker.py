@@ -102,6 +102,13 @@ def record_restart(record: RunRecord, restart: int, checkpoint: str | bool | Non
     logger.warning("restart %d of the workers (--max-restarts): continuing %s", restart, where)
 
 
+def reached_step(trainer: Any) -> int:
+    """The optimizer steps a trainer has taken (0 before it was built), for run.json: a run
+    that trained a step is never taken for one that never started."""
+    state = getattr(trainer, "state", None)
+    return int(getattr(state, "global_step", 0) or 0)
+
+
 def run_worker(
     run_dir: Path,
     project: Project,
@@ -120,6 +127,7 @@ def run_worker(
     if restart:
         resume_from = restart_checkpoint(run_dir, resume_from)
     lock = hold_training_lock(run_dir) if rank == 0 else None
+    trainer = None
     try:
         cfg = load_run_config(run_dir, project, allow)
         variables = build_variables(run_dir, project, record.data.get("config", "config"))
@@ -136,7 +144,11 @@ def run_worker(
     except TrainingInterrupted as stop:
         if rank == 0:
             record = RunRecord.load(run_dir)
-            record.set_status("interrupted", signal=signal.Signals(stop.signum).name)
+            record.set_status(
+                "interrupted",
+                signal=signal.Signals(stop.signum).name,
+                reached_step=reached_step(trainer),
+            )
         return 128 + int(stop.signum)
     except BaseException as err:
         if rank == 0:
@@ -144,7 +156,11 @@ def run_worker(
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             kind = "usage" if exit_code_for(err) == EXIT_USAGE else "runtime"
             record.set_status(
-                status, error=str(err), error_type=type(err).__name__, error_kind=kind
+                status,
+                error=str(err),
+                error_type=type(err).__name__,
+                error_kind=kind,
+                reached_step=reached_step(trainer),
             )
         raise
     finally:

@@ -107,3 +107,102 @@ def test_a_checkpoint_of_a_model_that_is_not_a_hugging_face_one_is_named(tmp_pat
     with pytest.raises(RuntimeFailure, match="has no config.json"):
         export_model(ckpt, tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def wrapper_checkpoint(wrapper, root, layout):
+    """A checkpoint of a wrapper model as the plain trainer (one stage) or two pipeline stages
+    write it: the weights under the wrapper's names, through the model component."""
+    from forge.checkpoint import ModelWeights, stage_weights_name
+
+    weights = ModelWeights(wrapper)
+    with CheckpointWriter(root, 1) as writer:
+        if layout == "whole":
+            weights.write(writer, weights.state_dict(), None)
+        else:
+            state = {k: v for k, v in wrapper.state_dict().items() if k != "lm.lm_head.weight"}
+            names = [stage_weights_name(k, 2) for k in range(2)]
+            first = {
+                k: v
+                for k, v in state.items()
+                if k.startswith(("lm.transformer.wte", "lm.transformer.wpe", "lm.transformer.h.0"))
+            }
+            weights.write(writer, first, names[0])
+            weights.write(writer, {k: v for k, v in state.items() if k not in first}, names[1])
+            writer.index_weights(names)
+    return writer.final_path
+
+
+def gpt2_logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+@pytest.mark.parametrize("layout", ["whole", "stages"])
+def test_a_wrapper_exports_the_transformers_model_it_holds(tmp_path, layout):
+    from tests.checkpoint.checkpoint_helpers import LMWrapper, tiny_gpt2
+
+    wrapper = LMWrapper(tiny_gpt2())  # carries the GPT-2's config as its own `config`
+    ckpt = wrapper_checkpoint(wrapper, tmp_path / "ckpt", layout)
+    assert not (ckpt / "config.json").exists()  # its names are the wrapper's, not GPT-2's
+    out = tmp_path / "out"
+    export_model(ckpt, out)
+    loaded, info = AutoModelForCausalLM.from_pretrained(out, output_loading_info=True)
+    assert type(loaded).__name__ == "GPT2LMHeadModel"
+    assert not any(info[k] for k in ("missing_keys", "unexpected_keys", "mismatched_keys")), info
+    ids = torch.randint(0, 96, (2, 10))
+    assert torch.equal(gpt2_logits(loaded.eval(), ids), gpt2_logits(wrapper.lm, ids))
+
+
+def test_a_wrapper_with_weights_of_its_own_exports_its_model_only_when_asked(tmp_path):
+    from tests.checkpoint.checkpoint_helpers import LMWrapper, tiny_gpt2
+
+    wrapper = LMWrapper(tiny_gpt2(), head=True)
+    ckpt = wrapper_checkpoint(wrapper, tmp_path / "ckpt", "whole")
+    with pytest.raises(RuntimeFailure) as refused:
+        export_model(ckpt, tmp_path / "out")
+    message = str(refused.value)
+    assert "holds a GPT2LMHeadModel as 'lm' and weights outside it" in message
+    assert "value_head.bias, value_head.weight" in message and "--submodule lm" in message
+    assert not (tmp_path / "out").exists()
+    export_model(ckpt, tmp_path / "out", submodule="lm")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, 96, (1, 8))
+    assert torch.equal(gpt2_logits(loaded, ids), gpt2_logits(wrapper.lm, ids))
+    with pytest.raises(UsageError, match="no weights under 'head'"):
+        export_model(ckpt, tmp_path / "other", submodule="head")
+
+
+def test_a_config_json_that_does_not_name_the_weights_is_refused(model, tmp_path):
+    from tests.checkpoint.checkpoint_helpers import tiny_gpt2
+
+    ckpt = tmp_path / "ckpt"  # a directory another tool wrote: GPT-2's config, Llama's weights
+    model.save_pretrained(ckpt)
+    tiny_gpt2().config.save_pretrained(ckpt)
+    with pytest.raises(RuntimeFailure) as refused:
+        export_model(ckpt, tmp_path / "out")
+    message = str(refused.value)
+    assert "its config describes a GPT2LMHeadModel, but the checkpoint's weights are not" in (
+        message
+    )
+    assert "missing lm_head.weight, transformer.h.0.attn" in message
+    assert "not GPT2LMHeadModel's: model.embed_tokens.weight" in message
+    assert not (tmp_path / "out").exists()
+
+
+def test_an_older_wrapper_checkpoint_with_its_inner_config_exports_that_model(tmp_path):
+    from forge.checkpoint import stage_weights_name
+    from tests.checkpoint.checkpoint_helpers import LMWrapper, tiny_gpt2
+
+    wrapper = LMWrapper(tiny_gpt2())
+    ckpt = tmp_path / "ckpt"  # as the pipeline trainer wrote it before: wrapper names + config
+    ckpt.mkdir()
+    state = {k: v for k, v in wrapper.state_dict().items() if k != "lm.lm_head.weight"}
+    from forge.checkpoint.io import save_tensors, write_weights_index
+
+    save_tensors(ckpt / stage_weights_name(0, 1), state, None)
+    write_weights_index(ckpt, [stage_weights_name(0, 1)])
+    wrapper.config.save_pretrained(ckpt)
+    export_model(ckpt, tmp_path / "out")
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
+    ids = torch.randint(0, 96, (1, 8))
+    assert torch.equal(gpt2_logits(loaded, ids), gpt2_logits(wrapper.lm, ids))

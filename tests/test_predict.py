@@ -5,6 +5,7 @@ errors. (A classifier's labels are tested end to end in tests/cli/test_evaluate_
 from __future__ import annotations
 
 import json
+import logging
 
 import pytest
 import torch
@@ -81,3 +82,114 @@ def test_inputs_are_read_with_located_errors(tmp_path):
         read_inputs(path, "text")
     path.write_text('{"text": "a"}\n"b"\n')
     assert read_inputs(path, "text") == [{"text": "a"}, {"text": "b"}]
+
+
+# ---------------------------------------------------------------------------------------------
+# a model of the user's own (no transformers model, no config.json): built from its run's config
+
+
+@pytest.fixture(scope="module")
+def plain_runs(tmp_path_factory):
+    from tests.plain_project import train_in_process, write_project
+
+    root = write_project(tmp_path_factory.mktemp("plain") / "plain")
+    return {config: train_in_process(root, config) for config in ("lm", "cls", "pipeline")}
+
+
+def newest(run_dir):
+    return run_dir / "checkpoints" / "checkpoint-000004"
+
+
+def project_module(run_dir, name):
+    """The project's own model.py, imported from its file (the oracle's copy of the class)."""
+    import importlib.util
+
+    path = run_dir.parents[2] / "model.py"
+    spec = importlib.util.spec_from_file_location(f"plain_{name}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def trained(run_dir, class_name):
+    """The run's model rebuilt by hand, with the checkpoint's tensors."""
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer
+
+    ckpt = newest(run_dir)
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    model = getattr(project_module(run_dir, class_name), class_name)(len(tokenizer))
+    model.load_state_dict(load_file(ckpt / "model.safetensors"))
+    return model.eval(), tokenizer
+
+
+def greedy(model, tokenizer, text, n):
+    ids = tokenizer(text, return_tensors="pt")["input_ids"]
+    new = []
+    with torch.no_grad():
+        for _ in range(n):
+            token = int(model(input_ids=ids)["logits"][0, -1].argmax())
+            if token == tokenizer.eos_token_id:
+                break
+            new.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return new
+
+
+def test_a_plain_causal_lm_is_built_from_its_run_and_continues_each_text(plain_runs, tmp_path):
+    from forge.generate import generate_text
+
+    run_dir = plain_runs["lm"]
+    ckpt = newest(run_dir)
+    assert not (ckpt / "config.json").exists()
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('{"text": "def add"}\n"import os"\n')
+    predict_file(ckpt, inputs, tmp_path / "out.jsonl", max_new_tokens=4)
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    model, tokenizer = trained(run_dir, "TinyLM")
+    for row in rows:
+        expected = greedy(model, tokenizer, row["text"], 4)
+        assert row["prediction"] == tokenizer.decode(expected, skip_special_tokens=True)
+    [text] = generate_text(ckpt, "def add", max_new_tokens=4, temperature=0.0)
+    ids = tokenizer("def add")["input_ids"]
+    assert text == tokenizer.decode(ids + greedy(model, tokenizer, "def add", 4))
+    # a config.json that does not name the weights (as older pipeline checkpoints of wrappers
+    # had) is not trusted: the model is still the run's, not an untrained transformers one
+    import shutil
+
+    from tests.checkpoint.checkpoint_helpers import tiny_gpt2
+
+    other = ckpt.with_name("checkpoint-000008")
+    shutil.copytree(ckpt, other)
+    tiny_gpt2().config.save_pretrained(other)
+    predict_file(other, inputs, tmp_path / "again.jsonl", max_new_tokens=4)
+    assert (tmp_path / "again.jsonl").read_text() == (tmp_path / "out.jsonl").read_text()
+
+
+def test_a_plain_classifier_labels_each_input_with_its_own_label_names(plain_runs, tmp_path):
+    run_dir = plain_runs["cls"]
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('{"text": "print(i * i)", "id": 1}\n{"text": "def add(a, b)", "id": 2}\n')
+    predict_file(newest(run_dir), inputs, tmp_path / "out.jsonl")
+    rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    model, tokenizer = trained(run_dir, "TinyClassifier")
+    for row in rows:
+        with torch.no_grad():
+            logits = model(input_ids=tokenizer(row["text"], return_tensors="pt")["input_ids"])
+        probs = torch.softmax(logits["logits"][0], dim=-1)
+        assert row["prediction"] == ["low", "high"][int(probs.argmax())]
+        assert row["score"] == pytest.approx(probs.max().item(), abs=1e-6)
+    assert [r["id"] for r in rows] == [1, 2]
+
+
+@pytest.mark.parametrize("config", ["lm", "pipeline"])
+def test_evaluate_gives_the_checkpoints_metrics_at_its_step(plain_runs, config, caplog):
+    from forge.checkpoint import read_manifest
+    from forge.predict import evaluate_checkpoint
+
+    ckpt = newest(plain_runs[config])
+    saved = read_manifest(ckpt).metrics  # the evaluation at step 4, before this save
+    with caplog.at_level(logging.INFO):
+        metrics = evaluate_checkpoint(ckpt)
+    assert metrics["eval_loss"] == pytest.approx(saved["eval_loss"], rel=1e-5)
+    assert "eval at step 4 |" in caplog.text and "eval at step 0" not in caplog.text

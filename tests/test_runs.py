@@ -270,3 +270,31 @@ def test_an_unstarted_run_is_discarded_with_its_lock_files(tmp_path):
         hold_training_lock(run).release()
         assert discard_unstarted_run(run)
     assert not run.exists()
+
+
+@pytest.mark.parametrize(
+    "record",
+    [
+        {"status": "failed", "reached_step": 25},  # trained, then a config error at an eval
+        {"status": "failed", "checkpoints": [{"step": 10, "path": "/elsewhere/checkpoint-10"}]},
+        {"status": "failed", "resumes": [{"from": "checkpoint-10"}]},
+        {"status": "running"},  # its rank 0 never recorded how it ended
+        {"status": "interrupted", "reached_step": 0},
+        {"status": "completed", "step": 3},
+    ],
+)
+def test_a_run_that_trained_or_ended_unrecorded_is_never_discarded(tmp_path, record):
+    run = make_run(tmp_path / "c", tmp_path)  # only config.yaml and run.json in it
+    RunRecord.load(run).update(**record)
+    assert not discard_unstarted_run(run)
+    assert json.loads((run / "run.json").read_text())["status"] == record["status"]
+
+
+def test_a_run_a_config_error_stopped_before_its_first_step_is_discarded(tmp_path):
+    run = make_run(tmp_path / "c", tmp_path)
+    RunRecord.load(run).set_status("failed", error="bad key", error_kind="usage", reached_step=0)
+    assert discard_unstarted_run(run)
+    assert not run.exists()
+    damaged = make_run(tmp_path / "c", tmp_path)
+    (damaged / "run.json").write_text("{")
+    assert not discard_unstarted_run(damaged) and damaged.exists()  # unreadable: kept

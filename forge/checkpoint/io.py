@@ -9,17 +9,19 @@ import errno
 import hashlib
 import inspect
 import json
+import logging
 import os
 import re
 import shutil
 import struct
-import sys
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from forge.checkpoint.hf import is_hf_model
 
 if TYPE_CHECKING:  # torch is imported where used, so discovery and validation load without it
     import torch
@@ -359,14 +361,21 @@ def unwrap_model(model: nn.Module) -> nn.Module:
         model = inner
 
 
-def _is_hf_model(model: nn.Module) -> bool:
-    # Avoid importing transformers for plain models: if it was never imported, the model
-    # cannot be one of its classes.
-    if "transformers" not in sys.modules:
-        return False
-    from transformers import PreTrainedModel
+@contextmanager
+def quiet_hub_saves() -> Iterator[None]:
+    """No "Model weights successfully saved to <temporary directory>" from huggingface_hub."""
+    from huggingface_hub.serialization import _torch as hub_torch
 
-    return isinstance(model, PreTrainedModel)
+    hub_logger = getattr(hub_torch, "logger", None)  # named by its file, outside the hub's tree
+    if not isinstance(hub_logger, logging.Logger):
+        yield
+        return
+    level = hub_logger.level
+    hub_logger.setLevel(logging.WARNING)
+    try:
+        yield
+    finally:
+        hub_logger.setLevel(level)
 
 
 @contextmanager
@@ -393,12 +402,13 @@ def save_model_weights(
     """Write a model's weights (and config, for Hugging Face models) as safetensors.
 
     Hugging Face models go through ``save_pretrained`` so ``from_pretrained`` can load the
-    directory; any other module is written as its state dict, sharded with an index when it is
-    larger than ``max_shard_size``, with shared (tied) tensors stored once. ``state_dict``
+    directory; any other module (a wrapper too, whatever attributes it carries) is written as
+    its state dict under its own names and without ``config.json``, sharded with an index when
+    it is larger than ``max_shard_size``, with shared (tied) tensors stored once. ``state_dict``
     (default: the model's own) is what gets written, e.g. one gathered from sharded ranks.
     """
     model = unwrap_model(model)
-    if _is_hf_model(model):
+    if is_hf_model(model):
         kwargs: dict[str, Any] = {"max_shard_size": max_shard_size}
         if state_dict is not None:
             kwargs["state_dict"] = dict(state_dict)
@@ -411,9 +421,10 @@ def save_model_weights(
 
     source = model.state_dict() if state_dict is None else state_dict
     state_dict = {k: v.detach() for k, v in source.items()}
-    save_torch_state_dict(
-        state_dict, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}
-    )
+    with quiet_hub_saves():
+        save_torch_state_dict(
+            state_dict, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}
+        )
 
 
 def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict | None) -> None:
@@ -457,7 +468,7 @@ def write_weights_index(directory: Path, weight_files: Iterable[str]) -> None:
     write_file_durably(directory / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2).encode())
 
 
-def _weight_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
+def weight_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
     """The safetensors files holding a checkpoint's weights, and aliases of shared tensors."""
     index_path = directory / SAFE_WEIGHTS_INDEX_NAME
     if index_path.is_file():
@@ -528,7 +539,7 @@ def load_model_weights(
     """
     directory = Path(checkpoint_dir)
     model = unwrap_model(model)
-    files, aliases = _weight_files(directory)
+    files, aliases = weight_files(directory)
     expected = model.state_dict()
     tied = _tied_groups(expected)
     loaded = _read_weights(files, set(expected) if subset else None)
@@ -541,14 +552,14 @@ def load_model_weights(
             continue
         missing.add(name)
     unexpected = set() if subset else set(loaded) - set(expected)
-    if _is_hf_model(model):
+    if is_hf_model(model):
         for attr, keys in (
             ("_keys_to_ignore_on_load_missing", missing),
             ("_keys_to_ignore_on_load_unexpected", unexpected),
         ):
             for pattern in getattr(model, attr, None) or ():
                 keys.difference_update({k for k in keys if re.search(pattern, k)})
-    if (missing or unexpected) and _is_hf_model(model) and not subset:
+    if (missing or unexpected) and is_hf_model(model) and not subset:
         # transformers may keep weights in memory under other names than on disk (fused MoE
         # experts); its own loader knows the conversion.
         _load_hf_converted(model, directory, strict=strict)

@@ -13,6 +13,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from forge.checkpoint.hf import MODEL_RECORD, describe_model, is_hf_model, prepare_config
 from forge.checkpoint.io import (
     CheckpointError,
     load_model_weights,
@@ -191,7 +192,10 @@ class ModelWeights:
     ``get_state_dict`` gathers sharded weights there); by default the unwrapped model's own.
     A single stage is written with ``save_pretrained`` (config and tokenizer beside it), so
     ``from_pretrained`` loads the checkpoint directory; a pipeline stage writes its own
-    safetensors shard, keyed by the unsplit model's parameter names.
+    safetensors shard, keyed by the unsplit model's parameter names, and rank 0 the config
+    ``save_pretrained`` would. Either way a model that is not a transformers model (a wrapper,
+    even one with a ``config`` attribute) gets no ``config.json``: its names are its own. The
+    manifest records the model's class and any transformers model it holds (``forge export``).
 
     ``subset``: the model is one pipeline stage's part of the whole (its names are the whole
     model's). Loading then reads exactly its own names from any checkpoint of the model, of
@@ -223,6 +227,8 @@ class ModelWeights:
 
     def write(self, writer: Any, state: dict[str, torch.Tensor], stage_file: str | None) -> None:
         """Write on the owning rank: the whole model, or one stage's shard."""
+        if writer.is_main:
+            writer.set_meta(**{MODEL_RECORD: describe_model(unwrap_model(self.model))})
         if stage_file is not None:
             writer.save_safetensors(stage_file, state)
             if writer.is_main:
@@ -236,15 +242,13 @@ class ModelWeights:
         )
 
     def _write_extras(self, writer: Any) -> None:
-        """What ``save_pretrained`` writes beside the weights: config, generation config."""
+        """What ``save_pretrained`` writes beside the weights: config, generation config (for
+        a transformers model only: another module's names are not its config's class's)."""
         model = unwrap_model(self.model)
-        config = getattr(model, "config", None)
-        if config is not None and hasattr(config, "save_pretrained"):
-            config.save_pretrained(writer.path)
-        generation = getattr(model, "generation_config", None)
-        can_generate = getattr(model, "can_generate", lambda: False)
-        if generation is not None and can_generate():
-            generation.save_pretrained(writer.path)
+        if is_hf_model(model):
+            prepare_config(model).save_pretrained(writer.path)
+            if model.can_generate():
+                model.generation_config.save_pretrained(writer.path)
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(writer.path)
 

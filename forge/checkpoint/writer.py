@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from forge.checkpoint.faults import fault_point
+from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME, directory_mismatch
 from forge.checkpoint.io import (
     TEMP_PREFIX,
     CheckpointError,
@@ -31,6 +32,7 @@ from forge.checkpoint.io import (
     save_model_weights,
     save_tensors,
     sync_and_hash,
+    weight_files,
     write_file_atomically,
     write_file_durably,
     write_weights_index,
@@ -232,6 +234,7 @@ class CheckpointWriter:
                     "written; the checkpoint is not saved"
                 )
             write_weights_index(self.path, self._weights_index)
+        self._check_hf_directory()
         names = [n for n in list_files(self.path) if n != MANIFEST_NAME]
         for component, entry in self._components.items():
             missing = [f for f in entry["files"] if f not in names]
@@ -261,6 +264,32 @@ class CheckpointWriter:
         self._fault("before-rename")
         commit_directory(self.path, self.final_path)
         logger.info("saved checkpoint %s", self.final_path)
+
+    def _check_hf_directory(self) -> None:
+        """A ``config.json`` claims that ``from_pretrained`` loads this directory: keep it only
+        beside weights named as its architecture names them (else the directory would load
+        as an untrained model); the weights stay, for forge to load by their own names."""
+        if not (self.path / CONFIG_NAME).is_file():
+            return
+        try:
+            files, _ = weight_files(self.path)
+        except CheckpointError:
+            return  # no weights here (a test's partial checkpoint): nothing to claim them
+        problem = directory_mismatch(self.path, files)
+        if problem is None:
+            return
+        removed = [n for n in (CONFIG_NAME, GENERATION_CONFIG_NAME) if (self.path / n).is_file()]
+        for name in removed:
+            (self.path / name).unlink()
+        for entry in self._components.values():
+            entry["files"] = [f for f in entry["files"] if f not in removed]
+        logger.warning(
+            "checkpoint %s is not a Hugging Face model directory (%s removed): %s. Its weights "
+            "load with forge under their own names",
+            self.final_path.name,
+            ", ".join(removed),
+            problem,
+        )
 
     # -- writing ---------------------------------------------------------------------------
 

@@ -451,6 +451,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
+        allow=args.allow or [],
     )
     for index, text in enumerate(texts):
         if len(texts) > 1:
@@ -460,16 +461,18 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from forge.export import export_model
+    from forge.export import export_model, pretrained_loader
 
-    source = export_model(
+    output = Path(args.output)
+    export_model(
         Path(args.checkpoint),
-        Path(args.output),
+        output,
         force=args.force,
         max_shard_size=args.max_shard_size,
+        submodule=args.submodule,
     )
-    print(Path(args.output))
-    logger.info("exported %s; load it with AutoModelForCausalLM.from_pretrained", source)
+    print(output)
+    logger.info("load it with %s.from_pretrained(%r)", pretrained_loader(output), str(output))
     return EXIT_OK
 
 
@@ -512,6 +515,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
+        allow=args.allow or [],
     )
     logger.info("wrote %d predictions", count)
     print(args.output)

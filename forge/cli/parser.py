@@ -301,6 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.8)
     p.add_argument("--top-k", type=int, default=50)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
 
     p = _sub(
         subparsers,
@@ -315,6 +316,12 @@ def build_parser() -> argparse.ArgumentParser:
         default="5GB",
         metavar="SIZE",
         help="largest weights file before sharding, as save_pretrained (default: 5GB)",
+    )
+    p.add_argument(
+        "--submodule",
+        metavar="NAME",
+        help="export only the transformers model the checkpoint's model holds as NAME "
+        "(a wrapper's self.NAME), leaving the wrapper's other weights out",
     )
 
     p = _sub(subparsers, "evaluate", "print a checkpoint's metrics on a split of its run's data")
@@ -356,6 +363,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="causal LMs: 0 (default) continues greedily; above 0 samples",
     )
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
 
     p = _sub(subparsers, "new", "create a project that trains at once (from a scaffold)")
     p.add_argument("name", metavar="NAME", help="project name; the directory PARENT/NAME")

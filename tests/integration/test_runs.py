@@ -166,6 +166,26 @@ def test_bad_training_argument_exits_2_and_leaves_no_run(project):
     assert not (project / "output" / "train" / "run_001").exists()
 
 
+def test_a_run_that_trained_before_a_config_error_is_kept_and_says_so(project, tmp_path):
+    results = tmp_path / "results"  # an HF port's own output_dir, outside the run directory
+    result = run_forge(
+        "train", "-p", str(project), *SMALL,
+        "-D", "max_steps=4", "-D", "eval_steps=2", "-D", "logging_steps=1",
+        "--set", f"trainer.args.output_dir={results}",
+        "--set", "trainer.args.metric_for_best_model=eval_acuracy",
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "metric_for_best_model is 'eval_acuracy', but the evaluation at step 2" in (
+        result.stderr
+    )
+    run_dir = project / "output" / "train" / "run_001"
+    assert "never started" not in result.stderr and run_dir.is_dir()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed" and record["error_kind"] == "usage"
+    assert record["reached_step"] == 2
+    assert (results / "metrics.jsonl").is_file()
+
+
 def test_sigterm_is_acknowledged_at_once_and_a_complete_run_has_nothing_to_resume(project):
     proc = start_forge("train", "-p", str(project), *SMALL, "-D", "max_steps=400", cwd=REPO)
     run_dir = Path(proc.stdout.readline().strip())
