@@ -17,7 +17,13 @@ import jinja2
 import yaml
 from jinja2.sandbox import SecurityError
 
-from .analysis import TemplateInfo, check_inheritance, unused_variables, variables_read
+from .analysis import (
+    TemplateInfo,
+    check_inheritance,
+    unrendered_blocks,
+    unused_variables,
+    variables_read,
+)
 from .errors import ConfigError, Problem, display_path, suggestion
 from .project import Project
 from .sandbox import TemplateEnvironment, UnsafeTemplateError
@@ -177,6 +183,10 @@ def render_config(
         raise ConfigError(_runtime_problem(err, loader), config=name) from None
     used = [template for template, _ in loader.chain]
     problems = check_inheritance(env.template_info, used)
+    unrendered, unrendered_warnings = unrendered_blocks(env.template_info, env.blocks_run())
+    problems += [p for p in unrendered if p not in problems]
+    for warning in unrendered_warnings:
+        logger.warning("%s", warning)
     if check_variables:
         problems += unused_variables(variables or {}, variables_read(env.template_info, used))
     if problems:
