@@ -31,7 +31,7 @@ EXIT_OK, EXIT_FAILURE = 0, 1
 
 def _project(args: argparse.Namespace) -> Project:
     if getattr(args, "project", None):
-        return load_project(Path(args.project).resolve())
+        return load_project(Path(args.project))
     return find_project(Path.cwd())
 
 
