@@ -240,7 +240,7 @@ def check_inheritance(infos: dict[str, TemplateInfo], used: Iterable[str]) -> li
                 parent, parent_block = parent_blocks[block.name]
                 problems.extend(_misindented(info, block, parent, parent_block))
             elif not block.nested:  # a nested one is new content of the block around it
-                problems.append(_unknown_block(info, block, parents))
+                problems.append(_unknown_block(info, block, parents, infos))
     return problems
 
 
@@ -428,15 +428,32 @@ def _ancestors(info: TemplateInfo, infos: dict[str, TemplateInfo]) -> list[Templ
     return found
 
 
-def _unknown_block(info: TemplateInfo, block: Block, parents: list[TemplateInfo]) -> Problem:
+def _unknown_block(
+    info: TemplateInfo,
+    block: Block,
+    parents: list[TemplateInfo],
+    infos: dict[str, TemplateInfo],
+) -> Problem:
     names = sorted({b.name for p in parents for b in p.blocks})
     chain = ", ".join(repr(p.name) for p in parents)
+    hint = f"blocks the parents define: {', '.join(names)}" if names else None
+    for parent in parents:  # a parent's block includes a template that defines it
+        for outer in parent.blocks:
+            for name in outer.includes:
+                if name in infos and block.name in infos[name].block_names():
+                    hint = (
+                        f"{name!r} defines it, but {parent.name!r} includes {name!r} in "
+                        f"block {outer.name!r}: a render of its own, whose blocks a config "
+                        f"extending {parent.name!r} cannot override; override block "
+                        f"{outer.name!r} with an include of an inline template that extends "
+                        f"{name!r} and overrides {block.name!r} there"
+                    )
     return Problem(
         f"block {block.name!r} is not defined in any parent template ({chain}), "
         f"so its content would be dropped{suggestion(block.name, names)}",
         file=info.file,
         line=block.line,
-        hint=f"blocks the parents define: {', '.join(names)}" if names else None,
+        hint=hint,
     )
 
 

@@ -292,3 +292,18 @@ def test_statements_macros_and_blank_lines_outside_blocks_are_fine(make_project)
     )
     text = render_config(project, "train").text
     assert "lr: 0.5" in text and "  k: 1" in text and "not: output" not in text
+
+
+def test_block_of_an_included_template_names_the_include(make_project):
+    project = make_project(
+        {
+            "templates/base.yaml": "-- block model\n    -- include 'part.yaml'\n-- endblock\n",
+            "templates/part.yaml": "model:\n    -- block inner\n    size: 1\n    -- endblock\n",
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n-- block inner\n    size: 2\n-- endblock\n"
+            ),
+        }
+    )
+    (problem,) = render_problems(project)
+    assert problem.line == 2 and "block 'inner' is not defined in any parent" in problem.message
+    assert "'base.yaml' includes 'part.yaml' in block 'model'" in problem.hint
