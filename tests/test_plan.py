@@ -3,10 +3,11 @@ the config set both."""
 
 from __future__ import annotations
 
+from forge.cli import main
 from forge.config import load_config, load_project
 from forge.plan import length_note
 from forge.scaffold import new_config, new_project
-from tests.helpers import TINY_LM, run_forge
+from tests.helpers import TINY_LM
 
 EPOCHS = "-- block trainer_args\n    == super()\n    num_train_epochs: 1\n-- endblock\n"
 
@@ -54,9 +55,10 @@ def test_epochs_given_by_define_or_set_are_said_to_lose(tmp_path):
     assert ended is None
 
 
-def test_dry_run_prints_which_wins(tmp_path):
+def test_dry_run_prints_which_wins(tmp_path, monkeypatch, capsys):
     classifier_child(tmp_path)
-    result = run_forge("train", "cnn", "-p", "vis", "--dry-run", cwd=tmp_path)
-    assert result.returncode == 0, result.stderr
-    assert "  max_steps: 300 (vis/templates/configs/train.yaml:" in result.stdout
-    assert "overrides num_train_epochs: 1 (vis/templates/configs/cnn.yaml:7)" in result.stdout
+    monkeypatch.chdir(tmp_path)
+    assert main(["train", "cnn", "-p", "vis", "--dry-run"]) == 0
+    shown = capsys.readouterr().out
+    assert "  max_steps: 300 (vis/templates/configs/train.yaml:" in shown
+    assert "overrides num_train_epochs: 1 (vis/templates/configs/cnn.yaml:7)" in shown
