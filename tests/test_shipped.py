@@ -216,16 +216,33 @@ def library_references():
                 yield name, ref
 
 
-def test_library_sets_variables_only_as_defaults():
-    """`-- set x = x | default(...)` only: a child's `-- set x = ...` runs first and wins."""
+SCAFFOLD_ROOTS = sorted((REPO / "forge" / "scaffolds").glob("*/templates"))
+PROJECT_ROOTS = [root / "templates" for root in PROJECTS]
+
+
+def shipped_templates():
+    """(template root, template name) of every template forge ships: the library's, the
+    scaffolds' and the example projects'."""
+    for root in [LIBRARY_DIR, *SCAFFOLD_ROOTS, *PROJECT_ROOTS]:
+        for path in sorted(root.rglob("*.yaml")):
+            yield pytest.param(
+                root, path.relative_to(root).as_posix(), id=str(path.relative_to(REPO))
+            )
+
+
+@pytest.mark.parametrize(("root", "template"), list(shipped_templates()))
+def test_library_sets_variables_only_as_defaults(root, template):
+    """`-- set x = x | default(...)` only, in the library, the scaffolds and the shipped
+    projects, inline templates included: a child's `-- set x = ...` runs first and wins."""
     from jinja2 import nodes
 
     from forge.config.render import TemplateLoader
     from forge.config.sandbox import TemplateEnvironment
 
-    env = TemplateEnvironment(loader=TemplateLoader([LIBRARY_DIR]))
-    for template in LIBRARY_TEMPLATES:
-        source = env.loader.get_source(env, template)[0]
+    env = TemplateEnvironment(loader=TemplateLoader([root, LIBRARY_DIR]))
+    sources = {template: env.loader.get_source(env, template)[0]}
+    sources |= {name: source for name, (source, _) in env.loader.inline.items()}
+    for name, source in sources.items():
         for assign in env.parse(source).find_all(nodes.Assign):
             value = assign.node
             assert (
@@ -233,7 +250,168 @@ def test_library_sets_variables_only_as_defaults():
                 and value.name == "default"
                 and isinstance(value.node, nodes.Name)
                 and value.node.name == assign.target.name
-            ), f"{template}:{assign.lineno} sets {assign.target.name} without | default"
+            ), f"{name}:{assign.lineno} sets {assign.target.name} without | default"
+
+
+def shipped_configs(tmp_path: Path) -> list[tuple]:
+    """(project, config) for every config of a copy of each shipped project and of a project
+    made from each scaffold, all under `tmp_path`."""
+    from forge.scaffold import SCAFFOLDS, new_project
+
+    roots = []
+    for root in PROJECTS:
+        copy = tmp_path / "projects" / root.name
+        shutil.copytree(root, copy, ignore=shutil.ignore_patterns("output", "__pycache__"))
+        roots.append(copy)
+    roots += [new_project(f"from_{kind}", tmp_path / "scaffolds", kind) for kind in SCAFFOLDS]
+    projects = [load_project(root) for root in roots]
+    return [(project, name) for project in projects for name in project.list_configs()]
+
+
+def child_of(project, config: str, text: str, name: str = "child"):
+    """A config `name` of `project` extending `config` with `text` after the extends."""
+    path = project.configs_dir / f"{name}.yaml"
+    path.write_text(f"-- extends 'configs/{config}'\n{text}")
+    return path
+
+
+def test_a_childs_set_wins_in_every_shipped_config_and_scaffold(tmp_path):
+    """Every variable a shipped config or scaffold sets (config_description, ...) takes a
+    child's `-- set` instead."""
+    for project, config in shipped_configs(tmp_path):
+        rendered = render_config(project, config)
+        names = sorted(
+            {
+                ref.name
+                for info in rendered.templates.values()
+                for ref in info.references
+                if ref.kind == "set" and not info.file.startswith(str(LIBRARY_DIR))
+            }
+        )
+        assert "config_description" in names, (project.name, config)
+        sentinels = {name: 900001 + i for i, name in enumerate(names)}
+        sets = "".join(f"-- set {name} = {value}\n" for name, value in sentinels.items())
+        child_of(project, config, sets)
+        text = render_config(project, "child").text
+        lost = [name for name, value in sentinels.items() if str(value) not in text]
+        assert lost == [], f"{project.name}/{config} won over the child's set for {lost}"
+
+
+def trainer_args(cfg):
+    return cfg.targets["trainer"].kwargs["args"].kwargs
+
+
+def test_every_training_variable_of_base_reaches_the_arguments_of_every_config(tmp_path):
+    """`-D weight_decay=...` (and each variable base.yaml's trainer_args reads) is what the
+    trainer gets in every shipped config and scaffold: none writes a plain value over it."""
+    defines = {
+        "seed": 7,
+        "num_train_epochs": 2.5,
+        "max_steps": 77,
+        "batch_size": 3,
+        "eval_batch_size": 5,
+        "grad_accum": 2,
+        "learning_rate": 0.0123,
+        "weight_decay": 0.0456,
+        "max_grad_norm": 0.5,
+        "lr_scheduler_type": "cosine_with_restarts",
+        "warmup_steps": 11,
+        "logging_steps": 13,
+        "eval_steps": 17,
+        "save_steps": 34,
+        "save_total_limit": 4,
+        "report_to": "none",
+    }
+    keys = {
+        "seed": "seed",
+        "num_train_epochs": "num_train_epochs",
+        "max_steps": "max_steps",
+        "batch_size": "per_device_train_batch_size",
+        "eval_batch_size": "per_device_eval_batch_size",
+        "grad_accum": "gradient_accumulation_steps",
+        "learning_rate": "learning_rate",
+        "weight_decay": "weight_decay",
+        "max_grad_norm": "max_grad_norm",
+        "lr_scheduler_type": "lr_scheduler_type",
+        "warmup_steps": "warmup_steps",
+        "logging_steps": "logging_steps",
+        "eval_steps": "eval_steps",
+        "save_steps": "save_steps",
+        "save_total_limit": "save_total_limit",
+        "report_to": "report_to",
+    }
+    for project, config in shipped_configs(tmp_path):
+        args = trainer_args(load_config(project, config, variables=defines))
+        lost = {
+            name: args.get(keys[name])
+            for name, value in defines.items()
+            if args.get(keys[name]) != value
+        }
+        assert lost == {}, f"{project.name}/{config} ignores -D {sorted(lost)}"
+
+
+TRAINER_CHOICES = {
+    "forge.train:TrainingArguments": "",
+    "forge.train:AccelTrainingArguments": (
+        "-- from 'trainers/accel_trainer.yaml' import trainer_class, trainer_args_class\n"
+    ),
+    "forge.train:PipelineTrainingArguments": (
+        "-- from 'trainers/pipeline_trainer.yaml' import trainer_class, trainer_args_class, "
+        "pipeline_args\n-- block trainer_args\n    == super()\n== pipeline_args()\n-- endblock\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("parent", ["base.yaml", "projects/causal_lm.yaml"])
+@pytest.mark.parametrize("spec", list(TRAINER_CHOICES))
+def test_library_trainer_arguments_are_hugging_faces_defaults(tmp_path, parent, spec):
+    """What the library writes into trainer_args is TrainingArguments' default in the
+    installed transformers (forge's own fields: the dataclass default), for every trainer."""
+    import dataclasses
+
+    import transformers
+
+    from forge.config.resolve import Resolver
+
+    cls = Resolver(None, []).resolve(spec)
+    hf = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}
+    ours = {
+        f.name: f.default if f.default_factory is dataclasses.MISSING else f.default_factory()
+        for f in dataclasses.fields(cls)
+    }
+    text = f"-- extends '{parent}'\n{TRAINER_CHOICES[spec]}"
+    args_node = load_config(bare_project(tmp_path, text), "c").targets["trainer"].kwargs["args"]
+    assert args_node.spec == spec
+    assert "warmup_ratio" not in args_node.kwargs  # no field of transformers 5's arguments
+    for key, value in args_node.kwargs.items():
+        if key == "output_dir":
+            continue
+        default = hf[key] if key in hf else ours[key]
+        if isinstance(default, tuple):
+            default = list(default)
+        assert value == default, f"{parent} writes {key}: {value!r}; the default is {default!r}"
+
+
+def test_hf_port_trains_for_its_epochs(tmp_path):
+    """An HF script's num_train_epochs alone decides the length: no library max_steps."""
+    project = bare_project(
+        tmp_path,
+        "-- extends 'base.yaml'\n-- block trainer_args\n    == super()\n"
+        "    num_train_epochs: 1\n-- endblock\n",
+    )
+    args = trainer_args(load_config(project, "c"))
+    assert (args["num_train_epochs"], args["max_steps"]) == (1, -1)
+
+
+def test_a_users_warmup_steps_never_conflicts_with_a_library_default(tmp_path):
+    project = bare_project(
+        tmp_path,
+        "-- extends 'base.yaml'\n-- block trainer_args\n    == super()\n"
+        "    warmup_steps: 10\n-- endblock\n",
+    )
+    cfg = load_config(project, "c")
+    assert cfg.check() == []
+    assert trainer_args(cfg)["warmup_steps"] == 10
 
 
 def test_child_set_wins_over_every_library_default(tmp_path):

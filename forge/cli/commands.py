@@ -31,7 +31,7 @@ EXIT_OK, EXIT_FAILURE = 0, 1
 
 def _project(args: argparse.Namespace) -> Project:
     if getattr(args, "project", None):
-        return load_project(Path(args.project).resolve())
+        return load_project(Path(args.project))
     return find_project(Path.cwd())
 
 
@@ -172,6 +172,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch import launch_training, resolve_max_restarts, resolve_nproc
+    from forge.plan import length_note
     from forge.preflight import check_training_contract
     from forge.runs import claim_run, config_output_dir, create_run, discard_unstarted_run
     from forge.worker import build_variables
@@ -193,11 +194,16 @@ def cmd_train(args: argparse.Namespace) -> int:
     next_run = config_output_dir(project.output_dir, name) / "run_NNN"
     variables = build_variables(next_run, project, name)
     check_training_contract(cfg, variables, args.allow or [], config=name)
+    length = length_note(cfg)
     if args.dry_run:
         nproc = topology.world_size if topology.distributed else nproc
         print(f"config {name} renders and checks; would train with {nproc} process(es) in")
         print(f"  {next_run}/")
+        if length:
+            print(f"  {length}")
         return EXIT_OK
+    if length and topology.is_main:
+        logger.warning("%s", length)
 
     def make_run() -> Path:
         return create_run(

@@ -49,6 +49,7 @@ class Config:
         self.targets = targets
         self.chain = chain or []
         self.templates: dict[str, TemplateInfo] = {}  # what each rendered template does
+        self.replaced_reads: set[str] = set()  # variables read only into replaced keys
         self.source_map = source_map
         self.origin = origin
         self.project = project
@@ -139,8 +140,9 @@ class Config:
         return resolved_yaml(self._root, locate)
 
     def variables_read(self) -> set[str]:
-        """Every template variable the render of this config read (empty if not rendered)."""
-        return variables_read(self.templates, self.templates)
+        """Every template variable the render of this config read (empty if not rendered),
+        less those read only into keys that a later key replaces."""
+        return variables_read(self.templates, self.templates) - self.replaced_reads
 
     def describe_graph(self) -> str:
         """The node tree: each target, its nodes, what they resolve to, and where they came from."""
@@ -262,6 +264,7 @@ def load_config(
     )
     parsed.chain = rendered.chain
     parsed.templates = rendered.templates
+    parsed.replaced_reads = rendered.replaced_reads
     return parsed
 
 

@@ -118,8 +118,23 @@ class Project:
 
 def load_project(root: str | Path) -> Project:
     """Read and validate `root/meta.yaml`."""
-    root = Path(root).resolve()
+    given, root = root, Path(root).resolve()
     meta_file = root / META_FILE
+    if not root.exists():
+        raise ConfigError(
+            Problem(
+                f"no such directory: {given}",
+                hint="give -p the directory of a project (the one with meta.yaml); "
+                "`forge new NAME` creates one",
+            )
+        )
+    if not root.is_dir():
+        raise ConfigError(
+            Problem(
+                f"{given} is a file, not a project directory",
+                hint="give -p the directory that holds the project's meta.yaml",
+            )
+        )
     if not meta_file.is_file():
         raise ConfigError(
             Problem(f"{root} is not a forge project: no {META_FILE}", hint="create meta.yaml")

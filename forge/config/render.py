@@ -17,9 +17,16 @@ import jinja2
 import yaml
 from jinja2.sandbox import SecurityError
 
-from .analysis import TemplateInfo, check_inheritance, unused_variables, variables_read
+from .analysis import (
+    TemplateInfo,
+    check_inheritance,
+    unrendered_blocks,
+    unused_variables,
+    variables_read,
+)
 from .errors import ConfigError, Problem, display_path, suggestion
 from .project import Project
+from .replaced import ReplacedRead, replaced_reads
 from .sandbox import TemplateEnvironment, UnsafeTemplateError
 from .syntax import (
     STRIP_NEWLINES_FILTER,
@@ -46,6 +53,8 @@ class RenderedConfig:
     source_map: SourceMap = field(default_factory=dict)
     config: str = ""
     templates: dict[str, TemplateInfo] = field(default_factory=dict)  # the chain's, by name
+    # variables read only into keys that a later key replaces (see replaced.py)
+    replaced_reads: set[str] = field(default_factory=set)
 
     def locate(self, line: int) -> tuple[str, int] | None:
         """(template file, line) that rendered line `line` (1-based) came from."""
@@ -177,22 +186,55 @@ def render_config(
         raise ConfigError(_runtime_problem(err, loader), config=name) from None
     used = [template for template, _ in loader.chain]
     problems = check_inheritance(env.template_info, used)
-    if check_variables:
-        problems += unused_variables(variables or {}, variables_read(env.template_info, used))
-    if problems:
-        raise ConfigError(problems, config=name)
+    unrendered, unrendered_warnings = unrendered_blocks(env.template_info, env.blocks_run())
+    problems += [p for p in unrendered if p not in problems]
+    for warning in unrendered_warnings:
+        logger.warning("%s", warning)
     text, origins = strip_markers(output, loader.token)
     source_map: SourceMap = {
         number: (loader.files[o[0]], o[1]) if o else None
         for number, o in enumerate(origins, start=1)
     }
+    infos = {t: env.template_info[t] for t in used if t in env.template_info}
+    replaced = replaced_reads(infos, source_map, text)
+    if check_variables:
+        read = variables_read(env.template_info, used) - set(replaced)
+        unread = [v for v in variables or {} if v not in replaced]
+        problems += unused_variables(unread, read)
+        problems += [
+            _replaced_problem(var, replaced[var], source_map)
+            for var in variables or {}
+            if var in replaced
+        ]
+    if problems:
+        raise ConfigError(problems, config=name)
     logger.debug("rendered %s from %d templates", name, len(loader.chain))
     return RenderedConfig(
         text=text,
         chain=list(loader.chain),
         source_map=source_map,
         config=name,
-        templates={t: env.template_info[t] for t in used if t in env.template_info},
+        templates=infos,
+        replaced_reads=set(replaced),
+    )
+
+
+def _replaced_problem(var: str, reads: list[ReplacedRead], source_map: SourceMap) -> Problem:
+    def where(line: int) -> str:
+        origin = source_map.get(line)
+        return f"{display_path(origin[0])}:{origin[1]}" if origin else f"rendered line {line}"
+
+    shown = "; ".join(
+        f"{display_path(r.file)}:{r.line} by {where(r.replaced_by)}" for r in reads[:3]
+    )
+    last = source_map.get(reads[0].replaced_by)
+    return Problem(
+        f"-D {var}: every line that reads {var!r} writes a key that a later key replaces "
+        f"({shown}), so it would change nothing",
+        file=last[0] if last else None,
+        line=last[1] if last else None,
+        hint=f"write that key as {{{{ {var} | default(...) }}}} to let -D {var} set it, "
+        "or leave out the -D",
     )
 
 

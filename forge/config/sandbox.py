@@ -56,10 +56,27 @@ class UnsafeTemplateError(SecurityError):
         self.filename = filename
 
 
+class RecordingContext(jinja2.runtime.Context):
+    """A Jinja context that its environment keeps: one exists for each render of a template
+    (the config, each include and import), and the blocks that ran are recorded per context."""
+
+    def __init__(self, environment: jinja2.Environment, *args: Any, **kwargs: Any):
+        super().__init__(environment, *args, **kwargs)
+        contexts = getattr(environment, "contexts", None)
+        if contexts is not None:
+            contexts.append(self)
+
+
 class TemplateEnvironment(ImmutableSandboxedEnvironment):
-    """forge's sandboxed Jinja environment (see the module docstring)."""
+    """forge's sandboxed Jinja environment (see the module docstring).
+
+    Besides rendering it observes the render: every block's text starts with a call that
+    records (template, block) for the context it runs in, so that a block that never
+    reached the output can be reported (`blocks_run`).
+    """
 
     intercepted_binops = frozenset({"*", "**"})
+    context_class = RecordingContext
 
     def __init__(self, **options: Any):
         super().__init__(**options)
@@ -69,6 +86,18 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
         self.globals = dict(ALLOWED_GLOBALS)
         self.globals.update(template_functions())
         self.template_info: dict[str, TemplateInfo] = {}  # template name -> what it does
+        self.contexts: list[jinja2.runtime.Context] = []  # kept alive: ids stay unique
+        self._ran: dict[int, set[tuple[str, str]]] = {}  # id(context) -> (template, block)
+
+    def record_block(self, context: jinja2.runtime.Context, template: str, block: str) -> str:
+        """Called as a block's text starts (the call is put there by `_parse`)."""
+        self._ran.setdefault(id(context), set()).add((template, block))
+        return ""
+
+    def blocks_run(self) -> list[tuple[str, set[tuple[str, str]]]]:
+        """For each context of the renders so far: the template it rendered and the
+        (template, block) pairs that ran in it."""
+        return [(c.name or "", self._ran.get(id(c), set())) for c in self.contexts]
 
     def _parse(self, source: str, name: str | None, filename: str | None) -> nodes.Template:
         tree = super()._parse(source, name, filename)
@@ -90,7 +119,23 @@ class TemplateEnvironment(ImmutableSandboxedEnvironment):
             )
         if name is not None:
             self.template_info[name] = analyze(tree, name, filename or name, source)
+            for block in tree.find_all(nodes.Block):
+                block.body.insert(0, self._record_call(name, block))
         return tree
+
+    def _record_call(self, template: str, block: nodes.Block) -> nodes.Node:
+        """`record_block(context, template, block.name)` as a statement that outputs nothing."""
+        call = nodes.Call(
+            nodes.EnvironmentAttribute("record_block"),
+            [nodes.ContextReference(), nodes.Const(template), nodes.Const(block.name)],
+            [],
+            None,
+            None,
+        )
+        statement = nodes.ExprStmt(call)
+        statement.set_lineno(block.lineno)
+        statement.set_environment(self)
+        return statement
 
     def unsafe_undefined(self, obj: Any, attribute: str) -> jinja2.Undefined:
         raise SecurityError(

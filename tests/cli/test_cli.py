@@ -214,3 +214,9 @@ def test_resume_without_runs_exits_1_and_touches_nothing(tmp_path):
     assert result.returncode == 1
     assert "no runs" in result.stderr
     assert not (project / "output").exists()
+
+
+def test_dash_p_naming_a_missing_directory_says_so(tmp_path):
+    result = run_forge("ls", "-p", "no/such/project", cwd=tmp_path)
+    assert result.returncode == 2
+    assert result.stderr.startswith("error: no such directory: no/such/project")

@@ -22,8 +22,7 @@ def test_vars_prints_a_table_of_values_defaults_and_lines():
     assert ["max_steps", "7", "-D"] in rows
     assert ["max_steps", "500", f"{TRAIN}:{max_steps_line()}"] in rows
     assert any(
-        row[:2] == ["max_steps", "1000"] and row[2].startswith("templates/base.yaml:")
-        for row in rows
+        row[:2] == ["max_steps", "-1"] and row[2].startswith("templates/base.yaml:") for row in rows
     )
     assert any(row[:2] == ["vocab_size", "4096"] for row in rows)
     assert any(row[:2] == ["project_name", "tiny_lm"] and row[-1] == "forge" for row in rows)

@@ -126,3 +126,12 @@ def test_readme_text_cls_commands_run(tmp_path):
     refused = run_forge(*generate, cwd=tmp_path)
     assert refused.returncode == 2
     assert "holds a BertForSequenceClassification" in refused.stderr
+
+
+def test_readme_template_table_lists_every_library_template():
+    from forge.config import LIBRARY_DIR
+
+    table = README.split("| library template | what it holds |", 1)[1].split("\n\n", 1)[0]
+    listed = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
+    shipped = {p.relative_to(LIBRARY_DIR).as_posix() for p in LIBRARY_DIR.rglob("*.yaml")}
+    assert listed == shipped

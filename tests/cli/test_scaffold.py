@@ -7,8 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from forge.config import load_config, load_project
+from forge.scaffold import new_config, new_project
 from tests.cli.small_lm import SMALL_LM, defines
-from tests.helpers import run_forge
+from tests.helpers import TINY_LM, run_forge
 
 
 def logged_losses(run_dir: Path) -> list[float]:
@@ -123,3 +125,59 @@ def test_new_config_unknown_parent_exits_2_listing_configs(tmp_path):
     assert result.returncode == 2
     assert "train.yaml" in result.stderr and "Traceback" not in result.stderr
     assert not (tmp_path / "b" / "templates" / "configs" / "x.yaml").exists()
+
+
+OVERRIDE = "-- block trainer_args\n    == super()\n    max_steps: 77\n-- endblock\n"
+
+
+@pytest.mark.parametrize("kind", ["classifier", "tiny_lm", "blank"])
+def test_a_new_config_overrides_trainer_args_of_every_scaffold(tmp_path, kind):
+    project = load_project(new_project("vis", tmp_path, kind))
+    path = new_config(project, "cnn", "train")
+    path.write_text(path.read_text() + OVERRIDE)
+    line = len(path.read_text().splitlines()) - 1
+    resolved = load_config(project, "cnn").resolved_text()
+    assert f"  max_steps: 77  # {path}:{line}\n" in resolved
+    assert resolved.count("max_steps:") == 1
+
+
+def test_the_child_override_of_the_issue_through_the_cli(tmp_path):
+    """`forge new vis --from classifier`, `forge new-config cnn --extends train`, a
+    trainer_args override in cnn.yaml: render --resolved and vars show the child's value."""
+    assert run_forge("new", "vis", "--from", "classifier", cwd=tmp_path).returncode == 0
+    assert (
+        run_forge("new-config", "cnn", "--extends", "train", "-p", "vis", cwd=tmp_path).returncode
+        == 0
+    )
+    cnn = tmp_path / "vis" / "templates" / "configs" / "cnn.yaml"
+    cnn.write_text(cnn.read_text() + OVERRIDE.replace("77", "{{ max_steps | default(77) }}"))
+    rendered = run_forge("render", "cnn", "-p", "vis", "--resolved", cwd=tmp_path)
+    assert rendered.returncode == 0, rendered.stderr
+    assert "  max_steps: 77  # vis/templates/configs/cnn.yaml:7" in rendered.stdout
+    shown = run_forge("vars", "cnn", "-p", "vis", "-D", "max_steps=5", cwd=tmp_path)
+    assert shown.returncode == 0, shown.stderr
+    rows = [line.split() for line in shown.stdout.splitlines()]
+    assert ["max_steps", "77", "vis/templates/configs/cnn.yaml:7"] in rows
+    trained = run_forge(
+        "render", "cnn", "-p", "vis", "--resolved", "-D", "max_steps=5", cwd=tmp_path
+    )
+    assert "  max_steps: 5  # vis/templates/configs/cnn.yaml:7" in trained.stdout
+
+
+def test_tiny_lm_project_configs_work_in_a_tiny_lm_scaffold(tmp_path):
+    """accel.yaml and pipeline.yaml of projects/tiny_lm, copied into a `forge new` project,
+    keep the scaffold's training arguments and add their own."""
+    root = new_project("lm", tmp_path, "tiny_lm")
+    for name in ("accel.yaml", "pipeline.yaml"):
+        source = TINY_LM / "templates" / "configs" / name
+        (root / "templates" / "configs" / name).write_text(source.read_text())
+    project = load_project(root)
+    for name, spec in (
+        ("accel", "forge.train:AccelTrainingArguments"),
+        ("pipeline", "forge.train:PipelineTrainingArguments"),
+    ):
+        args = load_config(project, name).targets["trainer"].kwargs["args"]
+        assert args.spec == spec
+        assert (args.kwargs["max_steps"], args.kwargs["logging_steps"]) == (500, 25)
+    pipeline = load_config(project, "pipeline").targets["trainer"].kwargs["args"].kwargs
+    assert pipeline["pipeline_schedule"] == "1f1b"

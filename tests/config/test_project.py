@@ -61,6 +61,16 @@ def test_missing_meta(tmp_path):
         load_project(tmp_path)
 
 
+def test_a_project_directory_that_does_not_exist_says_so(tmp_path):
+    with pytest.raises(ConfigError) as missing:
+        load_project(tmp_path / "nope")
+    assert str(missing.value).startswith(f"no such directory: {tmp_path / 'nope'}")
+    (tmp_path / "file.yaml").write_text("name: x\n")
+    with pytest.raises(ConfigError) as a_file:
+        load_project(tmp_path / "file.yaml")
+    assert "is a file, not a project directory" in str(a_file.value)
+
+
 def test_find_project_from_nested_directory(make_project, monkeypatch):
     project = make_project({"templates/configs/train.yaml": "a: 1\n"})
     nested = project.root / "templates" / "configs"
