@@ -335,6 +335,12 @@ class PipelineTrainer(BaseTrainer):
                 "use a collator that gives input_ids and labels (CausalLMCollator)"
             )
         mask = batch.get("attention_mask")
+        if mask is not None and not self.layout.parts.causal and not bool(mask.all()):
+            raise ValueError(
+                "the pipeline trainer's stages of an encoder attend to every position without a "
+                "padding mask, and this batch pads; give batches of one length (packed or "
+                "truncated), or train the model with the plain trainer"
+            )
         if mask is not None and not torch.equal(mask.cummin(dim=-1).values, mask):
             raise ValueError(
                 "the pipeline trainer's stages attend causally without a padding mask, which is "

@@ -76,7 +76,8 @@ class ModelParts:
         uncovered = sorted(
             {
                 name.rpartition(".")[0]
-                for name, _ in model.named_parameters()
+                # a head whose weight is tied to the embedding counts too: it must run
+                for name, _ in model.named_parameters(remove_duplicate=False)
                 if not keeps(name.rpartition(".")[0], self.all_modules)
             }
         )
@@ -224,9 +225,11 @@ def split_layers(
     if num_stages > num_layers:
         raise SplitError(
             [
-                f"{num_stages} pipeline stages but the model has only {num_layers} layers "
-                f"({parts.layers}); use at most {num_layers} stages (pipeline_parallel_size x "
-                "pipeline_stages_per_rank)"
+                f"{key}.pipeline_parallel_size: {num_stages} pipeline stages but the model has "
+                f"only {num_layers} layers ({parts.layers}); use at most {num_layers} stages "
+                "(pipeline_parallel_size, null for every process, x pipeline_stages_per_rank): "
+                "start fewer processes, or set pipeline_parallel_size and the others train as "
+                "data-parallel replicas"
             ]
         )
     if split is None:
