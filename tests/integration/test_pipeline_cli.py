@@ -154,6 +154,73 @@ def test_a_split_name_that_does_not_exist_ends_the_job_before_training(project):
     assert not (project / "output" / "pipeline" / "run_001").exists()  # removed, never started
 
 
+def test_dry_run_prints_the_pipeline_plan_for_the_jobs_process_count(project):
+    result = run_forge(
+        "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "4",
+        "-D", "pipeline_parallel_size=2", "--dry-run",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        "pipeline: 2 stage(s) on 2 process(es) per replica x 2 replica(s); schedule 1f1b, "
+        "2 microbatch(es) per batch"
+    ) in lines
+    assert "  stage 0 (process 0): model.embed_tokens + model.layers.0-1" in lines
+    assert "  stage 1 (process 1): model.layers.2-3 + model.norm + lm_head" in lines
+    assert not (project / "output" / "pipeline").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "where", "expected"),
+    [
+        (
+            ["--nproc", "2", "-D", "pipeline_split=[model.layers.9]"],
+            "pipeline_trainer.yaml:",
+            "trainer.args.pipeline_split: 'model.layers.9' is not a layer where a stage can begin",
+        ),
+        pytest.param(
+            ["--nproc", "2", "--set", "trainer.args.pipeline_layers=model.blocks"],
+            "--set trainer.args.pipeline_layers=model.blocks",
+            "trainer.args.pipeline_layers: LlamaForCausalLM has no module 'model.blocks'",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["--nproc", "8"],
+            "pipeline_trainer.yaml:",
+            "trainer.args.pipeline_parallel_size: 8 pipeline stages but the model has only 4",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["--nproc", "3"],  # batch_size 4, one microbatch per stage
+            "train.yaml:",
+            "per_device_train_batch_size 4 is not a multiple of the 3 microbatches",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["--nproc", "3", "-D", "pipeline_parallel_size=2"],
+            "pipeline_trainer.yaml:",
+            "trainer.args.pipeline_parallel_size 2 does not divide the 3 processes",
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["split-name", "missing-part", "stages-over-layers", "microbatches", "replicas"],
+)
+@pytest.mark.parametrize("dry_run", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_a_split_that_cannot_run_is_reported_before_torchrun_starts(
+    project, extra, where, expected, dry_run
+):
+    """Planned on the meta device with the job's process count, in the `forge` process: the
+    error is located at the training argument (the line that sets it), and no run directory
+    is ever made (the workers would need one)."""
+    result = run_forge(
+        "train", "pipeline", "-p", str(project), *PIPE, *extra, *(["--dry-run"] * dry_run)
+    )
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr and where in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (project / "output" / "pipeline").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("nproc", "define", "expected"),
