@@ -154,6 +154,23 @@ def test_a_split_name_that_does_not_exist_ends_the_job_before_training(project):
     assert not (project / "output" / "pipeline" / "run_001").exists()  # removed, never started
 
 
+def test_dry_run_prints_the_plan_the_readme_shows(project):
+    """README's `forge train pipeline ... --dry-run` output, line for line (the run directory
+    line names the project's own path)."""
+    import re
+
+    from tests.cli.test_readme import README
+
+    shown = re.search(r"\$ (forge train pipeline .*--dry-run)\n(.*?)```", README, re.S)
+    command = shown.group(1).replace("projects/tiny_lm", str(project)).split()[1:]
+    result = run_forge(*command, *PIPE)
+    assert result.returncode == 0, result.stderr
+    expected = shown.group(2).replace("projects/tiny_lm", str(project)).splitlines()
+    assert result.stdout.splitlines() == expected
+    assert not (project / "output" / "pipeline").exists()
+
+
+@pytest.mark.slow
 def test_dry_run_prints_the_pipeline_plan_for_the_jobs_process_count(project):
     result = run_forge(
         "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "4",
