@@ -190,11 +190,8 @@ class PipelineTrainer(BaseTrainer):
         self.loss_fn = loss_fn
         super().__init__(model, args, *positional, **kwargs)
         self.plan = self._plan(model)
-        self.layout, self._writer, self._shared = (
-            self.plan.layout,
-            self.plan.writer,
-            self.plan.shared,
-        )
+        self.layout = self.plan.layout
+        self._writer, self._shared = self.plan.writer, self.plan.shared
         self.num_microbatches = self.plan.num_microbatches
         # built by setup_components()
         self.stage_modules: list[StageModule] = []
@@ -321,7 +318,7 @@ class PipelineTrainer(BaseTrainer):
             losses = self._run(inputs, labels, train=True, weight=1.0 / len(window))
             if self.holds_last:
                 loss_sum += torch.stack(losses).mean() / len(window)
-                tokens += count_tokens(batch).to(self.device)
+                tokens += torch.as_tensor(count_tokens(batch), device=self.device)
         self._sync_gradients()
         return loss_sum, tokens
 

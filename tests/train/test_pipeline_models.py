@@ -329,6 +329,28 @@ def test_gpt2_in_one_process_trains_exactly_like_the_plain_trainer(tmp_path):
         assert torch.equal(tensor, plain.model.state_dict()[name]), name
 
 
+class MaskedTokens(TokenDataset):
+    """Items with masked-LM labels (every third position ignored) and no attention mask."""
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids = self.ids[index]
+        labels = ids.clone()
+        labels[::3] = -100
+        return {"input_ids": ids, "labels": labels}
+
+
+def test_a_bert_masked_lm_in_one_process_trains_exactly_like_the_plain_trainer(tmp_path):
+    """An encoder from its preset (no causal mask), on batches without an attention mask."""
+    common = dict(max_steps=4, logging_steps=1)
+    plain = Trainer(family_init("bert"), make_args(tmp_path / "plain", **common), MaskedTokens(64))
+    plain.train()
+    args = four_stages(tmp_path / "pipe", pipeline_microbatches=1, **common)
+    pipe = PipelineTrainer(family_init("bert"), args, MaskedTokens(64))
+    pipe.train()
+    assert step_losses(tmp_path / "pipe") == step_losses(tmp_path / "plain")
+    assert len(set(step_losses(tmp_path / "plain"))) == 4
+
+
 def test_an_encoders_stages_refuse_padded_batches(tmp_path):
     """An encoder's layers see every position: without the padding mask, padding would change
     the other tokens' outputs, so such a batch is refused."""
