@@ -7,6 +7,11 @@ with the parameters of the model's ``forward``. When the model is an ``nn.Module
 forward is also run once on the ``meta`` device (no memory, no arithmetic) to see what it
 returns; a model that cannot run there (data-dependent code, as in most Hugging Face models)
 is simply not checked that way.
+
+A trainer class with a ``plan_job(model, args, world_size)`` classmethod (the pipeline
+trainer's split into stages) is also asked for its plan of a job of the launch's process
+count, on the model built on the meta device: its problems are reported here, located at the
+training argument they name, instead of by every worker after torchrun starts.
 """
 
 from __future__ import annotations
@@ -82,13 +87,21 @@ def _plan_job(
     try:
         return plan_job(model, args, world) or [], []
     except TrainingArgumentsError as err:
-        prefix = re.compile(rf"^{re.escape(type(args).config_key)}\.(\w+)")
-        problems = []
-        for message in err.problems:
-            match = prefix.match(message)
-            loc = args_node.arg_locs.get(match.group(1)) if match else None
-            problems.append(cfg.problem(loc or args_node.loc, message, None))
-        return [], problems
+        return [], _located(cfg, args_node, type(args).config_key, err.problems)
+    except Exception as err:  # not the plan's to report: the workers build the model and say
+        logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
+        return [], []
+
+
+def _located(cfg: Config, args_node: CallNode, key: str, messages: list[str]) -> list[Problem]:
+    """Each message (``trainer.args.NAME: ...``) at the line that sets argument NAME."""
+    prefix = re.compile(rf"^{re.escape(key)}\.(\w+)")
+    problems = []
+    for message in messages:
+        match = prefix.match(message)
+        loc = args_node.arg_locs.get(match.group(1)) if match else None
+        problems.append(cfg.problem(loc or args_node.loc, message, None))
+    return problems
 
 
 def _resolver(cfg: Config, allow: list[str]) -> Resolver:
