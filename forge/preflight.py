@@ -7,6 +7,11 @@ with the parameters of the model's ``forward``. When the model is an ``nn.Module
 forward is also run once on the ``meta`` device (no memory, no arithmetic) to see what it
 returns; a model that cannot run there (data-dependent code, as in most Hugging Face models)
 is simply not checked that way.
+
+A trainer class with a ``plan_job(model, args, world_size)`` classmethod (the pipeline
+trainer's split into stages) is also asked for its plan of a job of the launch's process
+count, on the model built on the meta device: its problems are reported here, located at the
+training argument they name, instead of by every worker after torchrun starts.
 """
 
 from __future__ import annotations
@@ -14,6 +19,7 @@ from __future__ import annotations
 import functools
 import inspect
 import logging
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -34,15 +40,77 @@ FACTORY_CALLS = {
 
 
 def check_training_contract(
-    cfg: Config, variables: Mapping[str, Any], allow: list[str] = (), *, config: str = ""
-) -> None:
-    """Raise ConfigError (exit 2) when the batches cannot feed the model's forward."""
+    cfg: Config,
+    variables: Mapping[str, Any],
+    allow: list[str] = (),
+    *,
+    config: str = "",
+    world_size: int | None = None,
+) -> list[str]:
+    """Raise ConfigError (exit 2) when the batches cannot feed the model's forward, or the
+    trainer's plan for a job of ``world_size`` processes cannot run (a pipeline split); the
+    plan, as lines to print (empty for a trainer without one)."""
     trainer = cfg.targets.get("trainer")
     if not isinstance(trainer, CallNode) or trainer.args:
-        return  # a trainer given positionally or built another way: its own checks apply
+        return []  # a trainer given positionally or built another way: its own checks apply
     problems = _check(cfg, trainer, variables, list(allow))
+    plan: list[str] = []
+    if not problems and world_size is not None:
+        plan, problems = _plan_job(cfg, trainer, variables, list(allow), world_size)
     if problems:
         raise ConfigError(problems, config=config or cfg.origin)
+    return plan
+
+
+def _plan_job(
+    cfg: Config, trainer: CallNode, variables: Mapping[str, Any], allow: list[str], world: int
+) -> tuple[list[str], list[Problem]]:
+    """The trainer class's ``plan_job(model, args, world_size)`` (the pipeline trainer's
+    split), with the model built on the meta device: its plan, or its problems located at
+    the training argument each names."""
+    import torch
+
+    from forge.train.args import TrainingArgumentsError
+
+    resolver = _resolver(cfg, allow)
+    plan_job = getattr(resolver.resolve(trainer.spec), "plan_job", None)
+    model_node, args_node = trainer.kwargs.get("model"), trainer.kwargs.get("args")
+    if not callable(plan_job) or model_node is None or not isinstance(args_node, CallNode):
+        return [], []
+    try:
+        args = Materializer(resolver.resolve, variables, cfg.describe_loc).value(args_node)
+        with torch.device("meta"):
+            model = Materializer(resolver.resolve, variables, cfg.describe_loc).value(model_node)
+    except Exception as err:  # the workers build them and report what fails
+        logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
+        return [], []
+    try:
+        return plan_job(model, args, world) or [], []
+    except TrainingArgumentsError as err:
+        return [], _located(cfg, args_node, type(args).config_key, err.problems)
+    except Exception as err:  # not the plan's to report: the workers build the model and say
+        logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
+        return [], []
+
+
+def _located(cfg: Config, args_node: CallNode, key: str, messages: list[str]) -> list[Problem]:
+    """Each message (``trainer.args.NAME: ...``) at the line that sets argument NAME."""
+    prefix = re.compile(rf"^{re.escape(key)}\.(\w+)")
+    problems = []
+    for message in messages:
+        match = prefix.match(message)
+        loc = args_node.arg_locs.get(match.group(1)) if match else None
+        problems.append(cfg.problem(loc or args_node.loc, message, None))
+    return problems
+
+
+def _resolver(cfg: Config, allow: list[str]) -> Resolver:
+    project = cfg.project
+    return Resolver(
+        project.root if project else None,
+        [*(project.allowed_modules if project else []), *allow],
+        project.meta_file if project else None,
+    )
 
 
 def _check(
@@ -70,12 +138,7 @@ def _check(
         )
     if problems or not isinstance(model_node, CallNode):
         return problems
-    project = cfg.project
-    resolver = Resolver(
-        project.root if project else None,
-        [*(project.allowed_modules if project else []), *allow],
-        project.meta_file if project else None,
-    )
+    resolver = _resolver(cfg, allow)
     built = Materializer(resolver.resolve, variables, cfg.describe_loc)
     for role, call_args in FACTORY_CALLS.items():
         node = trainer.kwargs.get(role)

@@ -190,10 +190,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"this process is already rank {topology.rank} of {topology.world_size} started by "
             f"another launcher (accelerate launch, torchrun); drop {flag}"
         )
-    # Before any run directory exists: do the batches fit the model's forward?
+    # Before any run directory exists: do the batches fit the model's forward, and does the
+    # trainer's plan (a pipeline split) fit a job of this many processes?
     next_run = config_output_dir(project.output_dir, name) / "run_NNN"
     variables = build_variables(next_run, project, name)
-    check_training_contract(cfg, variables, args.allow or [], config=name)
+    world_size = (
+        topology.world_size if topology.distributed else _job_size(nproc, args.torchrun_args)
+    )
+    plan = check_training_contract(
+        cfg, variables, args.allow or [], config=name, world_size=world_size
+    )
     length = length_note(cfg)
     if args.dry_run:
         nproc = topology.world_size if topology.distributed else nproc
@@ -201,6 +207,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"  {next_run}/")
         if length:
             print(f"  {length}")
+        for line in plan:
+            print(line)
         return EXIT_OK
     if length and topology.is_main:
         logger.warning("%s", length)
@@ -239,6 +247,19 @@ def cmd_train(args: argparse.Namespace) -> int:
     if code == EXIT_USAGE and discard_unstarted_run(run_dir):
         logger.info("removed %s: the run never started", run_dir)
     return code
+
+
+def _job_size(nproc: int, torchrun_args: list[str] | None) -> int | None:
+    """Processes in the whole job: ``nproc`` per node times torchrun's ``--nnodes`` (None when
+    that is a range, as an elastic job gives it: the size is known only once it runs)."""
+    words = list(torchrun_args or [])
+    nodes = "1"
+    for index, word in enumerate(words):
+        if word == "--nnodes" and index + 1 < len(words):
+            nodes = words[index + 1]
+        elif word.startswith("--nnodes="):
+            nodes = word.partition("=")[2]
+    return nproc * int(nodes) if nodes.isdigit() and int(nodes) > 0 else None
 
 
 def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
@@ -310,9 +331,15 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) ->
         return EXIT_OK
     # as `forge train` does: the config (maybe changed by --set, or by hand) must still fit
     variables = build_variables(run_dir, project, RunRecord.load(run_dir).data.get("config", ""))
-    check_training_contract(cfg, variables, args.allow or [], config=str(run_dir / "config.yaml"))
     recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
     nproc = resolve_nproc(args.nproc, default=recorded)
+    check_training_contract(
+        cfg,
+        variables,
+        args.allow or [],
+        config=str(run_dir / "config.yaml"),
+        world_size=_job_size(nproc, args.torchrun_args),
+    )
     if overrides:
         (run_dir / "config.yaml").write_text(cfg.text)
     record_resume(run_dir, checkpoint, overrides=overrides, world_size=nproc)

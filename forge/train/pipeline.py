@@ -35,15 +35,8 @@ from forge.train.args import TrainingArguments, TrainingArgumentsError, _as_int
 from forge.train.base import BaseTrainer
 from forge.train.loop_state import Batch, count_tokens
 from forge.train.optim import build_optimizer
-from forge.train.pipeline_split import (
-    ModelParts,
-    PipelineLayout,
-    SplitError,
-    StageModule,
-    causal_lm_loss,
-    prune_to_stages,
-    split_layers,
-)
+from forge.train.pipeline_plan import PipelinePlan, meta_skeleton, pipeline_size, plan_pipeline
+from forge.train.pipeline_split import StageModule, causal_lm_loss, prune_to_stages
 from forge.train.stage_init import build_partial_model, free_except
 from forge.train.topology import Topology
 
@@ -63,9 +56,11 @@ class PipelineTrainingArguments(TrainingArguments):
     ``pipeline_schedule``: ``gpipe``, ``1f1b`` or ``interleaved_1f1b`` (with
     ``pipeline_stages_per_rank`` >= 2). ``pipeline_split``: the layers where the stages after
     the first begin (``[model.layers.2]``); null splits the layers evenly.
-    ``pipeline_embedding`` / ``pipeline_layers`` / ``pipeline_head`` / ``pipeline_rotary``
-    name the model's parts (defaults: Hugging Face's Llama-style decoders; ``pipeline_rotary``
-    null calls each layer on the hidden states alone).
+    ``pipeline_embedding`` (the modules before the layers, token embedding first),
+    ``pipeline_layers``, ``pipeline_head`` (the modules after the layers) and
+    ``pipeline_rotary`` name the model's parts; null takes them from the preset of the
+    model's family (GPT-2, GPT-Neo, GPT-NeoX, OPT, Llama-like, Phi, BERT/RoBERTa masked LMs:
+    forge/train/pipeline_models.py), and a model of no known family must name them.
     """
 
     pipeline_parallel_size: int | None = None
@@ -73,10 +68,10 @@ class PipelineTrainingArguments(TrainingArguments):
     pipeline_schedule: str = "1f1b"
     pipeline_stages_per_rank: int = 1
     pipeline_split: tuple[str, ...] | None = None
-    pipeline_embedding: str = "model.embed_tokens"
-    pipeline_layers: str = "model.layers"
-    pipeline_head: tuple[str, ...] = ("model.norm", "lm_head")
-    pipeline_rotary: str | None = "model.rotary_emb"
+    pipeline_embedding: tuple[str, ...] | None = None
+    pipeline_layers: str | None = None
+    pipeline_head: tuple[str, ...] | None = None
+    pipeline_rotary: str | None = None
 
     def validate(self) -> list[str]:
         p = super().validate()
@@ -86,17 +81,12 @@ class PipelineTrainingArguments(TrainingArguments):
             self._int("pipeline_microbatches", p, minimum=1, fix="or null for one per stage")
         self._int("pipeline_stages_per_rank", p, minimum=1)
         self._choice("pipeline_schedule", SCHEDULES, p)
-        for name in ("pipeline_embedding", "pipeline_layers"):
-            if not isinstance(getattr(self, name), str) or not getattr(self, name):
-                p.append(f"{self._key(name)} must be a module name (got {getattr(self, name)!r})")
-        if self.pipeline_rotary is not None and not (
-            isinstance(self.pipeline_rotary, str) and self.pipeline_rotary
-        ):
-            p.append(
-                f"{self._key('pipeline_rotary')} must be a module name or null "
-                f"(got {self.pipeline_rotary!r})"
-            )
-        self._names("pipeline_head", p, allow_none=False)
+        for name in ("pipeline_layers", "pipeline_rotary"):
+            value = getattr(self, name)
+            if value is not None and not (isinstance(value, str) and value):
+                p.append(f"{self._key(name)} must be a module name or null (got {value!r})")
+        self._names("pipeline_embedding", p, allow_none=True)
+        self._names("pipeline_head", p, allow_none=True)
         self._names("pipeline_split", p, allow_none=True)
         self._check_pipeline_fit(p)
         for flag, fix in (("fp16", "use bf16"), ("torch_compile", "set it to false")):
@@ -110,7 +100,11 @@ class PipelineTrainingArguments(TrainingArguments):
             return
         if isinstance(value, str):
             value = (value,)
-        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) and v for v in value):
+        if (
+            not isinstance(value, (list, tuple))
+            or not value
+            or not all(isinstance(v, str) and v for v in value)
+        ):
             p.append(
                 f"{self._key(name)} must be a list of module names"
                 + (" or null" if allow_none else "")
@@ -148,15 +142,6 @@ class PipelineTrainingArguments(TrainingArguments):
                 f"{self._key('pipeline_microbatches')} {micro} is fewer than the "
                 f"{size} pipeline stages, which 1f1b needs at least; raise it or use gpipe"
             )
-
-    @property
-    def parts(self) -> ModelParts:
-        return ModelParts(
-            embedding=self.pipeline_embedding,
-            layers=self.pipeline_layers,
-            head=tuple(self.pipeline_head),
-            rotary=self.pipeline_rotary,
-        )
 
 
 class _MicrobatchLoss:
@@ -204,9 +189,10 @@ class PipelineTrainer(BaseTrainer):
             args = PipelineTrainingArguments(**args.to_dict())
         self.loss_fn = loss_fn
         super().__init__(model, args, *positional, **kwargs)
-        self.layout, self._writer, self._shared = self._plan(model)
-        self.num_microbatches = self.args.pipeline_microbatches or self.topology.num_stages
-        self._check_microbatches()
+        self.plan = self._plan(model)
+        self.layout = self.plan.layout
+        self._writer, self._shared = self.plan.writer, self.plan.shared
+        self.num_microbatches = self.plan.num_microbatches
         # built by setup_components()
         self.stage_modules: list[StageModule] = []
         self._schedules: dict[tuple, Any] = {}
@@ -217,82 +203,33 @@ class PipelineTrainer(BaseTrainer):
     def make_topology(self) -> Topology:
         """Stage-major ranks: ``pipeline_parallel_size`` stages, the rest replicas."""
         env = Topology.from_env()
-        size = self.args.pipeline_parallel_size or env.world_size
-        if env.world_size % size:
-            raise TrainingArgumentsError(
-                [
-                    f"{self.args.config_key}.pipeline_parallel_size {size} does not divide the "
-                    f"{env.world_size} processes; start a multiple of {size} processes "
-                    "(each group of that many is one pipeline)"
-                ]
-            )
+        size, problems = pipeline_size(self.args, env.world_size)
+        if problems:
+            raise TrainingArgumentsError(problems)
         return env.with_stages(size)
 
     @property
     def _key(self) -> str:
         return self.args.config_key
 
-    def _plan(self, model: Any) -> tuple[PipelineLayout, dict[str, int], dict[str, list[int]]]:
+    def _plan(self, model: Any) -> PipelinePlan:
         """Check the split against the model's structure (built on the meta device) and work
         out every stage, before any process group or weight exists."""
-        args = self.args
-        skeleton = model if isinstance(model, nn.Module) else self._meta_skeleton(model)
-        parts = args.parts
-        problems = parts.problems(skeleton, self._key)
-        if problems:
-            raise TrainingArgumentsError(problems)
-        num_stages = self.topology.num_stages * args.pipeline_stages_per_rank
-        try:
-            specs = split_layers(
-                parts.num_layers(skeleton), num_stages, args.pipeline_split, parts, self._key
-            )
-        except SplitError as exc:
-            raise TrainingArgumentsError(exc.problems) from None
-        layout = PipelineLayout(parts, tuple(specs), self.topology.num_stages)
-        writer, shared = layout.holders(skeleton)
-        return layout, writer, shared
+        skeleton = model if isinstance(model, nn.Module) else meta_skeleton(model)
+        return plan_pipeline(skeleton, self.args, self.topology.world_size)
 
-    def _meta_skeleton(self, model_init: Callable[[], nn.Module]) -> nn.Module:
-        """The model's structure, without its weights (or, for a builder that cannot run on
-        the meta device, such as one that reads weights from disk, the model itself)."""
-        try:
-            with torch.device("meta"):
-                skeleton = model_init()
-        except Exception as exc:  # any failure: plan on the real model instead
-            logger.info("the model cannot be built on the meta device (%s); building it", exc)
-            skeleton = model_init()
-        if not isinstance(skeleton, nn.Module):
-            raise TypeError(
-                f"trainer.model built a {type(skeleton).__name__}, not an nn.Module; pass a "
-                "module or a callable (e.g. !partial) that returns one"
-            )
-        return skeleton
-
-    def _check_microbatches(self) -> None:
-        args, key, n = self.args, self._key, self.num_microbatches
-        stages = self.topology.num_stages
-        problems = []
-        batch = args.per_device_train_batch_size
-        if batch % n:
-            problems.append(
-                f"{key}.per_device_train_batch_size {batch} is not a multiple of the {n} "
-                f"microbatches each batch is split into (pipeline_microbatches: null means one "
-                f"per pipeline stage); use a multiple of {n} or set pipeline_microbatches"
-            )
-        if args.pipeline_schedule == "1f1b" and n < stages:
-            problems.append(
-                f"{key}.pipeline_microbatches {n} is fewer than the {stages} pipeline stages, "
-                "which 1f1b needs at least; raise it or use gpipe"
-            )
-        if args.pipeline_schedule == "interleaved_1f1b":
-            rounds = max(1, n // stages)
-            if n % rounds:
-                problems.append(
-                    f"{key}.pipeline_microbatches {n}: interleaved_1f1b needs a multiple of "
-                    f"{rounds} (microbatches // stages) or fewer than {2 * stages}"
-                )
-        if problems:
-            raise TrainingArgumentsError(problems)
+    @classmethod
+    def plan_job(cls, model: Any, args: TrainingArguments, world_size: int) -> list[str] | None:
+        """The plan of a job of ``world_size`` processes training ``model`` (a module built on
+        the meta device, or a builder) with ``args``, as lines to print; None when the model
+        cannot be built on the meta device (the workers plan it then). Raises
+        TrainingArgumentsError as the trainer would: ``forge train`` calls this before it
+        launches the job."""
+        if not isinstance(args, PipelineTrainingArguments):
+            args = PipelineTrainingArguments(**args.to_dict())
+        if not isinstance(model, nn.Module):
+            model = meta_skeleton(model, build_if_needed=False)
+        return None if model is None else plan_pipeline(model, args, world_size).describe()
 
     @property
     def my_stages(self):
@@ -358,27 +295,8 @@ class PipelineTrainer(BaseTrainer):
         self._groups = groups
 
     def _log_split(self) -> None:
-        topo, args = self.topology, self.args
-        self._info(
-            "pipeline: %d stage(s) on %d process(es) per replica x %d replica(s); schedule %s, "
-            "%d microbatches per batch",
-            len(self.layout.stages),
-            topo.num_stages,
-            topo.dp_size,
-            args.pipeline_schedule,
-            self.num_microbatches,
-        )
-        for spec in self.layout.stages:
-            first, last = spec.layers.start, spec.layers.stop - 1
-            layers = f"{args.pipeline_layers}.{first}" + (f"-{last}" if last > first else "")
-            self._info(
-                "  stage %d (process %d): %s%s%s",
-                spec.index,
-                spec.index % topo.num_stages,
-                f"{args.pipeline_embedding} + " if spec.first else "",
-                layers,
-                " + " + " + ".join(args.pipeline_head) if spec.last else "",
-            )
+        for line in self.plan.describe():
+            self._info("%s", line)
 
     def release_wrappers(self) -> None:
         self._schedules = {}
@@ -400,7 +318,7 @@ class PipelineTrainer(BaseTrainer):
             losses = self._run(inputs, labels, train=True, weight=1.0 / len(window))
             if self.holds_last:
                 loss_sum += torch.stack(losses).mean() / len(window)
-                tokens += count_tokens(batch).to(self.device)
+                tokens += torch.as_tensor(count_tokens(batch), device=self.device)
         self._sync_gradients()
         return loss_sum, tokens
 
@@ -414,6 +332,12 @@ class PipelineTrainer(BaseTrainer):
                 "use a collator that gives input_ids and labels (CausalLMCollator)"
             )
         mask = batch.get("attention_mask")
+        if mask is not None and not self.layout.parts.causal and not bool(mask.all()):
+            raise ValueError(
+                "the pipeline trainer's stages of an encoder attend to every position without a "
+                "padding mask, and this batch pads; give batches of one length (packed or "
+                "truncated), or train the model with the plain trainer"
+            )
         if mask is not None and not torch.equal(mask.cummin(dim=-1).values, mask):
             raise ValueError(
                 "the pipeline trainer's stages attend causally without a padding mask, which is "

@@ -14,8 +14,10 @@ exports are keyed by them. ``StageModule`` is the forward one stage runs.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -25,12 +27,27 @@ from forge.train.stage_init import keeps, tie_groups, with_tie_owners
 
 @dataclass(frozen=True)
 class ModelParts:
-    """Where a model keeps the parts a pipeline splits (module names, dotted)."""
+    """Where a model keeps the parts a pipeline splits (module names, dotted).
 
-    embedding: str = "model.embed_tokens"
+    ``embedding``: the modules before the layers, run in order by the first stage: the first
+    maps the token ids to vectors; a later ``nn.Embedding`` is a learned position embedding,
+    called on the positions and added (GPT-2's ``wpe``); any other module (dropout, a
+    projection) is applied to the vectors. ``layers``: the list of layers. ``head``: the
+    modules after them, run in order by the last stage. ``rotary``: the rotary embedding every
+    layer takes, or None. ``causal``: whether the layers attend causally (decoders) or to
+    every position (encoders).
+    """
+
+    embedding: tuple[str, ...] = ("model.embed_tokens",)
     layers: str = "model.layers"
     head: tuple[str, ...] = ("model.norm", "lm_head")
     rotary: str | None = "model.rotary_emb"
+    causal: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("embedding", "head"):  # one name, as a config may give it
+            value = getattr(self, name)
+            object.__setattr__(self, name, (value,) if isinstance(value, str) else tuple(value))
 
     def problems(self, model: nn.Module, key: str) -> list[str]:
         """What is wrong with these names for ``model``; ``key`` prefixes the config keys."""
@@ -38,7 +55,14 @@ class ModelParts:
         named = dict(model.named_modules())
         candidates = sorted(n for n in named if n)
         for field, name, what in (
-            ("pipeline_embedding", self.embedding, "its token embedding"),
+            *(
+                (
+                    "pipeline_embedding",
+                    e,
+                    "a module before the layers" if i else "its token embedding",
+                )
+                for i, e in enumerate(self.embedding)
+            ),
             ("pipeline_layers", self.layers, "its list of layers"),
             *(("pipeline_head", h, "the modules after the layers") for h in self.head),
             ("pipeline_rotary", self.rotary, "its rotary embedding, or null"),
@@ -49,12 +73,12 @@ class ModelParts:
                 f"{key}.{field}: {type(model).__name__} has no module {name!r} (name {what})"
                 + _did_you_mean(name, candidates)
             )
-        parts = [self.embedding, self.layers, *self.head, *([self.rotary] if self.rotary else [])]
         uncovered = sorted(
             {
                 name.rpartition(".")[0]
-                for name, _ in model.named_parameters()
-                if not keeps(name.rpartition(".")[0], parts)
+                # a head whose weight is tied to the embedding counts too: it must run
+                for name, _ in model.named_parameters(remove_duplicate=False)
+                if not keeps(name.rpartition(".")[0], self.all_modules)
             }
         )
         if uncovered and not found:
@@ -69,10 +93,76 @@ class ModelParts:
                 f"{key}.pipeline_layers: {self.layers!r} is a {type(layers).__name__}, not a "
                 "ModuleList or Sequential of layers"
             )
+        elif layers is not None and len(layers):
+            found += self._call_problems(model, layers, key)
+        return found
+
+    @property
+    def all_modules(self) -> list[str]:
+        """Every named part (the modules some stage holds)."""
+        return [*self.embedding, self.layers, *self.head, *([self.rotary] if self.rotary else [])]
+
+    def _call_problems(self, model: nn.Module, layers: nn.Module, key: str) -> list[str]:
+        """Whether a stage can call these layers as the unsplit model does."""
+        found = []
+        hf = _hf_config(model)
+        given = set(_layer_keywords(hf is not None, self.rotary is not None))
+        for layer in {type(layer): layer for layer in layers}.values():
+            needs = [n for n in _required_keywords(layer) if n not in given]
+            if needs:
+                found.append(
+                    f"{key}.pipeline_layers: {type(layer).__name__}.forward needs "
+                    f"{', '.join(map(repr, needs))}, which a pipeline stage does not give its "
+                    f"layers (it gives the hidden states{''.join(', ' + g for g in sorted(given))}"
+                    f"); {type(model).__name__} cannot be split into pipeline stages"
+                )
+        kinds = sorted({str(k) for k in getattr(hf, "layer_types", None) or ()} - set(_MASKS))
+        if kinds and self.causal:
+            found.append(
+                f"{key}.pipeline_layers: {type(model).__name__}'s layers attend as "
+                f"{', '.join(map(repr, kinds))}, which a pipeline stage cannot reproduce "
+                f"(it builds {', '.join(map(repr, _MASKS))} masks)"
+            )
         return found
 
     def num_layers(self, model: nn.Module) -> int:
         return len(model.get_submodule(self.layers))
+
+
+# The attention masks a stage builds for a Hugging Face decoder layer, by the layer's
+# attention kind (``config.layer_types``), as the unsplit model's forward builds them.
+_MASKS = {
+    "full_attention": "create_causal_mask",
+    "sliding_attention": "create_sliding_window_causal_mask",
+    "chunked_attention": "create_chunked_causal_mask",
+}
+
+
+def _hf_config(model: nn.Module) -> Any:
+    """The Hugging Face config of ``model`` (its layers take masks and positions), else None."""
+    from forge.train.stage_init import _is_hf_model
+
+    return model.config if _is_hf_model(model) else None
+
+
+def _layer_keywords(hf: bool, rotary: bool) -> tuple[str, ...]:
+    """The keywords a stage gives each layer (besides the hidden states)."""
+    if not hf:
+        return ()
+    return ("attention_mask", "position_ids", *(("position_embeddings",) if rotary else ()))
+
+
+def _required_keywords(layer: nn.Module) -> list[str]:
+    """The parameters of ``layer.forward`` after the first that have no default."""
+    try:
+        params = list(inspect.signature(layer.forward).parameters.values())[1:]
+    except (TypeError, ValueError):
+        return []
+    return [
+        p.name
+        for p in params
+        if p.default is p.empty and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY)
+    ]
 
 
 def _few(names: list[str], n: int = 3) -> str:
@@ -107,7 +197,7 @@ class StageSpec:
         """The modules this stage holds (their weights are its share of the checkpoint)."""
         names = [f"{parts.layers}.{i}" for i in self.layers]
         if self.first:
-            names.insert(0, parts.embedding)
+            names[:0] = parts.embedding
         if self.last:
             names += list(parts.head)
         if parts.rotary is not None:
@@ -135,9 +225,11 @@ def split_layers(
     if num_stages > num_layers:
         raise SplitError(
             [
-                f"{num_stages} pipeline stages but the model has only {num_layers} layers "
-                f"({parts.layers}); use at most {num_layers} stages (pipeline_parallel_size x "
-                "pipeline_stages_per_rank)"
+                f"{key}.pipeline_parallel_size: {num_stages} pipeline stages but the model has "
+                f"only {num_layers} layers ({parts.layers}); use at most {num_layers} stages "
+                "(pipeline_parallel_size, null for every process, x pipeline_stages_per_rank): "
+                "start fewer processes, or set pipeline_parallel_size and the others train as "
+                "data-parallel replicas"
             ]
         )
     if split is None:
@@ -240,7 +332,7 @@ def prune_to_stages(model: nn.Module, parts: ModelParts, specs: Sequence[StageSp
 
     The layer list becomes a ``ModuleDict`` keyed by the original indices, so layer 2 stays
     ``model.layers.2`` (a ModuleList would renumber it). A part that also holds a tensor of a
-    kept part (an input embedding tied to the output head) stays.
+    kept part (an input embedding tied to the output head) stays, holding only that tensor.
     """
     held_layers = sorted({i for spec in specs for i in spec.layers})
     layers = model.get_submodule(parts.layers)
@@ -251,10 +343,23 @@ def prune_to_stages(model: nn.Module, parts: ModelParts, specs: Sequence[StageSp
     _set_submodule(model, parts.layers, kept_layers)
     first = any(spec.first for spec in specs)
     last = any(spec.last for spec in specs)
-    for name, held in ((parts.embedding, first), *((h, last) for h in parts.head)):
+    for name, held in (*((e, first) for e in parts.embedding), *((h, last) for h in parts.head)):
         module = model.get_submodule(name)
         if not held and all(t.is_meta for t in [*module.parameters(), *module.buffers()]):
             _set_submodule(model, name, None)
+    _drop_meta_tensors(model)
+
+
+def _drop_meta_tensors(model: nn.Module) -> None:
+    """Remove the tensors left on the meta device: those of a module kept only for a tied
+    tensor it shares with a kept part (a wrapper whose token embedding is tied to the head
+    also holds a position embedding no stage here runs). A stage holds no tensor without data.
+    """
+    for module in model.modules():
+        for table in (module._parameters, module._buffers):
+            for attr in [a for a, t in table.items() if t is not None and t.is_meta]:
+                del table[attr]
+                module._non_persistent_buffers_set.discard(attr)
 
 
 def _set_submodule(model: nn.Module, name: str, module: nn.Module | None) -> None:
@@ -266,26 +371,35 @@ def _set_submodule(model: nn.Module, name: str, module: nn.Module | None) -> Non
 class StageModule(nn.Module):
     """The forward of one pipeline stage: embedding (first stage), its layers, head (last).
 
-    With a rotary module (Hugging Face decoders) each layer gets the causal mask, position
-    ids and position embeddings, as the unsplit model's forward gives them; otherwise a layer
-    is called on the hidden states alone. A layer or head module that returns a tuple passes
-    on its first element.
+    The embedding modules run as ``ModelParts`` says. A Hugging Face model's layers get what
+    its own forward gives them: the attention mask of their kind (causal, sliding window or
+    chunked, from the model's config; none for an encoder), the position ids and, with a
+    rotary module, the position embeddings; each takes those it names (or all, with
+    ``**kwargs``). Other layers are called on the hidden states alone. A layer or head module
+    that returns a tuple passes on its first element.
     """
 
     def __init__(self, model: nn.Module, parts: ModelParts, spec: StageSpec) -> None:
         super().__init__()
         self.spec = spec
-        self.embedding = model.get_submodule(parts.embedding) if spec.first else None
+        self.causal = parts.causal
+        self.embedding = (
+            nn.ModuleList(model.get_submodule(name) for name in parts.embedding)
+            if spec.first
+            else None
+        )
         self.layers = nn.ModuleList(model.get_submodule(f"{parts.layers}.{i}") for i in spec.layers)
         self.head = (
             nn.ModuleList(model.get_submodule(name) for name in parts.head) if spec.last else None
         )
         self.rotary = model.get_submodule(parts.rotary) if parts.rotary else None
-        self.config = getattr(model, "config", None)
+        self.config = _hf_config(model)
+        given = _layer_keywords(self.config is not None, self.rotary is not None)
+        self._keywords = [_accepted(layer, given) for layer in self.layers]
 
     def forward(self, inputs: torch.Tensor) -> torch.Tensor:
-        hidden = self.embedding(inputs) if self.embedding is not None else inputs
-        if self.rotary is not None:
+        hidden = self._embed(inputs) if self.embedding is not None else inputs
+        if self.config is not None:
             hidden = self._decoder_layers(hidden)
         else:
             for layer in self.layers:
@@ -294,28 +408,87 @@ class StageModule(nn.Module):
             hidden = _first(module(hidden))
         return hidden
 
-    def _decoder_layers(self, hidden: torch.Tensor) -> torch.Tensor:
-        from transformers.masking_utils import create_causal_mask
-
-        positions = torch.arange(hidden.shape[1], device=hidden.device).unsqueeze(0)
-        position_embeddings = self.rotary(hidden, positions)
-        mask = create_causal_mask(
-            config=self.config,
-            inputs_embeds=hidden,
-            attention_mask=None,
-            past_key_values=None,
-            position_ids=positions,
-        )
-        for layer in self.layers:
-            hidden = _first(
-                layer(
-                    hidden,
-                    attention_mask=mask,
-                    position_ids=positions,
-                    position_embeddings=position_embeddings,
-                )
-            )
+    def _embed(self, ids: torch.Tensor) -> torch.Tensor:
+        token, *rest = self.embedding
+        hidden = token(ids)
+        for module in rest:
+            if isinstance(module, nn.Embedding):
+                hidden = hidden + _embed_positions(module, _positions(ids))
+            else:
+                hidden = module(hidden)
         return hidden
+
+    def _decoder_layers(self, hidden: torch.Tensor) -> torch.Tensor:
+        positions = _positions(hidden)
+        given: dict[str, Any] = {"position_ids": positions}
+        if self.rotary is not None:
+            given["position_embeddings"] = self.rotary(hidden, positions)
+        masks: dict[str, Any] = {}
+        first = hidden  # the masks need only its shape, dtype and device
+        for index, layer, keywords in zip(
+            self.spec.layers, self.layers, self._keywords, strict=True
+        ):
+            kwargs = {k: given[k] for k in keywords if k in given}
+            if "attention_mask" in keywords:
+                kwargs["attention_mask"] = self._mask(index, first, positions, masks)
+            hidden = _first(layer(hidden, **kwargs))
+        return hidden
+
+    def _mask(self, index: int, hidden: torch.Tensor, positions: torch.Tensor, masks: dict) -> Any:
+        """Layer ``index``'s attention mask (None where the attention needs none: an encoder
+        without padding, or one ``is_causal`` covers), built once per kind and forward."""
+        if not self.causal:
+            return None
+        kind = attention_kind(self.config, index)
+        if kind not in masks:
+            import transformers.masking_utils as masking
+
+            masks[kind] = getattr(masking, _MASKS[kind])(
+                config=self.config,
+                inputs_embeds=hidden,
+                attention_mask=None,
+                past_key_values=None,
+                position_ids=positions,
+            )
+        return masks[kind]
+
+
+def attention_kind(config: Any, index: int) -> str:
+    """How layer ``index`` attends: its ``config.layer_types`` entry, else a sliding window
+    where the config sets one (Mistral), else full causal attention."""
+    types = getattr(config, "layer_types", None)
+    if types:
+        return str(types[index])
+    return "sliding_attention" if getattr(config, "sliding_window", None) else "full_attention"
+
+
+def _accepted(layer: nn.Module, given: Sequence[str]) -> tuple[str, ...]:
+    """Those of ``given`` that ``layer.forward`` takes (all of them with ``**kwargs``)."""
+    try:
+        params = inspect.signature(layer.forward).parameters.values()
+    except (TypeError, ValueError):
+        return tuple(given)
+    if any(p.kind is p.VAR_KEYWORD for p in params):
+        return tuple(given)
+    names = {p.name for p in params}
+    return tuple(k for k in given if k in names)
+
+
+def _positions(like: torch.Tensor) -> torch.Tensor:
+    """Positions 0..T-1 of a (batch, T, ...) tensor, shaped (1, T)."""
+    return torch.arange(like.shape[1], device=like.device).unsqueeze(0)
+
+
+def _embed_positions(module: nn.Embedding, positions: torch.Tensor) -> torch.Tensor:
+    """A learned position embedding on ``positions``. Hugging Face's that take the attention
+    mask first and the positions as ``position_ids`` (OPT's, which offsets them) get both."""
+    try:
+        takes_ids = "position_ids" in inspect.signature(module.forward).parameters
+    except (TypeError, ValueError):
+        takes_ids = False
+    if takes_ids:
+        return module(torch.ones_like(positions), position_ids=positions)
+    return module(positions)
 
 
 def _first(output: torch.Tensor | tuple) -> torch.Tensor:

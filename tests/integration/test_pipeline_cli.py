@@ -154,6 +154,90 @@ def test_a_split_name_that_does_not_exist_ends_the_job_before_training(project):
     assert not (project / "output" / "pipeline" / "run_001").exists()  # removed, never started
 
 
+def test_dry_run_prints_the_plan_the_readme_shows(project):
+    """README's `forge train pipeline ... --dry-run` output, line for line (the run directory
+    line names the project's own path)."""
+    import re
+
+    from tests.cli.test_readme import README
+
+    shown = re.search(r"\$ (forge train pipeline .*--dry-run)\n(.*?)```", README, re.S)
+    command = shown.group(1).replace("projects/tiny_lm", str(project)).split()[1:]
+    result = run_forge(*command, *PIPE)
+    assert result.returncode == 0, result.stderr
+    expected = shown.group(2).replace("projects/tiny_lm", str(project)).splitlines()
+    assert result.stdout.splitlines() == expected
+    assert not (project / "output" / "pipeline").exists()
+
+
+@pytest.mark.slow
+def test_dry_run_prints_the_pipeline_plan_for_the_jobs_process_count(project):
+    result = run_forge(
+        "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "4",
+        "-D", "pipeline_parallel_size=2", "--dry-run",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert (
+        "pipeline: 2 stage(s) on 2 process(es) per replica x 2 replica(s); schedule 1f1b, "
+        "2 microbatch(es) per batch"
+    ) in lines
+    assert "  stage 0 (process 0): model.embed_tokens + model.layers.0-1" in lines
+    assert "  stage 1 (process 1): model.layers.2-3 + model.norm + lm_head" in lines
+    assert not (project / "output" / "pipeline").exists()
+
+
+@pytest.mark.parametrize(
+    ("extra", "where", "expected"),
+    [
+        (
+            ["--nproc", "2", "-D", "pipeline_split=[model.layers.9]"],
+            "pipeline_trainer.yaml:",
+            "trainer.args.pipeline_split: 'model.layers.9' is not a layer where a stage can begin",
+        ),
+        pytest.param(
+            ["--nproc", "2", "--set", "trainer.args.pipeline_layers=model.blocks"],
+            "--set trainer.args.pipeline_layers=model.blocks",
+            "trainer.args.pipeline_layers: LlamaForCausalLM has no module 'model.blocks'",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["--nproc", "8"],
+            "pipeline_trainer.yaml:",
+            "trainer.args.pipeline_parallel_size: 8 pipeline stages but the model has only 4",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["--nproc", "3"],  # batch_size 4, one microbatch per stage
+            "train.yaml:",
+            "per_device_train_batch_size 4 is not a multiple of the 3 microbatches",
+            marks=pytest.mark.slow,
+        ),
+        pytest.param(
+            ["--nproc", "3", "-D", "pipeline_parallel_size=2"],
+            "pipeline_trainer.yaml:",
+            "trainer.args.pipeline_parallel_size 2 does not divide the 3 processes",
+            marks=pytest.mark.slow,
+        ),
+    ],
+    ids=["split-name", "missing-part", "stages-over-layers", "microbatches", "replicas"],
+)
+@pytest.mark.parametrize("dry_run", [True, pytest.param(False, marks=pytest.mark.slow)])
+def test_a_split_that_cannot_run_is_reported_before_torchrun_starts(
+    project, extra, where, expected, dry_run
+):
+    """Planned on the meta device with the job's process count, in the `forge` process: the
+    error is located at the training argument (the line that sets it), and no run directory
+    is ever made (the workers would need one)."""
+    result = run_forge(
+        "train", "pipeline", "-p", str(project), *PIPE, *extra, *(["--dry-run"] * dry_run)
+    )
+    assert result.returncode == 2, result.stderr
+    assert expected in result.stderr and where in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+    assert not (project / "output" / "pipeline").exists()
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize(
     ("nproc", "define", "expected"),
@@ -293,3 +377,78 @@ def test_the_readmes_pipeline_examples_run(project, tmp_path):
     from transformers import AutoModelForCausalLM
 
     AutoModelForCausalLM.from_pretrained(tmp_path / "tiny_lm_hf")
+
+
+# ------------------------------------------------------------------------------- GPT-2 (slow)
+
+GPT2_CONFIG = """\
+## tiny_lm's pipeline config with GPT-2 in place of the Llama: its parts come from the
+## GPT-2 preset (three embedding modules, no rotary); its embeddings are tied (the default).
+-- extends 'configs/pipeline.yaml'
+-- block model
+.model_config: &model_config !singleton:transformers:GPT2Config
+    vocab_size: !call:forge.data.vocab:vocab_size [*tokenizer]
+    n_positions: {{ block_size | default(128) }}
+    n_embd: {{ hidden_size | default(128) }}
+    n_layer: {{ num_layers | default(4) }}
+    n_head: {{ num_heads | default(4) }}
+    bos_token_id: 0
+    eos_token_id: 0
+model: &model !partial:transformers:GPT2LMHeadModel
+    - *model_config
+-- endblock
+"""
+
+
+@pytest.mark.slow
+def test_gpt2_trains_on_two_stages_resumes_exactly_and_exports_with_its_tied_head(
+    project, tmp_path
+):
+    """GPT-2 with nothing named: split by its preset, its tied embedding written once (by the
+    first stage), a run resumed from its step-10 checkpoint reaching step 20 bit for bit as
+    the straight run, and the export loading with from_pretrained, head tied again."""
+    from transformers import GPT2LMHeadModel
+
+    from forge.checkpoint import load_model_weights
+
+    (project / "templates" / "configs" / "gpt2.yaml").write_text(GPT2_CONFIG)
+    short = ["--nproc", "2", "-D", "max_steps=20", "-D", "save_steps=10"]
+    dry = run_forge("train", "gpt2", "-p", str(project), *PIPE, *short, "--dry-run")
+    assert dry.returncode == 0, dry.stderr
+    assert (
+        "  stage 0 (process 0): transformer.wte + transformer.wpe + transformer.drop + "
+        "transformer.h.0-1"
+    ) in dry.stdout.splitlines()
+    straight = train(project, "gpt2", *short)
+    ckpt = checkpoint(straight, 20)
+    first, last = (
+        set(load_file(ckpt / f"model-stage-{k:05d}-of-00002.safetensors")) for k in range(2)
+    )
+    assert "transformer.wte.weight" in first and "transformer.wpe.weight" in first
+    assert "transformer.ln_f.weight" in last and "transformer.wte.weight" not in last
+    assert "lm_head.weight" not in first | last  # the tied head is the embedding
+
+    source = checkpoint(straight, 10)
+    result = run_forge(
+        "train", "gpt2", "-p", str(project), *PIPE, *short,
+        "--set", f"trainer.args.resume_from_checkpoint={source}",
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert f"resumed from {source} at step 10" in result.stderr
+    resumed = Path(result.stdout.splitlines()[0])
+    assert_same_tensors(weights(ckpt), weights(checkpoint(resumed, 20)), "weights")
+    assert_same_tensors(
+        optimizer_state(ckpt), optimizer_state(checkpoint(resumed, 20)), "optimizer"
+    )
+
+    out = tmp_path / "exported"
+    result = run_forge("export", str(ckpt), str(out))
+    assert result.returncode == 0, result.stderr
+    exported = GPT2LMHeadModel.from_pretrained(out).eval()
+    assert exported.lm_head.weight is exported.transformer.wte.weight
+    assert_same_tensors(load_file(out / "model.safetensors"), weights(ckpt), "export")
+    plain = GPT2LMHeadModel(exported.config).eval()
+    load_model_weights(plain, ckpt)
+    ids = torch.randint(0, exported.config.vocab_size, (2, 16))
+    with torch.no_grad():
+        assert torch.equal(exported(input_ids=ids).logits, plain(input_ids=ids).logits)

@@ -1,5 +1,6 @@
-"""Train the tiny Llama (4 layers, tied embeddings, no dropout) with the pipeline or the plain
-trainer; run by torchrun from test_pipeline_equivalence.py (or in-process for one rank).
+"""Train a tiny causal LM (4 layers, tied embeddings, no dropout: the Llama, or with
+``"model": "gpt2"`` in JSON a GPT-2) with the pipeline or the plain trainer; run by torchrun
+from test_pipeline_equivalence.py (or in-process for one rank).
 
     python -m torch.distributed.run --nproc_per_node=N pipeline_script.py OUT KIND [JSON]
 
@@ -17,11 +18,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from forge.data import CausalLMCollator
 from forge.train import PipelineTrainer, PipelineTrainingArguments, Trainer, TrainingArguments
-from tests.train.common import TokenDataset, tiny_llama_config
+from tests.train.common import VOCAB, TokenDataset, tiny_llama_config
 
 # 64 samples, 8 or 16 per optimizer step: 6 steps cross an epoch boundary.
 TRAIN_SIZE = 64
@@ -36,7 +37,20 @@ def llama_init() -> functools.partial:
     return functools.partial(LlamaForCausalLM, config)
 
 
-def train(output_dir: str | Path, kind: str, **overrides: Any) -> Trainer:
+def gpt2_init() -> functools.partial:
+    """GPT-2 as its class builds it (input and output embeddings tied), 4 layers, no dropout:
+    its embedding is three modules (wte, wpe, drop) and its blocks take no rotary."""
+    config = GPT2Config(
+        vocab_size=VOCAB, n_positions=64, n_embd=32, n_layer=4, n_head=4,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, bos_token_id=1, eos_token_id=2,
+    )  # fmt: skip
+    return functools.partial(GPT2LMHeadModel, config)
+
+
+MODELS = {"llama": llama_init, "gpt2": gpt2_init}
+
+
+def train(output_dir: str | Path, kind: str, model: str = "llama", **overrides: Any) -> Trainer:
     values: dict[str, Any] = {
         "output_dir": str(output_dir),
         "max_steps": STEPS,
@@ -54,7 +68,7 @@ def train(output_dir: str | Path, kind: str, **overrides: Any) -> Trainer:
     pipeline = kind == "pipeline"
     args = (PipelineTrainingArguments if pipeline else TrainingArguments)(**values)
     trainer = (PipelineTrainer if pipeline else Trainer)(
-        llama_init(),
+        MODELS[model](),
         args,
         TokenDataset(TRAIN_SIZE),
         data_collator=CausalLMCollator(pad_token_id=0),

@@ -72,6 +72,7 @@ def assert_trains_alike(pipeline: Path, plain: Path) -> None:
     stages, whole = merged_weights(pipeline), torch.load(plain / "weights-rank-0.pt")
     # every parameter is written by exactly one stage; lm_head.weight is the tied embedding
     assert set(stages) == set(whole) - {"lm_head.weight"}
+    assert "lm_head.weight" in whole
     for name, tensor in stages.items():
         torch.testing.assert_close(tensor, whole[name], rtol=1e-4, atol=1e-4, msg=name)
 
@@ -79,6 +80,14 @@ def assert_trains_alike(pipeline: Path, plain: Path) -> None:
 def test_two_stages_train_like_one_process(tmp_path):
     torchrun(tmp_path / "pipeline", 2, "pipeline")
     train(tmp_path / "plain", "plain")
+    assert_trains_alike(tmp_path / "pipeline", tmp_path / "plain")
+
+
+def test_two_stages_of_gpt2_train_like_one_process(tmp_path):
+    """GPT-2 from its preset (embedding wte + wpe + drop, no rotary), with its default tied
+    embeddings: the head on stage 1 shares stage 0's token embedding."""
+    torchrun(tmp_path / "pipeline", 2, "pipeline", model="gpt2")
+    train(tmp_path / "plain", "plain", model="gpt2")
     assert_trains_alike(tmp_path / "pipeline", tmp_path / "plain")
 
 
