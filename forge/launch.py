@@ -281,15 +281,16 @@ def failed_note(run_dir: Path, project_root: Path) -> str:
 
 
 def settle_failure(run_dir: Path, what: str, failure: dict[str, Any]) -> bool:
-    """Mark ``run_dir`` failed with ``what`` if its record still says it is running (no rank
-    recorded why the job ended); True if it did. A record that already says failed (rank 0's
-    own error) only gains ``failure``, the process that failed first."""
+    """Mark ``run_dir`` failed with ``what`` if no rank recorded why the job ended (its record
+    still says created or running, or killed from an earlier job); True if it did. A record
+    that already says failed (rank 0's own error) only gains ``failure``, the process that
+    failed first."""
     from forge.runs import RunError, RunRecord
 
     try:
         record = RunRecord.load(run_dir)
         status = record.data.get("status")
-        if status == "running":
+        if status in ("created", "running", "killed"):
             record.set_status(
                 "failed", error=what, error_type="ProcessFailure", error_kind="runtime",
                 failure=failure,
