@@ -1,19 +1,37 @@
 """Starting the training processes: in this process, or one per rank under torchrun.
 
-``python -m forge.launch TORCHRUN_ARGS`` is torchrun without its own traceback on failure:
-torchrun (``torch.distributed.run``) reports a failed worker by raising ``ChildFailedError``,
-which prints a Python traceback and a failure table after the worker has already printed its
-own one-line error. forge's workers report their errors themselves (and record them in
-``run.json``), so this wrapper runs the same launcher and only passes on the exit code.
+``python -m forge.launch [--run-dir=RUN --project=DIR] TORCHRUN_ARGS`` is torchrun (the elastic
+agent) with three differences. It prints no traceback: torchrun reports a failed worker by
+raising ``ChildFailedError`` and a signal by raising ``SignalException``, each with a Python
+traceback beside the worker's own one-line message; this wrapper passes on the exit code. It
+settles ``run.json`` when a rank failed and no rank said why (rank 0 records its own errors,
+but is torn down unrecorded when another rank dies). And it dies with its launcher.
+
+**Lifetime.** ``forge`` starts the agent in a session of its own (Ctrl-C in a terminal then
+reaches the job once, through forge, which forwards it), and torch starts each worker in a
+session of its own; so neither is hit by a signal to forge's process group, and either would
+train on as an orphan after ``kill -9``. Each therefore asks to be signalled when the process
+that started it dies (:func:`stop_with_parent`): on Linux the kernel does it
+(``prctl(PR_SET_PDEATHSIG)``), elsewhere a thread that watches the parent pid. The agent then
+has torch kill the workers at once and records the run as ``killed``; a worker whose agent is
+gone is killed outright. A dead launcher is not a request to save: the job stops as a SIGKILL
+to every process would have stopped it, the checkpoint layer guarantees that a save cut short
+leaves the committed checkpoints valid, and the run's locks are free for ``forge resume`` the
+moment the processes are gone. SIGTERM and Ctrl-C to ``forge`` are forwarded and save first.
 """
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
+import threading
+import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
@@ -24,6 +42,11 @@ from forge.train.topology import Topology
 logger = logging.getLogger(__name__)
 
 EXIT_OK = 0
+
+PARENT_ENV = "FORGE_PARENT_PID"  # the launcher a training process must not outlive
+LAUNCHER_DIED = signal.SIGUSR1  # what the agent receives when forge dies (torch leaves it be)
+_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+_WATCH_INTERVAL_S = 0.2
 
 
 def resolve_nproc(value: str | None, default: int = 1) -> int:
@@ -64,7 +87,8 @@ def torchrun_command(
     max_restarts: int = 0,
 ) -> list[str]:
     """The argv that starts ``nproc`` workers of ``run_dir`` under torchrun."""
-    command = [sys.executable, "-m", "forge.launch", f"--nproc_per_node={nproc}"]
+    command = [sys.executable, "-m", "forge.launch", f"--run-dir={run_dir}"]
+    command += [f"--project={project_root}", f"--nproc_per_node={nproc}"]
     if not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in torchrun_args):
         command.append("--standalone")
     if max_restarts:
@@ -122,6 +146,7 @@ def launch_training(
         # attempt's keys: restarted workers then connect to dead peers' addresses
         # (pytorch/pytorch#135712). A store per attempt avoids that.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
+    env[PARENT_ENV] = str(os.getpid())  # torchrun and its workers stop when this process dies
     child = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum, _frame):
@@ -133,6 +158,12 @@ def launch_training(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if code < 0:  # torchrun itself was killed (its workers die with it): no rank said why
+        what = f"torchrun (pid {child.pid}) {exit_text(code)}"
+        if settle_failure(
+            run_dir, what, {"process": "torchrun", "pid": child.pid, "exitcode": code}
+        ):
+            print(f"error: {what}; {failed_note(run_dir, project.root)}", file=sys.stderr)
     return exit_code_from_record(run_dir, code)
 
 
@@ -179,6 +210,128 @@ def leave_launched_job(*, ok: bool) -> None:
         dist.destroy_process_group()
 
 
+# --------------------------------------------------------------------------- lifetime
+
+
+def stop_with_parent(signum: int) -> None:
+    """Have ``signum`` delivered to this process when its launcher (``FORGE_PARENT_PID``) dies.
+
+    Linux: the kernel sends it (``PR_SET_PDEATHSIG``, which fires when the *thread* that started
+    this process ends; forge and torchrun start their children from the main thread, which
+    waits for them). Elsewhere a daemon thread polls the parent pid. The variable is consumed,
+    so the processes this one starts do not inherit it. A process no forge launcher started
+    (``accelerate launch``, a user's torchrun) names none, and nothing happens.
+    """
+    value = os.environ.pop(PARENT_ENV, "")
+    if not value.isdigit():
+        return
+    parent = int(value)
+    if not _kernel_signals_parent_death(signum):
+        watch = threading.Thread(target=_watch_parent, args=(parent, signum), daemon=True)
+        watch.start()
+    if os.getppid() != parent:  # it died before the watch began
+        os.kill(os.getpid(), signum)
+
+
+def _kernel_signals_parent_death(signum: int) -> bool:
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signum), 0, 0, 0) == 0
+    except (OSError, AttributeError):
+        return False
+
+
+def _watch_parent(parent: int, signum: int) -> None:
+    while os.getppid() == parent:  # an orphan is adopted: its parent pid changes
+        time.sleep(_WATCH_INTERVAL_S)
+    os.kill(os.getpid(), signum)
+
+
+# --------------------------------------------------------------------------- the record
+
+
+def exit_text(code: int) -> str:
+    """``-9`` -> 'was killed by SIGKILL', ``1`` -> 'exited with code 1' (a Popen return code)."""
+    if code < 0:
+        try:
+            return f"was killed by {signal.Signals(-code).name}"
+        except ValueError:
+            return f"was killed by signal {-code}"
+    return f"exited with code {code}"
+
+
+def resume_command(run_dir: Path, project_root: Path) -> str:
+    """The command that continues ``run_dir``, with paths as short as the working directory allows."""
+
+    def shown(path: Path) -> str:
+        relative = os.path.relpath(path)
+        return shlex.quote(str(path) if relative.startswith("..") else relative)
+
+    return f"forge resume -p {shown(Path(project_root))} --run-dir {shown(Path(run_dir))}"
+
+
+def failed_note(run_dir: Path, project_root: Path) -> str:
+    """The end of the message about a failed job: its record and how to go on."""
+    return (
+        f"{Path(run_dir).name} is marked failed; `{resume_command(run_dir, project_root)}` "
+        "continues it from its newest checkpoint"
+    )
+
+
+def settle_failure(run_dir: Path, what: str, failure: dict[str, Any]) -> bool:
+    """Mark ``run_dir`` failed with ``what`` if no rank recorded why the job ended (its record
+    still says created or running, or killed from an earlier job); True if it did. A record
+    that already says failed (rank 0's own error) only gains ``failure``, the process that
+    failed first."""
+    from forge.runs import RunError, RunRecord
+
+    try:
+        record = RunRecord.load(run_dir)
+        status = record.data.get("status")
+        if status in ("created", "running", "killed"):
+            record.set_status(
+                "failed", error=what, error_type="ProcessFailure", error_kind="runtime",
+                failure=failure,
+            )  # fmt: skip
+            return True
+        if status == "failed" and "failure" not in record.data:
+            record.update(failure=failure)
+    except RunError as err:
+        _tell(f"error: {err}")
+    return False
+
+
+def record_launcher_death(run_dir: Path, project_root: Path, launcher: str) -> None:
+    """What the agent does when forge died, once its workers are gone: the record says so.
+
+    It takes the launch lock that forge held: a ``forge resume`` that has claimed the run in
+    the meantime owns the record, and this one leaves it alone."""
+    from forge.runs import LAUNCH_LOCK, RunBusyError, RunError, RunLock, RunRecord
+
+    what = f"the forge process that launched the job (pid {launcher}) died"
+    try:
+        with RunLock.acquire(run_dir, LAUNCH_LOCK, wait=0.0, sign=False):
+            record = RunRecord.load(run_dir)
+            if record.data.get("status") in ("created", "running"):
+                record.set_status("killed", error=f"{what}; its training processes were stopped")
+    except RunBusyError:
+        return
+    except RunError as err:
+        _tell(f"error: {err}")
+    _tell(
+        f"stopped {Path(run_dir).name}: {what}. "
+        f"`{resume_command(run_dir, project_root)}` continues it from its newest checkpoint"
+    )
+
+
+def _tell(message: str) -> None:
+    """A line on stderr, which a killed forge may have left without a reader."""
+    with contextlib.suppress(OSError):
+        print(message, file=sys.stderr, flush=True)
+
+
 def exit_code_from_record(run_dir: Path, code: int) -> int:
     """The CLI's exit code for a launched job, from what rank 0 recorded in ``run.json``."""
     from forge.runs import RunRecord
@@ -193,17 +346,65 @@ def exit_code_from_record(run_dir: Path, code: int) -> int:
     return code if code > 0 else EXIT_FAILURE
 
 
+def _launcher_died(signum: int, frame: Any) -> None:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    # torch's agent answers a SignalException by sending its sigval to every worker's process
+    # group; SIGKILL (which no process can catch, so torch never raises it itself) stops them
+    # at once and marks this cause for main().
+    raise SignalException("the forge process that launched the job died", signal.SIGKILL)
+
+
+def _quiet_torchelastic() -> None:
+    """Keep torch's elastic agent from adding its log lines (a failed worker, a forwarded
+    signal) to forge's one message; torch's LOGLEVEL variable brings them back."""
+    if "LOGLEVEL" in os.environ:
+        return
+    elastic = logging.getLogger("torch.distributed.elastic")
+    elastic.addHandler(logging.NullHandler())  # its modules set their own levels: cut the path
+    elastic.propagate = False
+
+
+def _forge_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
+    """The ``--run-dir=`` and ``--project=`` that forge puts before torchrun's arguments."""
+    options: dict[str, str] = {}
+    while argv and argv[0].startswith(("--run-dir=", "--project=")):
+        key, value = argv.pop(0)[2:].split("=", 1)
+        options[key] = value
+    return options, argv
+
+
 def main(argv: list[str] | None = None) -> int:
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.run import parse_args, run
 
-    logging.getLogger("torch.distributed.elastic").setLevel(logging.CRITICAL)
+    options, argv = _forge_options(list(sys.argv[1:] if argv is None else argv))
+    run_dir = Path(options["run-dir"]) if "run-dir" in options else None
+    project_root = Path(options.get("project", "."))
+    launcher = os.environ.get(PARENT_ENV, "")
+    _quiet_torchelastic()
     try:
-        run(parse_args(sys.argv[1:] if argv is None else argv))
+        signal.signal(LAUNCHER_DIED, _launcher_died)
+        stop_with_parent(LAUNCHER_DIED)
+        os.environ[PARENT_ENV] = str(os.getpid())  # every worker stops when this process dies
+        run(parse_args(argv))
     except ChildFailedError as failure:
+        signal.signal(LAUNCHER_DIED, signal.SIG_IGN)  # the workers are gone already
+        rank, first = failure.get_first_failure()
+        what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
+        details = {"rank": rank, "pid": first.pid, "exitcode": first.exitcode}
+        if run_dir is not None and settle_failure(run_dir, what, details):
+            _tell(f"error: {what}; {failed_note(run_dir, project_root)}")
         codes = [f.exitcode for f in failure.failures.values() if f.exitcode and f.exitcode > 0]
-        return codes[0] if codes else 1
-    return 0
+        return codes[0] if codes else EXIT_FAILURE
+    except SignalException as stop:  # torch has passed the signal on and waited for the workers
+        signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
+        if stop.sigval == signal.SIGKILL and run_dir is not None:
+            record_launcher_death(run_dir, project_root, launcher)
+        return 128 + int(stop.sigval)
+    signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
+    return EXIT_OK
 
 
 if __name__ == "__main__":

@@ -30,7 +30,7 @@ except ImportError:  # pragma: no cover - not POSIX: runs are not locked
 
 RUN_PATTERN = re.compile(r"^run_(\d{3,})$")
 BEST_LINK = "best"
-STATUSES = ("created", "running", "completed", "failed", "interrupted")
+STATUSES = ("created", "running", "completed", "failed", "interrupted", "killed")
 
 
 class RunError(Exception):

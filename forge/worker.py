@@ -15,12 +15,15 @@ import logging
 import os
 import signal
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.errors import EXIT_USAGE, exit_code_for
 from forge.runs import RunRecord, hold_training_lock, now_iso
 from forge.train.topology import Topology
+
+if TYPE_CHECKING:
+    from forge.train import TrainingInterrupted
 
 logger = logging.getLogger(__name__)
 
@@ -109,6 +112,17 @@ def reached_step(trainer: Any) -> int:
     return int(getattr(state, "global_step", 0) or 0)
 
 
+def stopped_message(stop: TrainingInterrupted, run_dir: Path, project: Project) -> str:
+    """What a job stopped by a signal tells the user: where it stopped and how to go on."""
+    from forge.launch import resume_command
+
+    name = signal.Signals(stop.signum).name
+    return (
+        f"stopped by {name} at step {stop.step}; checkpoint {stop.checkpoint} holds it. "
+        f"Continue with: {resume_command(run_dir, project.root)}"
+    )
+
+
 def run_worker(
     run_dir: Path,
     project: Project,
@@ -149,6 +163,7 @@ def run_worker(
                 signal=signal.Signals(stop.signum).name,
                 reached_step=reached_step(trainer),
             )
+            logger.info("%s", stopped_message(stop, run_dir, project))
         return 128 + int(stop.signum)
     except BaseException as err:
         if rank == 0:

@@ -11,6 +11,7 @@ import argparse
 import logging
 import os
 import shlex
+import signal
 import sys
 from pathlib import Path
 from typing import Any
@@ -358,8 +359,10 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) ->
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
+    from forge.launch import stop_with_parent
     from forge.worker import run_worker
 
+    stop_with_parent(signal.SIGKILL)  # a worker whose torchrun is gone stops at once
     project = load_project(Path(args.project).resolve())
     resume = args.resume_from
     return run_worker(Path(args.run_dir), project, resume_from=resume, allow=args.allow or [])

@@ -68,10 +68,14 @@ def stop_and_resume(project: Path, sig: int, *extra: str) -> Path:
     proc.send_signal(sig)
     proc.wait(timeout=300)
     if sig in (signal.SIGTERM, signal.SIGINT):
-        assert proc.returncode == 128 + sig, proc.stderr.read()  # 143 / 130
+        stderr = proc.stderr.read()
+        assert proc.returncode == 128 + sig, stderr  # 143 / 130
         record = json.loads((run_dir / "run.json").read_text())
         assert record["status"] == "interrupted"
         assert record["signal"] == signal.Signals(sig).name
+        # one message says where it stopped and how to go on; no traceback beside it
+        assert stderr.count(f"stopped by {signal.Signals(sig).name} at step ") == 1, stderr
+        assert "Continue with: forge resume -p " in stderr and "Traceback" not in stderr, stderr
     else:
         assert proc.returncode == -signal.SIGKILL
     assert not (run_dir / "checkpoints" / "checkpoint-000040").exists()

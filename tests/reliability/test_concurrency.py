@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import time
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,6 @@ from forge.checkpoint import find_latest_checkpoint, parse_checkpoint_step
 from tests.helpers import REPO, TINY_LM, run_forge
 from tests.integration.conftest import SMALL
 from tests.integration.test_train_resume import start_forge, wait_for
-from tests.reliability.procs import alive, descendants, kill_tree, worker_pids
 
 pytestmark = pytest.mark.integration
 
@@ -66,40 +64,3 @@ def test_resume_of_a_live_run_is_refused_and_of_a_killed_one_continues(project):
     assert resumed.returncode == 0, resumed.stderr
     assert "run_001 was left 'running' by a process that is gone (pid " in resumed.stderr
     assert json.loads((run_dir / "run.json").read_text())["status"] == "completed"
-
-
-@pytest.mark.slow
-def test_workers_that_outlive_a_killed_launcher_keep_the_run_locked(project):
-    train = start_forge(
-        "train", "-p", str(project), *SMALL, "-D", "max_steps=4000", "--nproc", "2", cwd=REPO
-    )
-    run_dir = Path(train.stdout.readline().strip())
-    orphans: list[int] = []
-    try:
-        wait_for(run_dir / "checkpoints" / "checkpoint-000010", train)
-        workers = worker_pids(train.pid)
-        assert sorted(workers) == [0, 1], workers
-        orphans = descendants(train.pid)
-        train.send_signal(signal.SIGKILL)  # the launcher only: torchrun runs in its own session
-        train.wait()
-        assert alive(workers[0])
-        refused = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
-        assert refused.returncode == 1, refused.stderr
-        assert f"is being trained right now (pid {workers[0]} on " in refused.stderr
-    finally:
-        for pid in orphans:
-            kill_tree(pid)
-        train.kill()
-        train.wait()
-    while any(alive(pid) for pid in orphans):  # SIGKILLed: gone within moments
-        time.sleep(0.1)
-    resumed = run_forge(
-        "resume",
-        "-p",
-        str(project),
-        "--run-dir",
-        str(run_dir),
-        "--set",
-        "trainer.args.max_steps=12",
-    )
-    assert resumed.returncode == 0, resumed.stderr

@@ -1,0 +1,132 @@
+"""forge/launch.py with real processes: a training process stops when the process that
+started it dies (the kernel's parent-death signal on Linux, a watching thread elsewhere), and
+torchrun's agent settles ``run.json`` when a rank dies without rank 0 saying why.
+
+The whole job through ``forge train`` is tested in tests/reliability/test_job_lifetime.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from forge.launch import PARENT_ENV
+from tests.helpers import REPO
+from tests.reliability.procs import alive
+
+# A process that asks to stop with its launcher, says so, then lives on long enough to be
+# seen outliving a dead launcher: it leaves a file behind if it does.
+CHILD = """
+import os, signal, sys, time
+from pathlib import Path
+import forge.launch as launch
+if sys.argv[2] == "thread":  # the portable watch, as where there is no prctl
+    launch._kernel_signals_parent_death = lambda signum: False
+launch.stop_with_parent(signal.SIGKILL)
+print(os.getpid(), os.environ.get(launch.PARENT_ENV), flush=True)
+time.sleep(float(sys.argv[3]))
+Path(sys.argv[1]).write_text("outlived its launcher")
+"""
+
+# The launcher: starts CHILD naming itself as the parent to stop with, then waits for ever.
+LAUNCHER = """
+import os, subprocess, sys
+env = dict(os.environ, {name}=str(os.getpid()))
+subprocess.Popen([sys.executable, "-c", {child!r}, *sys.argv[1:]], env=env).wait()
+"""
+
+
+def python(code: str, *args: str, env: dict | None = None, **kwargs) -> subprocess.Popen:
+    full_env = {k: v for k, v in os.environ.items() if k != PARENT_ENV}
+    full_env.update(env or {})
+    return subprocess.Popen(
+        [sys.executable, "-c", code, *args], cwd=REPO, env=full_env, text=True, **kwargs
+    )
+
+
+def wait_until_gone(pid: int) -> None:
+    while alive(pid):  # no time bound: a survivor leaves its file, which fails the test
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("watch", ["kernel", "thread"])
+def test_a_process_stops_when_its_launcher_is_killed(tmp_path, watch):
+    survived = tmp_path / "survived"
+    launcher = python(
+        LAUNCHER.format(name=PARENT_ENV, child=CHILD),
+        str(survived),
+        watch,
+        "30",
+        stdout=subprocess.PIPE,
+    )
+    child_pid, named = launcher.stdout.readline().split()
+    assert named == "None"  # consumed: what the child starts does not inherit it
+    launcher.kill()
+    launcher.wait()
+    wait_until_gone(int(child_pid))
+    assert not survived.exists()
+
+
+def test_a_process_whose_launcher_died_before_it_asked_stops_at_once(tmp_path):
+    gone = python("pass")
+    gone.wait()  # a launcher that is already dead when the child asks
+    child = python(
+        CHILD, str(tmp_path / "survived"), "kernel", "30", env={PARENT_ENV: str(gone.pid)}
+    )
+    assert child.wait() == -signal.SIGKILL
+    assert not (tmp_path / "survived").exists()
+
+
+def test_a_process_no_forge_launcher_started_is_left_alone(tmp_path):
+    """`accelerate launch` or a user's torchrun start forge's processes: nothing to watch."""
+    survived = tmp_path / "survived"
+    child = python(CHILD, str(survived), "kernel", "0", stdout=subprocess.PIPE)
+    out, _ = child.communicate()
+    assert child.returncode == 0 and out.split()[1] == "None"
+    assert survived.read_text() == "outlived its launcher"
+
+
+# A stand-in for forge's worker under torchrun: rank 1 is killed as the kernel's OOM killer
+# would; rank 0 waits and is torn down by the agent, recording nothing.
+WORKER = """
+import os, signal, sys, time
+from pathlib import Path
+if os.environ["RANK"] == "1":
+    os.kill(os.getpid(), signal.SIGKILL)
+time.sleep(60)
+Path(sys.argv[1]).write_text("rank 0 was not stopped")
+"""
+
+
+def test_a_rank_that_dies_marks_the_run_failed_naming_it(tmp_path):
+    run_dir = tmp_path / "run_001"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"run": 1, "status": "running"}))
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER)
+    agent = python(
+        "from forge.launch import main; raise SystemExit(main())",
+        f"--run-dir={run_dir}",
+        f"--project={tmp_path}",
+        "--nproc_per_node=2",
+        "--standalone",
+        str(worker),
+        str(tmp_path / "survived"),
+        stderr=subprocess.PIPE,
+    )
+    _, stderr = agent.communicate()
+    assert agent.returncode == 1, stderr
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed", record
+    assert record["failure"]["rank"] == 1 and record["failure"]["exitcode"] == -signal.SIGKILL
+    assert record["error"].startswith("rank 1 (pid ") and "was killed by SIGKILL" in record["error"]
+    said = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1, stderr
+    assert said[0].startswith(f"error: {record['error']}; run_001 is marked failed; `forge resume")
+    assert "Traceback" not in stderr and "ChildFailedError" not in stderr
+    assert not (tmp_path / "survived").exists()
