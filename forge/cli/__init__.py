@@ -17,6 +17,7 @@ import sys
 from forge.cli.commands import COMMANDS
 from forge.cli.parser import build_parser, split_torchrun_args
 from forge.errors import EXIT_USAGE, exit_code_for, is_expected
+from forge.extras import missing_package_hint
 
 __all__ = ["main"]
 
@@ -92,5 +93,10 @@ def _run(command, args: argparse.Namespace, verbose: bool) -> int:
                 print(f"{prefix}error: {err}", file=sys.stderr)
         else:
             print(f"{prefix}error: {type(err).__name__}: {err}", file=sys.stderr)
+            for note in getattr(err, "__notes__", ()):  # e.g. the config node being built
+                print(f"    {note}", file=sys.stderr)
+            hint = missing_package_hint(err)
+            if hint is not None:
+                print(f"    {hint}", file=sys.stderr)
             print("(run again with -v for the traceback)", file=sys.stderr)
         return exit_code_for(err)
