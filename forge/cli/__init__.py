@@ -35,7 +35,8 @@ def setup_logging(verbose: bool) -> None:
     root.handlers[:] = [handler]
     level = logging.DEBUG if verbose else logging.INFO
     root.setLevel(level if rank == 0 else logging.WARNING)
-    # huggingface_hub logs "Model weights successfully saved" at every checkpoint
+    # libraries' info lines (connections, locks, the agent); a checkpoint's weight-save line is
+    # kept out where it is written (forge.checkpoint.io.quiet_hub_saves)
     for noisy in ("urllib3", "filelock", "torch.distributed.elastic", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 

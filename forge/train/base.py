@@ -74,6 +74,7 @@ from forge.train.evaluation import (
     loss_weight,
     missing_metric_message,
     output_logits,
+    unwrap,
 )
 from forge.train.loop_state import Batch, Position, StepResult, Tally, TrainOutput, count_tokens
 from forge.train.optim import (
@@ -84,7 +85,12 @@ from forge.train.optim import (
     set_seed,
 )
 from forge.train.precision import device_problems, numerics
-from forge.train.runtime import Intervals, apply_runtime_settings, prepare_model
+from forge.train.runtime import (
+    Intervals,
+    apply_runtime_settings,
+    name_causal_lm_loss,
+    prepare_model,
+)
 from forge.train.signals import StopSignals, TrainingInterrupted
 from forge.train.topology import Topology
 
@@ -195,6 +201,7 @@ class BaseTrainer:
         self._data_position: DataPosition | None = None
         self._eval_model: nn.Module | None = None
         self._in_train = False
+        self._counts_flops = False  # the model estimates its floating-point operations
         self._every = Intervals()
 
     # ------------------------------------------------------------------ properties
@@ -279,7 +286,8 @@ class BaseTrainer:
             for micro_batches in self._accumulation_windows(epoch):
                 loss, tokens = self.forward_backward(micro_batches)
                 grad_norm = self.clip_gradients()
-                step = self.reduce_step(loss, tokens, grad_norm)  # agreed on by every rank
+                samples, flops = self._count_work(micro_batches)  # host numbers: no sync
+                step = self.reduce_step(loss, tokens, grad_norm, samples, flops)  # every rank's
                 self._step_unless_nonfinite(step)
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -329,7 +337,9 @@ class BaseTrainer:
     def _settle(self) -> None:
         """Read the steps' numbers since the last settle into the state (tokens seen, steps
         skipped). It waits for the device, so only logging steps and checkpoints call it."""
+        flops = self._tally.flops
         settled = self._tally.settle()
+        self.state.total_flos += self._tally.flops - flops
         if settled.skipped and self.args.skip_nonfinite:
             self.state.nonfinite_skipped += settled.skipped
             self._info(
@@ -400,6 +410,10 @@ class BaseTrainer:
             self._evaluate_in_training()
         if args.save_final_checkpoint:
             self.save_checkpoint()
+        self._settle()
+        summary = self._train_summary(steps, run_tally)
+        if steps:  # a run resumed at its end trained nothing to summarise
+            self._call("on_log", logs=summary)
         if args.load_best_model_at_end and state.best_checkpoint:
             self._info(
                 "loading the best checkpoint %s (%s %.6g)",
@@ -409,17 +423,31 @@ class BaseTrainer:
             )
             self.load_weights(Path(state.best_checkpoint))
         self._call("on_train_end")
-        runtime = time.perf_counter() - run_tally.started
         metrics = {
-            "train_loss": run_tally.mean_loss,
-            "train_runtime": runtime,
-            "train_steps_per_second": steps / max(runtime, 1e-9),
+            **summary,
             "total_tokens": float(state.tokens_seen),
             "nonfinite_skipped": float(state.nonfinite_skipped),
-            "epoch": state.epoch,
             **self._last_eval[1],
         }
         return TrainOutput(state.global_step, run_tally.mean_loss, metrics)
+
+    def _train_summary(self, steps: int, run_tally: Tally) -> dict[str, float]:
+        """Hugging Face's end-of-training metrics for this ``train()`` call (a resumed run counts
+        the steps and samples it ran itself): ``train_runtime`` (seconds, from the first step),
+        ``train_samples_per_second`` (the items trained on, over ranks),
+        ``train_steps_per_second``, ``total_flos`` (over the whole run, for a model that
+        estimates them), ``train_loss`` and ``epoch``."""
+        runtime = max(time.perf_counter() - run_tally.started, 1e-9)
+        summary = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(run_tally.samples / runtime, 3),
+            "train_steps_per_second": round(steps / runtime, 3),
+        }
+        if self._counts_flops:
+            summary["total_flos"] = self.state.total_flos
+        summary["train_loss"] = run_tally.mean_loss
+        summary["epoch"] = self.state.epoch
+        return summary
 
     # ------------------------------------------------------------------ one step (overridable)
     def forward_backward(self, window: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -487,20 +515,62 @@ class BaseTrainer:
         return grad_norm
 
     def reduce_step(
-        self, loss: torch.Tensor, tokens: torch.Tensor, grad_norm: torch.Tensor
+        self,
+        loss: torch.Tensor,
+        tokens: torch.Tensor,
+        grad_norm: torch.Tensor,
+        samples: float = 0,
+        flops: float = 0.0,
     ) -> StepResult:
-        """Agree on the step across ranks with one all-reduce of (loss, tokens).
+        """Agree on the step across ranks with one all-reduce of (loss, tokens, samples,
+        flops); ``samples`` and ``flops`` are this rank's, known on the host.
 
         The summed loss is non-finite exactly when some rank's loss is, and gradients are
         already synchronised, so every rank takes the same skip decision. Everything stays on
         the device: nothing here waits for the step to finish.
         """
-        stats = self.all_reduce_sum(torch.stack([loss.double(), tokens.double()]))
-        loss_sum, total_tokens = stats.unbind()
+        counts = [loss.new_full((), value, dtype=torch.float64) for value in (samples, flops)]
+        stats = self.all_reduce_sum(torch.stack([loss.double(), tokens.double(), *counts]))
+        loss_sum, total_tokens, total_samples, total_flops = stats.unbind()
         finite = torch.isfinite(loss_sum)
         if self.scaler is None:  # with a grad scaler, overflowing gradients are its to skip
             finite = finite & torch.isfinite(grad_norm)
-        return StepResult(loss_sum / self.topology.dp_size, total_tokens, grad_norm, finite)
+        return StepResult(
+            loss_sum / self.topology.dp_size,
+            total_tokens,
+            grad_norm,
+            finite,
+            total_samples / self.topology.num_stages,  # every stage of a pipeline sees the batch
+            total_flops,
+        )
+
+    def _count_work(self, window: list[Batch]) -> tuple[int, float]:
+        """The items of this rank's micro-batches and their floating-point operations (0 for a
+        model that gives no estimate), from the batches' shapes."""
+        samples, flops = 0, 0.0
+        for batch in window:
+            samples += batch_size_of(batch)
+            estimate = self.floating_point_ops(batch)
+            if estimate is not None:
+                flops += estimate
+                self._counts_flops = True
+        return samples, flops
+
+    def floating_point_ops(self, batch: Batch) -> float | None:
+        """One micro-batch's forward and backward floating-point operations on this rank, as
+        Hugging Face's Trainer estimates them: the model's own ``floating_point_ops(batch)``
+        where it has one (any model may define it), else for a model with ``num_parameters``
+        (a ``PreTrainedModel``) 6 x the main input's tokens x the parameters outside the
+        embeddings. None otherwise: ``total_flos`` is then left out of the summary. Override
+        to count another way."""
+        model = unwrap(self.model)
+        estimate = getattr(model, "floating_point_ops", None)
+        if callable(estimate):
+            return float(estimate(batch))
+        inputs = batch.get(getattr(model, "main_input_name", "input_ids"))
+        if not callable(getattr(model, "num_parameters", None)) or not torch.is_tensor(inputs):
+            return None
+        return 6.0 * inputs.numel() * model.num_parameters(exclude_embeddings=True)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks (every rank gets the result)."""
@@ -1133,6 +1203,7 @@ class BaseTrainer:
         if self.model is None:
             set_seed(self.args.seed)
             self.model = self._call_model_init()
+        name_causal_lm_loss(self.model)
         args = self.args
         dtype = (
             torch.bfloat16
@@ -1176,16 +1247,18 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ logging
     def log_step(self) -> None:
-        """Report the steps since the last log: mean loss, lr, grad norm, tokens/s, epoch."""
+        """Report the steps since the last log: mean loss, lr, grad norm, tokens/s (when the
+        batches hold tokens: ``count_tokens``), epoch."""
         self._settle()
         tally, state = self._tally, self.state
         logs: dict[str, float] = {
             "loss": tally.mean_loss,
             "learning_rate": current_lr(self.lr_scheduler),
             "grad_norm": tally.grad_norm,
-            "tokens_per_second": tally.tokens_per_second,
-            "epoch": round(state.epoch, 4),
         }
+        if tally.tokens:  # a model without input_ids or attention_mask has no tokens to rate
+            logs["tokens_per_second"] = tally.tokens_per_second
+        logs["epoch"] = round(state.epoch, 4)
         if tally.skipped:
             logs["nonfinite_skipped"] = state.nonfinite_skipped
         if self.args.include_num_input_tokens_seen != "no":

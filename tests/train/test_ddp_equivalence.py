@@ -56,6 +56,11 @@ def step_losses(output_dir: Path) -> list[float]:
     return [losses[step] for step in range(1, STEPS + 1)]
 
 
+def summary(output_dir: Path) -> dict:
+    last = (output_dir / "metrics.jsonl").read_text().splitlines()[-1]
+    return json.loads(last)
+
+
 def test_two_ranks_train_like_one_rank_with_twice_the_batch(tmp_path):
     torchrun(tmp_path / "ddp", nproc=2, batch=BATCH)
     train(tmp_path / "single", 2 * BATCH)
@@ -66,6 +71,13 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(tmp_path):
     ddp_losses, single_losses = step_losses(tmp_path / "ddp"), step_losses(tmp_path / "single")
     assert ddp_losses == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
     assert len(set(single_losses)) == STEPS  # training moves: the comparison is not vacuous
+
+    # the end-of-training summary counts what every rank trained on: 6 steps of 16 samples
+    summaries = [summary(tmp_path / name) for name in ("ddp", "single")]
+    for found in summaries:
+        trained = found["train_samples_per_second"] * found["train_runtime"]
+        assert trained == pytest.approx(STEPS * 16, rel=1e-3), found
+    assert summaries[0]["total_flos"] == summaries[1]["total_flos"] > 0
 
     ddp = torch.load(tmp_path / "ddp" / "weights.pt", weights_only=True)
     single = torch.load(tmp_path / "single" / "weights.pt", weights_only=True)
