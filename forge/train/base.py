@@ -49,6 +49,7 @@ from forge.checkpoint import (
 from forge.data import build_dataloader
 from forge.data.columns import remove_unused_columns
 from forge.train import dist
+from forge.train.adapters import model_loss, not_a_dict_batch, takes_keyword
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.callbacks import (
     CallbackHandler,
@@ -63,14 +64,17 @@ from forge.train.callbacks import (
 )
 from forge.train.components import DataPosition
 from forge.train.evaluation import (
+    IGNORE_INDEX,
     Accumulator,
     LossMean,
     StridedSampler,
+    accepts_loss_kwargs,
     batch_size_of,
     default_label_names,
     gather_in_order,
     is_causal_lm,
     labels_of,
+    loss_shifts_labels,
     loss_weight,
     missing_metric_message,
     output_logits,
@@ -105,9 +109,21 @@ class BaseTrainer:
     ``train()``, so weight initialisation is seeded and a resumed run rebuilds the same model.
     ``optimizer`` is None (AdamW from ``args``) or a callable taking the trainable parameters;
     ``lr_scheduler`` is None (``args.lr_scheduler_type``) or a callable taking
-    ``(optimizer, num_training_steps)``. Datasets are map-style and yield dicts; the loss is
-    ``model(**batch).loss`` unless ``compute_loss`` is overridden. A ``tokenizer`` (HF 5's
-    ``processing_class``) is saved into every checkpoint.
+    ``(optimizer, num_training_steps)``. Datasets are map-style and yield dicts (tuples:
+    ``forge.data.TupleCollator`` names their parts); the loss is ``model(**batch).loss`` (or
+    ``["loss"]``; a model returning a bare tensor is wrapped in ``forge.train.LossAdapter``),
+    or what ``compute_loss_func`` computes, unless ``compute_loss`` is overridden. A
+    ``tokenizer`` (HF 5's ``processing_class``) is saved into every checkpoint.
+
+    ``compute_loss_func(outputs, labels, num_items_in_batch=...)`` is Hugging Face's: the
+    batch's ``labels`` are taken out of the batch, the model is called on the rest, and the
+    function computes the loss from the model's outputs and the labels. A function that takes
+    ``num_items_in_batch`` gets the label tokens (not -100) of the whole optimizer step (all
+    its micro-batches, the first token of each row left out for a causal LM, over every
+    data-parallel rank with ``average_tokens_across_devices``) and returns the loss
+    normalised by it, e.g. ``loss_sum / num_items_in_batch``; forge then neither averages it
+    over the accumulation window nor over the ranks, as HF's Trainer does. A function without
+    that parameter returns a per-batch mean, averaged over the window like a model's loss.
 
     ``compute_metrics(EvalPrediction) -> dict`` and ``preprocess_logits_for_metrics(logits,
     labels)`` are Hugging Face's: evaluation hands the gathered predictions and labels (numpy)
@@ -115,6 +131,8 @@ class BaseTrainer:
     """
 
     trainer_kind: ClassVar[str] = "base"
+    #: constructor arguments a trainer cannot honour, with the reason and what to use instead
+    unsupported_arguments: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -130,6 +148,7 @@ class BaseTrainer:
         compute_metrics: Callable[[Any], dict[str, float]] | None = None,
         preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
         processing_class: Any = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"trainer.args must be TrainingArguments (got {type(args).__name__})")
@@ -145,11 +164,16 @@ class BaseTrainer:
         for name, value in (
             ("compute_metrics", compute_metrics),
             ("preprocess_logits_for_metrics", preprocess_logits_for_metrics),
+            ("compute_loss_func", compute_loss_func),
         ):
             if value is not None and not callable(value):
                 raise TypeError(
                     f"trainer.{name} must be a function (got {type(value).__name__}); in a config "
                     f"write it as !partial:./metrics.py:{name} []"
+                )
+            if value is not None and name in self.unsupported_arguments:
+                raise TrainingArgumentsError(
+                    [f"trainer.{name}: {self.unsupported_arguments[name]}"]
                 )
         self.args = args
         self.model_init = None if isinstance(model, nn.Module) else model
@@ -160,6 +184,11 @@ class BaseTrainer:
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.compute_loss_func = compute_loss_func
+        self._loss_func_takes_items = compute_loss_func is not None and takes_keyword(
+            compute_loss_func, "num_items_in_batch"
+        )
+        self._warned_no_labels = False
         self._label_smoother = None
         if args.label_smoothing_factor:
             from transformers.trainer_pt_utils import LabelSmoother
@@ -455,51 +484,127 @@ class BaseTrainer:
         on this rank.
 
         Each micro-batch's loss is divided by the window's length, so a short last window
-        averages over what it has.
+        averages over what it has (``window_loss``).
         """
+        window = [self._to_device(batch) for batch in window]
+        num_items = self.num_items_in_batch(window)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.long, device=self.device)
         for index, batch in enumerate(window):
-            batch = self._to_device(batch)
             tokens += count_tokens(batch)
             with self.no_sync(last=index == len(window) - 1):
                 with self.autocast():
-                    loss = self.compute_loss(self.wrapped_model, batch) / len(window)
+                    loss = self.window_loss(batch, len(window), num_items)
                 self.backward(loss)
             loss_sum += loss.detach().float()
         return loss_sum, tokens
 
+    def window_loss(
+        self, batch: Batch, window_size: int, num_items_in_batch: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One micro-batch's share of the optimizer step's loss on this rank.
+
+        A per-batch mean is divided by the window's length. A ``compute_loss_func`` loss
+        normalised by ``num_items_in_batch`` already is the step's (the window's label tokens,
+        over the ranks with ``average_tokens_across_devices``): it is multiplied by the
+        data-parallel size instead, which DDP's gradient average takes back out (HF's rule).
+        """
+        if num_items_in_batch is None:
+            return self.compute_loss(self.wrapped_model, batch) / window_size
+        loss = self.compute_loss(self.wrapped_model, batch, num_items_in_batch=num_items_in_batch)
+        return loss * self._items_ranks()
+
+    def _items_ranks(self) -> int:
+        """The ranks whose label tokens ``num_items_in_batch`` counts."""
+        return self.topology.dp_size if self.args.average_tokens_across_devices else 1
+
+    def num_items_in_batch(
+        self, window: list[Batch], *, over_ranks: bool = True
+    ) -> torch.Tensor | None:
+        """Hugging Face's ``num_items_in_batch`` for a ``compute_loss_func`` that takes it:
+        the label tokens (not -100) of ``window``'s ``labels`` (``shift_labels`` where a batch
+        has them; without each row's first label where the model's loss shifts them), summed
+        over the data-parallel ranks with ``average_tokens_across_devices`` when
+        ``over_ranks``. None otherwise, or when the labels are no tensors."""
+        if not self._loss_func_takes_items or not window or "labels" not in window[0]:
+            return None
+        shifts = loss_shifts_labels(self.model)
+        try:
+            count = sum(
+                (
+                    batch["shift_labels"]
+                    if "shift_labels" in batch
+                    else batch["labels"][..., 1:]
+                    if shifts
+                    else batch["labels"]
+                )
+                .ne(IGNORE_INDEX)
+                .sum()
+                for batch in window
+            )
+        except (TypeError, AttributeError):
+            return None
+        if over_ranks and self._items_ranks() > 1:  # every rank steps through the same windows
+            count = self.all_reduce_sum(count)
+        return count
+
     def compute_loss(
-        self, model: nn.Module, batch: Batch, return_outputs: bool = False
+        self,
+        model: nn.Module,
+        batch: Batch,
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """``model(**batch).loss`` (the Hugging Face convention); with
-        ``label_smoothing_factor``, the smoothed cross-entropy of the logits and labels.
-        ``return_outputs`` also returns the model's outputs (evaluation reads the logits)."""
-        smoother = self._label_smoother
-        if smoother is not None and "labels" in batch:
+        """The loss of one batch, as Hugging Face's ``Trainer.compute_loss``.
+
+        With ``compute_loss_func`` or ``label_smoothing_factor`` the batch's ``labels`` are
+        taken out; the model gets the rest (and ``num_items_in_batch``, when the function
+        takes it and the model accepts loss keywords). Then ``compute_loss_func(outputs,
+        labels[, num_items_in_batch=])``, or the smoothed cross-entropy of the logits, or else
+        the model's own ``.loss`` / ``["loss"]`` / first element of a tuple.
+        ``return_outputs`` also returns the model's outputs (evaluation reads the logits).
+        """
+        func, smoother = self.compute_loss_func, self._label_smoother
+        labels = None
+        if (func is not None or smoother is not None) and "labels" in batch:
             batch = dict(batch)
             labels = batch.pop("labels")
-            outputs = model(**batch)
+        if num_items_in_batch is not None and accepts_loss_kwargs(model):
+            batch = {**batch, "num_items_in_batch": num_items_in_batch}
+        outputs = model(**batch)
+        if func is not None:
+            loss = self._call_loss_func(func, outputs, labels, num_items_in_batch)
+        elif labels is not None:
             loss = smoother(outputs, labels, shift_labels=is_causal_lm(model))
         else:
-            outputs = model(**batch)
-            loss = getattr(outputs, "loss", None)
-            if loss is None and isinstance(outputs, Mapping):
-                loss = outputs.get("loss")
-        if loss is None:
-            name = type(unwrap_model(model)).__name__
-            if isinstance(outputs, torch.Tensor):
-                raise ValueError(
-                    f"{name}.forward must return an object with .loss or a dict with 'loss' "
-                    "(got Tensor); return the loss from forward, or override "
-                    "Trainer.compute_loss to compute it from the tensor"
-                )
-            raise ValueError(
-                f"{name} returned no loss (got {type(outputs).__name__} without 'loss'): give "
-                "the batches labels (e.g. data_collator: CausalLMCollator) or override "
-                "Trainer.compute_loss"
-            )
+            loss = model_loss(outputs, f"{type(unwrap_model(model)).__name__}.forward")
         return (loss, outputs) if return_outputs else loss
+
+    def _call_loss_func(
+        self, func: Callable[..., Any], outputs: Any, labels: Any, num_items: Any
+    ) -> torch.Tensor:
+        if labels is None and not self._warned_no_labels:
+            self._warned_no_labels = True
+            self._info(
+                "compute_loss_func is called with labels=None: the batches have no 'labels' key",
+                level=logging.WARNING,
+            )
+        if self._loss_func_takes_items:
+            loss = func(outputs, labels, num_items_in_batch=num_items)
+        else:
+            loss = func(outputs, labels)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            name = getattr(func, "__name__", None) or getattr(
+                getattr(func, "func", None), "__name__", "compute_loss_func"
+            )
+            got = type(loss).__name__
+            if isinstance(loss, torch.Tensor):
+                got = f"a tensor of shape {tuple(loss.shape)}"
+            raise ValueError(
+                f"trainer.compute_loss_func ({name}) must return the loss, a tensor with one "
+                f"value (got {got}); reduce it, e.g. with reduction='mean'"
+            )
+        return loss.reshape(())
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -784,10 +889,14 @@ class BaseTrainer:
 
     @property
     def label_names(self) -> list[str]:
-        """``args.label_names``, else the model's ``forward`` parameters named like labels."""
+        """``args.label_names``, else the model's ``forward`` parameters named like labels;
+        with ``compute_loss_func`` and none of those, ``labels`` (what the function gets)."""
         if self.args.label_names is not None:
             return list(self.args.label_names)
-        return default_label_names(self.model) if self.model is not None else ["labels"]
+        names = default_label_names(self.model) if self.model is not None else ["labels"]
+        if not names and self.compute_loss_func is not None:
+            return ["labels"]
+        return names
 
     def _check_eval_dataset(self) -> None:
         if self.eval_dataset is not None:
@@ -1167,12 +1276,16 @@ class BaseTrainer:
         labels = labels_of(batch, label_names)
         with self.autocast():
             if labels is not None:
-                loss, outputs = self.compute_loss(model, batch, return_outputs=True)
+                num_items = self.num_items_in_batch([batch], over_ranks=False)
+                items = {} if num_items is None else {"num_items_in_batch": num_items}
+                loss, outputs = self.compute_loss(model, batch, return_outputs=True, **items)
                 loss = loss.detach().mean()
             else:
                 loss, outputs = None, model(**batch)
-        if loss is None and not prediction_loss_only:
+        if loss is None:  # no labels under label_names: a loss the model returned still counts
             found = getattr(outputs, "loss", None)
+            if found is None and isinstance(outputs, Mapping):
+                found = outputs.get("loss")
             loss = found.detach().mean() if isinstance(found, torch.Tensor) else None
         if prediction_loss_only:
             return loss, None, None
@@ -1311,10 +1424,7 @@ class BaseTrainer:
     # ------------------------------------------------------------------ helpers
     def _to_device(self, batch: Batch) -> Batch:
         if not isinstance(batch, Mapping):
-            raise TypeError(
-                f"batches must be dicts of tensors (got {type(batch).__name__}); make the "
-                "dataset yield dicts or pass a data_collator that builds them"
-            )
+            raise TypeError(not_a_dict_batch(batch, self.model))
         return {
             k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
             for k, v in batch.items()
