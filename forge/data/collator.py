@@ -66,10 +66,10 @@ class TupleCollator:
     (``__getitem__`` returns ``(inputs, target)``) feeds ``model(**batch)``.
 
     ``TupleCollator(["features", "labels"])`` turns each item ``(x, y)`` into
-    ``{"features": x, "labels": y}`` and collates the dicts with ``collator`` (torch's default
-    collation, which stacks tensors key by key, when None). Items that are dicts already pass
-    as they are. Used with a ``collator`` that returns a tuple itself, it names the parts of
-    the batch that collator returns instead. In a config::
+    ``{"features": x, "labels": y}`` and collates the dicts with torch's default collation
+    (which stacks tensors key by key); items that are dicts already pass as they are. With a
+    ``collator`` of your own (one that takes the tuple items and returns a tuple batch), the
+    items go to it unchanged and the parts of the batch it returns are named. In a config::
 
         data_collator: &data_collator !singleton:forge.data:TupleCollator
             names: [features, labels]
@@ -96,11 +96,9 @@ class TupleCollator:
     def __call__(self, items: Sequence[Any]) -> Any:
         from torch.utils.data import default_collate
 
-        named = [self._named(item, "item") for item in items]
-        batch = (self.collator or default_collate)(named)
-        if isinstance(batch, (tuple, list)):  # the collator built a tuple batch: name it
-            batch = self._named(batch, "batch")
-        return batch
+        if self.collator is None:
+            return default_collate([self._named(item, "item") for item in items])
+        return self._named(self.collator(items), "batch")
 
     def _named(self, parts: Any, what: str) -> Any:
         if isinstance(parts, Mapping) or not isinstance(parts, (tuple, list)):
