@@ -32,9 +32,7 @@ def project_with(
         "train_dataset: &train_dataset !singleton:./data.py:Blobs {}",
     )
     if collator:
-        text = text.replace(
-            "-- block trainer\n", f"-- block collator\n{collator}\n-- endblock\n-- block trainer\n"
-        )
+        text += f"\n-- block collator\n{collator}\n-- endblock\n"
     config.write_text(text)
     if trainer:  # a config of its own adds the Trainer argument, as a user would
         (config.parent / "loss.yaml").write_text(

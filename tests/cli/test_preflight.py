@@ -149,11 +149,7 @@ def test_a_plain_pytorch_model_and_tuple_dataset_train_through_the_adapters(tmp_
     assert "data_collator: !singleton:forge.data:TupleCollator {names: [x, y]}" in stderr
 
     collator = "data_collator: &data_collator !singleton:forge.data:TupleCollator {names: [x, y]}"
-    edit(
-        config,
-        "-- block trainer\n",
-        f"-- block collator\n{collator}\n-- endblock\n-- block trainer\n",
-    )
+    config.write_text(config.read_text() + f"\n-- block collator\n{collator}\n-- endblock\n")
     stderr = train_fails_before_any_run(project, dry_run_only=True)
     assert (
         "Net.forward must return an object with .loss or a dict with 'loss' (got Tensor)" in stderr
