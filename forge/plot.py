@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.errors import UsageError
+from forge.extras import install_command
 from forge.runs import RunError, RunRecord
 
 logger = logging.getLogger(__name__)
@@ -120,7 +121,7 @@ def _pyplot() -> Any:
     except ImportError:
         raise UsageError(
             "forge plot needs matplotlib, which is not installed; "
-            "install it with: pip install 'forge[plot]' (or pip install matplotlib)"
+            f"install it with: {install_command('matplotlib')} (or pip install matplotlib)"
         ) from None
     matplotlib.use("Agg")  # files only: no display needed, none opened
     import matplotlib.pyplot as plt
@@ -145,5 +146,5 @@ def require_tensorboard() -> None:
 
     if importlib.util.find_spec("tensorboard") is None:
         raise UsageError(
-            "forge tb needs TensorBoard, which is not installed; pip install tensorboard"
+            f"forge tb needs TensorBoard, which is not installed; {install_command('tensorboard')}"
         )

@@ -36,6 +36,7 @@ FACTORY_CALLS = {
     "model": (),  # model_init(), after set_seed (forge/train/base.py)
     "optimizer": ("parameters",),
     "lr_scheduler": ("optimizer", "num_training_steps"),
+    "compute_loss_func": ("outputs", "labels"),  # and num_items_in_batch= where it takes it
 }
 
 
@@ -145,36 +146,68 @@ def _check(
         if isinstance(node, CallNode) and node.kind == "partial":
             problem = _partial_problem(cfg, node, built.value(node), role, call_args)
             problems += [problem] if problem else []
+    trainer_class = resolver.resolve(trainer.spec)
+    problems += _unsupported_problems(cfg, trainer, trainer_class)
     if problems:
         return problems
-    if _overrides_compute_loss(resolver.resolve(trainer.spec)):
+    if _overrides_compute_loss(trainer_class):
         logger.debug("the trainer computes its own loss; batch/forward contract not checked")
         return []
-    model_class = resolver.resolve(model_node.spec)
+    model_class = _forward_owner(model_node, resolver)
     if not _is_module_class(model_class):
         logger.debug("model built by %s; forward checked at the first step", model_node.spec)
         return []
 
+    loss_func = trainer.kwargs.get("compute_loss_func") is not None
     dataset = built.value(dataset_node)
     collator = built.value(trainer.kwargs.get("data_collator"))
     args = built.value(trainer.kwargs.get("args"))
     dropped: list[str] = []
     if getattr(args, "remove_unused_columns", False):  # as the trainer's loader will
         columns = set(inspect.signature(model_class.forward).parameters) - {"self"}
-        columns |= {"label", "label_ids", *(getattr(args, "label_names", None) or ())}
+        label_names = getattr(args, "label_names", None)
+        if label_names is None and loss_func and not any("label" in c for c in columns):
+            label_names = ["labels"]  # what the trainer hands compute_loss_func
+        columns |= {"label", "label_ids", *(label_names or ())}
         dropped = [k for k in _item_keys(dataset) if k not in columns]
         collator = _keep_columns(collator, columns)
-    batch, problem = _sample_batch(cfg, dataset, collator, dataset_node, trainer)
+    batch, problem = _sample_batch(cfg, dataset, collator, dataset_node, trainer, model_class)
     if problem is not None or batch is None:
         return [problem] if problem else []
+    if loss_func:  # the trainer takes the labels out for it (as HF's Trainer does)
+        batch = {k: v for k, v in batch.items() if k != "labels"}
     label = f"{model_class.__name__}.forward"
     signature = inspect.signature(model_class.forward)
     mismatch = _signature_mismatch(signature, batch, label, dropped)
     if mismatch:
         return [cfg.problem(model_node.loc, mismatch, _FIX_KEYS)]
+    if loss_func:
+        return []  # compute_loss_func computes the loss from whatever forward returns
     returned = _meta_forward(model_node, resolver, variables, cfg, batch)
     message = _return_problem(returned, label, batch, dropped)
     return [cfg.problem(model_node.loc, message, None)] if message else []
+
+
+def _unsupported_problems(cfg: Config, trainer: CallNode, trainer_class: Any) -> list[Problem]:
+    """Trainer arguments the chosen trainer refuses (``unsupported_arguments``), located."""
+    refused = getattr(trainer_class, "unsupported_arguments", None) or {}
+    return [
+        cfg.problem(trainer.arg_locs.get(name, trainer.loc), reason, None)
+        for name, reason in refused.items()
+        if trainer.kwargs.get(name) is not None
+    ]
+
+
+def _forward_owner(model_node: CallNode, resolver: Resolver) -> Any:
+    """The class whose forward the batches reach: the model's, or for a ``LossAdapter`` the
+    class of the module it wraps (None when that is not known before building it)."""
+    from forge.train.adapters import LossAdapter
+
+    model_class = resolver.resolve(model_node.spec)
+    if not (isinstance(model_class, type) and issubclass(model_class, LossAdapter)):
+        return model_class
+    inner = model_node.kwargs.get("module", model_node.args[0] if model_node.args else None)
+    return resolver.resolve(inner.spec) if isinstance(inner, CallNode) else None
 
 
 def _item_keys(dataset: Any) -> list[str]:
@@ -270,7 +303,12 @@ def _keep_columns(collator: Any, columns: set[str]) -> Any:
 
 
 def _sample_batch(
-    cfg: Config, dataset: Any, collator: Any, dataset_node: Any, trainer: CallNode
+    cfg: Config,
+    dataset: Any,
+    collator: Any,
+    dataset_node: Any,
+    trainer: CallNode,
+    model_class: Any = None,
 ) -> tuple[Any, Problem | None]:
     """The first items of ``dataset`` collated as the trainer's loader would."""
     from torch.utils.data import default_collate
@@ -294,12 +332,9 @@ def _sample_batch(
             f"the items look like: {_describe_item(items[0])}",
         )
     if not isinstance(batch, Mapping):
-        return None, cfg.problem(
-            where,
-            f"batches must be dicts of tensors (got {type(batch).__name__}); the trainer calls "
-            "model(**batch)",
-            "make the dataset's items dicts, or give a data_collator that returns a dict",
-        )
+        from forge.train.adapters import not_a_dict_batch
+
+        return None, cfg.problem(where, not_a_dict_batch(batch, model_class), None)
     return batch, None
 
 
@@ -379,10 +414,9 @@ def _return_problem(
     if returned is None:
         return None
     if isinstance(returned, torch.Tensor):
-        return (
-            f"{label} must return an object with .loss or a dict with 'loss' (got Tensor); "
-            "compute the loss in forward, e.g. return {'loss': loss, 'logits': logits}"
-        )
+        from forge.train.adapters import bare_tensor_message
+
+        return bare_tensor_message(returned, label)
     loss = getattr(returned, "loss", None)
     if loss is None and isinstance(returned, Mapping):
         loss = returned.get("loss")

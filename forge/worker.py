@@ -61,10 +61,23 @@ def load_run_config(run_dir: Path, project: Project, allow: list[str] = ()):
 
 
 def make_run_record_callback(record: RunRecord):
-    """A trainer callback that keeps ``run.json`` current at every checkpoint."""
+    """A trainer callback that keeps ``run.json`` current at every checkpoint, and records the
+    end-of-training summary (``train_runtime``, ``train_samples_per_second``, ...) as
+    ``train_summary``."""
+    import math
+
     from forge.train import TrainerCallback
+    from forge.train.callbacks import is_train_summary
 
     class RunRecordCallback(TrainerCallback):
+        def on_log(self, args, state, control, logs=None, **kwargs):
+            if logs and is_train_summary(logs):
+                summary = {
+                    k: v if not isinstance(v, float) or math.isfinite(v) else None
+                    for k, v in logs.items()
+                }
+                record.update(train_summary={"step": state.global_step, **summary})
+
         def on_save(self, args, state, control, checkpoint_path=None, metrics=None, **kwargs):
             best = None
             if state.best_checkpoint is not None:

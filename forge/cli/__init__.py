@@ -17,6 +17,7 @@ import sys
 from forge.cli.commands import COMMANDS
 from forge.cli.parser import build_parser, split_torchrun_args
 from forge.errors import EXIT_USAGE, exit_code_for, is_expected
+from forge.extras import missing_package_hint
 
 __all__ = ["main"]
 
@@ -34,7 +35,8 @@ def setup_logging(verbose: bool) -> None:
     root.handlers[:] = [handler]
     level = logging.DEBUG if verbose else logging.INFO
     root.setLevel(level if rank == 0 else logging.WARNING)
-    # huggingface_hub logs "Model weights successfully saved" at every checkpoint
+    # libraries' info lines (connections, locks, the agent); a checkpoint's weight-save line is
+    # kept out where it is written (forge.checkpoint.io.quiet_hub_saves)
     for noisy in ("urllib3", "filelock", "torch.distributed.elastic", "huggingface_hub"):
         logging.getLogger(noisy).setLevel(logging.WARNING)
 
@@ -92,5 +94,10 @@ def _run(command, args: argparse.Namespace, verbose: bool) -> int:
                 print(f"{prefix}error: {err}", file=sys.stderr)
         else:
             print(f"{prefix}error: {type(err).__name__}: {err}", file=sys.stderr)
+            for note in getattr(err, "__notes__", ()):  # e.g. the config node being built
+                print(f"    {note}", file=sys.stderr)
+            hint = missing_package_hint(err)
+            if hint is not None:
+                print(f"    {hint}", file=sys.stderr)
             print("(run again with -v for the traceback)", file=sys.stderr)
         return exit_code_for(err)

@@ -14,11 +14,14 @@ import logging
 import os
 import pkgutil
 import sys
+import traceback
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 from typing import Any
+
+from forge.extras import missing_package_note
 
 from .errors import did_you_mean, display_path, short_list, suggestion
 
@@ -182,10 +185,11 @@ class Resolver:
         except ModuleNotFoundError as err:
             missing = err.name or module
             if module == missing or module.startswith(missing + "."):
-                raise SpecError(
-                    f"no module named {missing!r}{self._module_hint(missing)}"
-                ) from None
-            raise SpecError(f"importing {module!r} failed: {err}") from None
+                note = missing_package_note(missing) or self._module_hint(missing)
+                raise SpecError(f"no module named {missing!r}{note}") from None
+            raise SpecError(
+                f"importing {module!r} failed: {err}{missing_package_note(err.name)}"
+            ) from None
         except Exception as err:  # the module's own code failed
             raise SpecError(f"importing {module!r} failed: {type(err).__name__}: {err}") from None
 
@@ -267,8 +271,18 @@ class Resolver:
             spec.loader.exec_module(module)
         except Exception as err:  # the project's own code failed
             sys.modules.pop(name, None)
-            line = getattr(err, "lineno", None)
+            line = getattr(err, "lineno", None) or _line_in(err, path)
             where = f"{file}:{line}" if line else file
-            raise SpecError(f"loading {where} failed: {type(err).__name__}: {err}") from None
+            note = missing_package_note(err.name) if isinstance(err, ImportError) else ""
+            raise SpecError(f"loading {where} failed: {type(err).__name__}: {err}{note}") from None
         logger.debug("loaded project file %s as %s", path, name)
         return module
+
+
+def _line_in(err: BaseException, path: Path) -> int | None:
+    """The line of ``path`` that the error went through last (its import, say)."""
+    line = None
+    for frame in traceback.extract_tb(err.__traceback__):
+        if frame.filename == str(path):
+            line = frame.lineno
+    return line

@@ -1,6 +1,6 @@
 """Corpora, tokenizers, datasets, collators and resumable sharded loaders."""
 
-from forge.data.collator import CausalLMCollator
+from forge.data.collator import CausalLMCollator, TupleCollator
 from forge.data.corpus import read_text_files, stdlib_dir, stdlib_source_files
 from forge.data.datasets import PackedTextDataset
 from forge.data.loader import (
@@ -16,6 +16,7 @@ __all__ = [
     "PackedTextDataset",
     "ResumableDataLoader",
     "ResumableDistributedSampler",
+    "TupleCollator",
     "build_dataloader",
     "load_or_train_tokenizer",
     "loader_epoch_length",

@@ -1,8 +1,8 @@
-"""Batch collation for causal language modelling."""
+"""Batch collation: causal language modelling, and naming the parts of tuple items."""
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -59,3 +59,66 @@ def _as_ids(value: Any, name: str) -> torch.Tensor:
     if ids.dim() != 1:
         raise ValueError(f"each item's {name} must be 1-d (got shape {tuple(ids.shape)})")
     return ids
+
+
+class TupleCollator:
+    """Names the parts of tuple items, so a dataset written for plain PyTorch or Lightning
+    (``__getitem__`` returns ``(inputs, target)``) feeds ``model(**batch)``.
+
+    ``TupleCollator(["features", "labels"])`` turns each item ``(x, y)`` into
+    ``{"features": x, "labels": y}`` and collates the dicts with torch's default collation
+    (which stacks tensors key by key); items that are dicts already pass as they are. With a
+    ``collator`` of your own (one that takes the tuple items and returns a tuple batch), the
+    items go to it unchanged and the parts of the batch it returns are named. In a config::
+
+        data_collator: &data_collator !singleton:forge.data:TupleCollator
+            names: [features, labels]
+    """
+
+    def __init__(
+        self, names: Sequence[str], collator: Callable[[list[Any]], Any] | None = None
+    ) -> None:
+        names = [names] if isinstance(names, str) else list(names or [])
+        if not names or not all(isinstance(n, str) and n for n in names):
+            raise ValueError(
+                f"TupleCollator names must be a list of batch keys, one per part of an item "
+                f"(got {names!r}), e.g. names: [features, labels]"
+            )
+        if len(set(names)) != len(names):
+            raise ValueError(f"TupleCollator names repeat a key: {names}")
+        if collator is not None and not callable(collator):
+            raise TypeError(
+                f"TupleCollator collator must be callable (got {type(collator).__name__})"
+            )
+        self.names = names
+        self.collator = collator
+
+    def __call__(self, items: Sequence[Any]) -> Any:
+        from torch.utils.data import default_collate
+
+        if self.collator is None:
+            return default_collate([self._named(item, "item") for item in items])
+        return self._named(self.collator(items), "batch")
+
+    def _named(self, parts: Any, what: str) -> Any:
+        if isinstance(parts, Mapping) or not isinstance(parts, (tuple, list)):
+            return parts
+        if len(parts) != len(self.names):
+            raise ValueError(
+                f"TupleCollator names {len(self.names)} parts ({', '.join(self.names)}) but "
+                f"an {what} has {len(parts)}; give one name per part"
+            )
+        return dict(zip(self.names, parts, strict=True))
+
+    def __repr__(self) -> str:
+        inner = f", collator={self.collator!r}" if self.collator is not None else ""
+        return f"TupleCollator(names={self.names!r}{inner})"
+
+
+def tuple_collator_hint(size: int, forward_names: Sequence[str]) -> str:
+    """The config line that names a batch of ``size``-part tuples, with the model's forward
+    parameter names where there are enough of them (``labels`` for a missing last one)."""
+    names = list(forward_names[:size])
+    while len(names) < size:
+        names.append("labels" if "labels" not in names else f"part{len(names)}")
+    return f"data_collator: !singleton:forge.data:TupleCollator {{names: [{', '.join(names)}]}}"

@@ -1,6 +1,6 @@
 """Hugging Face ``datasets`` in configs: the tokenisation ``map`` step after ``load_dataset``.
 
-``datasets`` is an optional extra (``pip install forge[datasets]``); the template
+``datasets`` is an optional extra (``pip install 'forge[datasets]'``); the template
 ``datasets/local_files.yaml`` loads local json / csv / text / parquet files with
 ``datasets:load_dataset`` (its cache under the project's output) and tokenizes each split
 with :func:`tokenize_dataset`, whose ``map`` result ``datasets`` caches next to the loaded

@@ -12,6 +12,7 @@ from typing import Any
 _EXPORTS = {
     "AccelTrainer": "accel",
     "AccelTrainingArguments": "accel",
+    "LossAdapter": "adapters",
     "TrainingArguments": "args",
     "TrainingArgumentsError": "args",
     "BaseTrainer": "base",

@@ -187,23 +187,24 @@ class AccelTrainer(BaseTrainer):
     def forward_backward(self, window: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
         """As the plain trainer's, with ``accelerator.no_sync`` / ``backward`` / ``autocast``.
 
-        ``accelerator.backward`` divides by ``gradient_accumulation_steps``; a short last
-        window (the end of an epoch) scales its losses so the gradient is still the mean
-        over the micro-batches it has.
+        ``accelerator.backward`` divides by ``gradient_accumulation_steps``, so each
+        micro-batch's share of the step (``window_loss``: over the window it belongs to, a
+        short last one included) is multiplied by it first.
         """
         accel = self.accelerator
-        scale = accel.gradient_accumulation_steps / len(window)
+        window = [self._to_device(batch) for batch in window]
+        num_items = self.num_items_in_batch(window)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.long, device=self.device)
         for index, batch in enumerate(window):
-            batch = self._to_device(batch)
             tokens += count_tokens(batch)
             last = index == len(window) - 1
             with nullcontext() if last else accel.no_sync(self.wrapped_model):
                 with accel.autocast():
-                    loss = self.compute_loss(self.wrapped_model, batch)
-                accel.backward(loss if scale == 1 else loss * scale)
-            loss_sum += loss.detach().float() / len(window)
+                    loss = self.window_loss(batch, len(window), num_items)
+                steps = accel.gradient_accumulation_steps
+                accel.backward(loss if steps == 1 else loss * steps)
+            loss_sum += loss.detach().float()
         return loss_sum, tokens
 
     def clip_gradients(self) -> torch.Tensor:

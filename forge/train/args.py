@@ -16,7 +16,6 @@ anything is built. This module never imports torch.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import re
@@ -24,6 +23,8 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from os import PathLike
 from typing import Any, ClassVar
+
+from forge.extras import install_command, is_installed
 
 __all__ = [
     "INTEGRATIONS",
@@ -587,7 +588,7 @@ class TrainingArguments:
         if value is None or value == "none" or value == ["none"]:
             value = ()
         elif value == "all" or value == ["all"]:
-            value = tuple(name for name, package in INTEGRATIONS.items() if _installed(package))
+            value = tuple(name for name, package in INTEGRATIONS.items() if is_installed(package))
         elif isinstance(value, str):
             value = (value,)
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
@@ -611,10 +612,10 @@ class TrainingArguments:
                     f"{key} has an unknown integration {name!r}; choose from "
                     f'{_quoted(INTEGRATIONS)}, "all" or "none"'
                 )
-            elif not _installed(INTEGRATIONS[name]):
+            elif not is_installed(INTEGRATIONS[name]):
                 p.append(
                     f"{key} {name!r} needs the {INTEGRATIONS[name]} package, which is not "
-                    f"installed; pip install {INTEGRATIONS[name]} (forge runs it offline: "
+                    f"installed; {install_command(INTEGRATIONS[name])} (forge runs it offline: "
                     "files under output_dir), or remove it"
                 )
 
@@ -963,10 +964,6 @@ class TrainingArguments:
 
 def _quoted(names: Iterable[str]) -> str:
     return ", ".join(f'"{n}"' for n in names)
-
-
-def _installed(package: str) -> bool:
-    return importlib.util.find_spec(package) is not None
 
 
 def _not_multiple(value: float, of: float) -> bool:

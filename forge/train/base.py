@@ -49,6 +49,7 @@ from forge.checkpoint import (
 from forge.data import build_dataloader
 from forge.data.columns import remove_unused_columns
 from forge.train import dist
+from forge.train.adapters import model_loss, not_a_dict_batch, takes_keyword
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.callbacks import (
     CallbackHandler,
@@ -63,17 +64,21 @@ from forge.train.callbacks import (
 )
 from forge.train.components import DataPosition
 from forge.train.evaluation import (
+    IGNORE_INDEX,
     Accumulator,
     LossMean,
     StridedSampler,
+    accepts_loss_kwargs,
     batch_size_of,
     default_label_names,
     gather_in_order,
     is_causal_lm,
     labels_of,
+    loss_shifts_labels,
     loss_weight,
     missing_metric_message,
     output_logits,
+    unwrap,
 )
 from forge.train.loop_state import Batch, Position, StepResult, Tally, TrainOutput, count_tokens
 from forge.train.optim import (
@@ -84,7 +89,12 @@ from forge.train.optim import (
     set_seed,
 )
 from forge.train.precision import device_problems, numerics
-from forge.train.runtime import Intervals, apply_runtime_settings, prepare_model
+from forge.train.runtime import (
+    Intervals,
+    apply_runtime_settings,
+    name_causal_lm_loss,
+    prepare_model,
+)
 from forge.train.signals import StopSignals, TrainingInterrupted
 from forge.train.topology import Topology
 
@@ -99,9 +109,21 @@ class BaseTrainer:
     ``train()``, so weight initialisation is seeded and a resumed run rebuilds the same model.
     ``optimizer`` is None (AdamW from ``args``) or a callable taking the trainable parameters;
     ``lr_scheduler`` is None (``args.lr_scheduler_type``) or a callable taking
-    ``(optimizer, num_training_steps)``. Datasets are map-style and yield dicts; the loss is
-    ``model(**batch).loss`` unless ``compute_loss`` is overridden. A ``tokenizer`` (HF 5's
-    ``processing_class``) is saved into every checkpoint.
+    ``(optimizer, num_training_steps)``. Datasets are map-style and yield dicts (tuples:
+    ``forge.data.TupleCollator`` names their parts); the loss is ``model(**batch).loss`` (or
+    ``["loss"]``; a model returning a bare tensor is wrapped in ``forge.train.LossAdapter``),
+    or what ``compute_loss_func`` computes, unless ``compute_loss`` is overridden. A
+    ``tokenizer`` (HF 5's ``processing_class``) is saved into every checkpoint.
+
+    ``compute_loss_func(outputs, labels, num_items_in_batch=...)`` is Hugging Face's: the
+    batch's ``labels`` are taken out of the batch, the model is called on the rest, and the
+    function computes the loss from the model's outputs and the labels. A function that takes
+    ``num_items_in_batch`` gets the label tokens (not -100) of the whole optimizer step (all
+    its micro-batches, the first token of each row left out for a causal LM, over every
+    data-parallel rank with ``average_tokens_across_devices``) and returns the loss
+    normalised by it, e.g. ``loss_sum / num_items_in_batch``; forge then neither averages it
+    over the accumulation window nor over the ranks, as HF's Trainer does. A function without
+    that parameter returns a per-batch mean, averaged over the window like a model's loss.
 
     ``compute_metrics(EvalPrediction) -> dict`` and ``preprocess_logits_for_metrics(logits,
     labels)`` are Hugging Face's: evaluation hands the gathered predictions and labels (numpy)
@@ -109,6 +131,8 @@ class BaseTrainer:
     """
 
     trainer_kind: ClassVar[str] = "base"
+    #: constructor arguments a trainer cannot honour, with the reason and what to use instead
+    unsupported_arguments: ClassVar[dict[str, str]] = {}
 
     def __init__(
         self,
@@ -124,6 +148,7 @@ class BaseTrainer:
         compute_metrics: Callable[[Any], dict[str, float]] | None = None,
         preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
         processing_class: Any = None,
+        compute_loss_func: Callable[..., torch.Tensor] | None = None,
     ) -> None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"trainer.args must be TrainingArguments (got {type(args).__name__})")
@@ -139,11 +164,16 @@ class BaseTrainer:
         for name, value in (
             ("compute_metrics", compute_metrics),
             ("preprocess_logits_for_metrics", preprocess_logits_for_metrics),
+            ("compute_loss_func", compute_loss_func),
         ):
             if value is not None and not callable(value):
                 raise TypeError(
                     f"trainer.{name} must be a function (got {type(value).__name__}); in a config "
                     f"write it as !partial:./metrics.py:{name} []"
+                )
+            if value is not None and name in self.unsupported_arguments:
+                raise TrainingArgumentsError(
+                    [f"trainer.{name}: {self.unsupported_arguments[name]}"]
                 )
         self.args = args
         self.model_init = None if isinstance(model, nn.Module) else model
@@ -154,6 +184,11 @@ class BaseTrainer:
         self.tokenizer = tokenizer if tokenizer is not None else processing_class
         self.compute_metrics = compute_metrics
         self.preprocess_logits_for_metrics = preprocess_logits_for_metrics
+        self.compute_loss_func = compute_loss_func
+        self._loss_func_takes_items = compute_loss_func is not None and takes_keyword(
+            compute_loss_func, "num_items_in_batch"
+        )
+        self._warned_no_labels = False
         self._label_smoother = None
         if args.label_smoothing_factor:
             from transformers.trainer_pt_utils import LabelSmoother
@@ -195,6 +230,7 @@ class BaseTrainer:
         self._data_position: DataPosition | None = None
         self._eval_model: nn.Module | None = None
         self._in_train = False
+        self._counts_flops = False  # the model estimates its floating-point operations
         self._every = Intervals()
 
     # ------------------------------------------------------------------ properties
@@ -279,7 +315,8 @@ class BaseTrainer:
             for micro_batches in self._accumulation_windows(epoch):
                 loss, tokens = self.forward_backward(micro_batches)
                 grad_norm = self.clip_gradients()
-                step = self.reduce_step(loss, tokens, grad_norm)  # agreed on by every rank
+                samples, flops = self._count_work(micro_batches)  # host numbers: no sync
+                step = self.reduce_step(loss, tokens, grad_norm, samples, flops)  # every rank's
                 self._step_unless_nonfinite(step)
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
@@ -329,7 +366,9 @@ class BaseTrainer:
     def _settle(self) -> None:
         """Read the steps' numbers since the last settle into the state (tokens seen, steps
         skipped). It waits for the device, so only logging steps and checkpoints call it."""
+        flops = self._tally.flops
         settled = self._tally.settle()
+        self.state.total_flos += self._tally.flops - flops
         if settled.skipped and self.args.skip_nonfinite:
             self.state.nonfinite_skipped += settled.skipped
             self._info(
@@ -400,6 +439,10 @@ class BaseTrainer:
             self._evaluate_in_training()
         if args.save_final_checkpoint:
             self.save_checkpoint()
+        self._settle()
+        summary = self._train_summary(steps, run_tally)
+        if steps:  # a run resumed at its end trained nothing to summarise
+            self._call("on_log", logs=summary)
         if args.load_best_model_at_end and state.best_checkpoint:
             self._info(
                 "loading the best checkpoint %s (%s %.6g)",
@@ -409,17 +452,31 @@ class BaseTrainer:
             )
             self.load_weights(Path(state.best_checkpoint))
         self._call("on_train_end")
-        runtime = time.perf_counter() - run_tally.started
         metrics = {
-            "train_loss": run_tally.mean_loss,
-            "train_runtime": runtime,
-            "train_steps_per_second": steps / max(runtime, 1e-9),
+            **summary,
             "total_tokens": float(state.tokens_seen),
             "nonfinite_skipped": float(state.nonfinite_skipped),
-            "epoch": state.epoch,
             **self._last_eval[1],
         }
         return TrainOutput(state.global_step, run_tally.mean_loss, metrics)
+
+    def _train_summary(self, steps: int, run_tally: Tally) -> dict[str, float]:
+        """Hugging Face's end-of-training metrics for this ``train()`` call (a resumed run counts
+        the steps and samples it ran itself): ``train_runtime`` (seconds, from the first step),
+        ``train_samples_per_second`` (the items trained on, over ranks),
+        ``train_steps_per_second``, ``total_flos`` (over the whole run, for a model that
+        estimates them), ``train_loss`` and ``epoch``."""
+        runtime = max(time.perf_counter() - run_tally.started, 1e-9)
+        summary = {
+            "train_runtime": round(runtime, 4),
+            "train_samples_per_second": round(run_tally.samples / runtime, 3),
+            "train_steps_per_second": round(steps / runtime, 3),
+        }
+        if self._counts_flops:
+            summary["total_flos"] = self.state.total_flos
+        summary["train_loss"] = run_tally.mean_loss
+        summary["epoch"] = self.state.epoch
+        return summary
 
     # ------------------------------------------------------------------ one step (overridable)
     def forward_backward(self, window: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -427,51 +484,127 @@ class BaseTrainer:
         on this rank.
 
         Each micro-batch's loss is divided by the window's length, so a short last window
-        averages over what it has.
+        averages over what it has (``window_loss``).
         """
+        window = [self._to_device(batch) for batch in window]
+        num_items = self.num_items_in_batch(window)
         loss_sum = torch.zeros((), device=self.device)
         tokens = torch.zeros((), dtype=torch.long, device=self.device)
         for index, batch in enumerate(window):
-            batch = self._to_device(batch)
             tokens += count_tokens(batch)
             with self.no_sync(last=index == len(window) - 1):
                 with self.autocast():
-                    loss = self.compute_loss(self.wrapped_model, batch) / len(window)
+                    loss = self.window_loss(batch, len(window), num_items)
                 self.backward(loss)
             loss_sum += loss.detach().float()
         return loss_sum, tokens
 
+    def window_loss(
+        self, batch: Batch, window_size: int, num_items_in_batch: torch.Tensor | None
+    ) -> torch.Tensor:
+        """One micro-batch's share of the optimizer step's loss on this rank.
+
+        A per-batch mean is divided by the window's length. A ``compute_loss_func`` loss
+        normalised by ``num_items_in_batch`` already is the step's (the window's label tokens,
+        over the ranks with ``average_tokens_across_devices``): it is multiplied by the
+        data-parallel size instead, which DDP's gradient average takes back out (HF's rule).
+        """
+        if num_items_in_batch is None:
+            return self.compute_loss(self.wrapped_model, batch) / window_size
+        loss = self.compute_loss(self.wrapped_model, batch, num_items_in_batch=num_items_in_batch)
+        return loss * self._items_ranks()
+
+    def _items_ranks(self) -> int:
+        """The ranks whose label tokens ``num_items_in_batch`` counts."""
+        return self.topology.dp_size if self.args.average_tokens_across_devices else 1
+
+    def num_items_in_batch(
+        self, window: list[Batch], *, over_ranks: bool = True
+    ) -> torch.Tensor | None:
+        """Hugging Face's ``num_items_in_batch`` for a ``compute_loss_func`` that takes it:
+        the label tokens (not -100) of ``window``'s ``labels`` (``shift_labels`` where a batch
+        has them; without each row's first label where the model's loss shifts them), summed
+        over the data-parallel ranks with ``average_tokens_across_devices`` when
+        ``over_ranks``. None otherwise, or when the labels are no tensors."""
+        if not self._loss_func_takes_items or not window or "labels" not in window[0]:
+            return None
+        shifts = loss_shifts_labels(self.model)
+        try:
+            count = sum(
+                (
+                    batch["shift_labels"]
+                    if "shift_labels" in batch
+                    else batch["labels"][..., 1:]
+                    if shifts
+                    else batch["labels"]
+                )
+                .ne(IGNORE_INDEX)
+                .sum()
+                for batch in window
+            )
+        except (TypeError, AttributeError):
+            return None
+        if over_ranks and self._items_ranks() > 1:  # every rank steps through the same windows
+            count = self.all_reduce_sum(count)
+        return count
+
     def compute_loss(
-        self, model: nn.Module, batch: Batch, return_outputs: bool = False
+        self,
+        model: nn.Module,
+        batch: Batch,
+        return_outputs: bool = False,
+        num_items_in_batch: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, Any]:
-        """``model(**batch).loss`` (the Hugging Face convention); with
-        ``label_smoothing_factor``, the smoothed cross-entropy of the logits and labels.
-        ``return_outputs`` also returns the model's outputs (evaluation reads the logits)."""
-        smoother = self._label_smoother
-        if smoother is not None and "labels" in batch:
+        """The loss of one batch, as Hugging Face's ``Trainer.compute_loss``.
+
+        With ``compute_loss_func`` or ``label_smoothing_factor`` the batch's ``labels`` are
+        taken out; the model gets the rest (and ``num_items_in_batch``, when the function
+        takes it and the model accepts loss keywords). Then ``compute_loss_func(outputs,
+        labels[, num_items_in_batch=])``, or the smoothed cross-entropy of the logits, or else
+        the model's own ``.loss`` / ``["loss"]`` / first element of a tuple.
+        ``return_outputs`` also returns the model's outputs (evaluation reads the logits).
+        """
+        func, smoother = self.compute_loss_func, self._label_smoother
+        labels = None
+        if (func is not None or smoother is not None) and "labels" in batch:
             batch = dict(batch)
             labels = batch.pop("labels")
-            outputs = model(**batch)
+        if num_items_in_batch is not None and accepts_loss_kwargs(model):
+            batch = {**batch, "num_items_in_batch": num_items_in_batch}
+        outputs = model(**batch)
+        if func is not None:
+            loss = self._call_loss_func(func, outputs, labels, num_items_in_batch)
+        elif labels is not None:
             loss = smoother(outputs, labels, shift_labels=is_causal_lm(model))
         else:
-            outputs = model(**batch)
-            loss = getattr(outputs, "loss", None)
-            if loss is None and isinstance(outputs, Mapping):
-                loss = outputs.get("loss")
-        if loss is None:
-            name = type(unwrap_model(model)).__name__
-            if isinstance(outputs, torch.Tensor):
-                raise ValueError(
-                    f"{name}.forward must return an object with .loss or a dict with 'loss' "
-                    "(got Tensor); return the loss from forward, or override "
-                    "Trainer.compute_loss to compute it from the tensor"
-                )
-            raise ValueError(
-                f"{name} returned no loss (got {type(outputs).__name__} without 'loss'): give "
-                "the batches labels (e.g. data_collator: CausalLMCollator) or override "
-                "Trainer.compute_loss"
-            )
+            loss = model_loss(outputs, f"{type(unwrap_model(model)).__name__}.forward")
         return (loss, outputs) if return_outputs else loss
+
+    def _call_loss_func(
+        self, func: Callable[..., Any], outputs: Any, labels: Any, num_items: Any
+    ) -> torch.Tensor:
+        if labels is None and not self._warned_no_labels:
+            self._warned_no_labels = True
+            self._info(
+                "compute_loss_func is called with labels=None: the batches have no 'labels' key",
+                level=logging.WARNING,
+            )
+        if self._loss_func_takes_items:
+            loss = func(outputs, labels, num_items_in_batch=num_items)
+        else:
+            loss = func(outputs, labels)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            name = getattr(func, "__name__", None) or getattr(
+                getattr(func, "func", None), "__name__", "compute_loss_func"
+            )
+            got = type(loss).__name__
+            if isinstance(loss, torch.Tensor):
+                got = f"a tensor of shape {tuple(loss.shape)}"
+            raise ValueError(
+                f"trainer.compute_loss_func ({name}) must return the loss, a tensor with one "
+                f"value (got {got}); reduce it, e.g. with reduction='mean'"
+            )
+        return loss.reshape(())
 
     def backward(self, loss: torch.Tensor) -> None:
         (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
@@ -487,20 +620,62 @@ class BaseTrainer:
         return grad_norm
 
     def reduce_step(
-        self, loss: torch.Tensor, tokens: torch.Tensor, grad_norm: torch.Tensor
+        self,
+        loss: torch.Tensor,
+        tokens: torch.Tensor,
+        grad_norm: torch.Tensor,
+        samples: float = 0,
+        flops: float = 0.0,
     ) -> StepResult:
-        """Agree on the step across ranks with one all-reduce of (loss, tokens).
+        """Agree on the step across ranks with one all-reduce of (loss, tokens, samples,
+        flops); ``samples`` and ``flops`` are this rank's, known on the host.
 
         The summed loss is non-finite exactly when some rank's loss is, and gradients are
         already synchronised, so every rank takes the same skip decision. Everything stays on
         the device: nothing here waits for the step to finish.
         """
-        stats = self.all_reduce_sum(torch.stack([loss.double(), tokens.double()]))
-        loss_sum, total_tokens = stats.unbind()
+        counts = [loss.new_full((), value, dtype=torch.float64) for value in (samples, flops)]
+        stats = self.all_reduce_sum(torch.stack([loss.double(), tokens.double(), *counts]))
+        loss_sum, total_tokens, total_samples, total_flops = stats.unbind()
         finite = torch.isfinite(loss_sum)
         if self.scaler is None:  # with a grad scaler, overflowing gradients are its to skip
             finite = finite & torch.isfinite(grad_norm)
-        return StepResult(loss_sum / self.topology.dp_size, total_tokens, grad_norm, finite)
+        return StepResult(
+            loss_sum / self.topology.dp_size,
+            total_tokens,
+            grad_norm,
+            finite,
+            total_samples / self.topology.num_stages,  # every stage of a pipeline sees the batch
+            total_flops,
+        )
+
+    def _count_work(self, window: list[Batch]) -> tuple[int, float]:
+        """The items of this rank's micro-batches and their floating-point operations (0 for a
+        model that gives no estimate), from the batches' shapes."""
+        samples, flops = 0, 0.0
+        for batch in window:
+            samples += batch_size_of(batch)
+            estimate = self.floating_point_ops(batch)
+            if estimate is not None:
+                flops += estimate
+                self._counts_flops = True
+        return samples, flops
+
+    def floating_point_ops(self, batch: Batch) -> float | None:
+        """One micro-batch's forward and backward floating-point operations on this rank, as
+        Hugging Face's Trainer estimates them: the model's own ``floating_point_ops(batch)``
+        where it has one (any model may define it), else for a model with ``num_parameters``
+        (a ``PreTrainedModel``) 6 x the main input's tokens x the parameters outside the
+        embeddings. None otherwise: ``total_flos`` is then left out of the summary. Override
+        to count another way."""
+        model = unwrap(self.model)
+        estimate = getattr(model, "floating_point_ops", None)
+        if callable(estimate):
+            return float(estimate(batch))
+        inputs = batch.get(getattr(model, "main_input_name", "input_ids"))
+        if not callable(getattr(model, "num_parameters", None)) or not torch.is_tensor(inputs):
+            return None
+        return 6.0 * inputs.numel() * model.num_parameters(exclude_embeddings=True)
 
     def all_reduce_sum(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sum ``tensor`` over the ranks (every rank gets the result)."""
@@ -714,10 +889,14 @@ class BaseTrainer:
 
     @property
     def label_names(self) -> list[str]:
-        """``args.label_names``, else the model's ``forward`` parameters named like labels."""
+        """``args.label_names``, else the model's ``forward`` parameters named like labels;
+        with ``compute_loss_func`` and none of those, ``labels`` (what the function gets)."""
         if self.args.label_names is not None:
             return list(self.args.label_names)
-        return default_label_names(self.model) if self.model is not None else ["labels"]
+        names = default_label_names(self.model) if self.model is not None else ["labels"]
+        if not names and self.compute_loss_func is not None:
+            return ["labels"]
+        return names
 
     def _check_eval_dataset(self) -> None:
         if self.eval_dataset is not None:
@@ -1097,12 +1276,16 @@ class BaseTrainer:
         labels = labels_of(batch, label_names)
         with self.autocast():
             if labels is not None:
-                loss, outputs = self.compute_loss(model, batch, return_outputs=True)
+                num_items = self.num_items_in_batch([batch], over_ranks=False)
+                items = {} if num_items is None else {"num_items_in_batch": num_items}
+                loss, outputs = self.compute_loss(model, batch, return_outputs=True, **items)
                 loss = loss.detach().mean()
             else:
                 loss, outputs = None, model(**batch)
-        if loss is None and not prediction_loss_only:
+        if loss is None:  # no labels under label_names: a loss the model returned still counts
             found = getattr(outputs, "loss", None)
+            if found is None and isinstance(outputs, Mapping):
+                found = outputs.get("loss")
             loss = found.detach().mean() if isinstance(found, torch.Tensor) else None
         if prediction_loss_only:
             return loss, None, None
@@ -1133,6 +1316,7 @@ class BaseTrainer:
         if self.model is None:
             set_seed(self.args.seed)
             self.model = self._call_model_init()
+        name_causal_lm_loss(self.model)
         args = self.args
         dtype = (
             torch.bfloat16
@@ -1176,16 +1360,18 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ logging
     def log_step(self) -> None:
-        """Report the steps since the last log: mean loss, lr, grad norm, tokens/s, epoch."""
+        """Report the steps since the last log: mean loss, lr, grad norm, tokens/s (when the
+        batches hold tokens: ``count_tokens``), epoch."""
         self._settle()
         tally, state = self._tally, self.state
         logs: dict[str, float] = {
             "loss": tally.mean_loss,
             "learning_rate": current_lr(self.lr_scheduler),
             "grad_norm": tally.grad_norm,
-            "tokens_per_second": tally.tokens_per_second,
-            "epoch": round(state.epoch, 4),
         }
+        if tally.tokens:  # a model without input_ids or attention_mask has no tokens to rate
+            logs["tokens_per_second"] = tally.tokens_per_second
+        logs["epoch"] = round(state.epoch, 4)
         if tally.skipped:
             logs["nonfinite_skipped"] = state.nonfinite_skipped
         if self.args.include_num_input_tokens_seen != "no":
@@ -1238,10 +1424,7 @@ class BaseTrainer:
     # ------------------------------------------------------------------ helpers
     def _to_device(self, batch: Batch) -> Batch:
         if not isinstance(batch, Mapping):
-            raise TypeError(
-                f"batches must be dicts of tensors (got {type(batch).__name__}); make the "
-                "dataset yield dicts or pass a data_collator that builds them"
-            )
+            raise TypeError(not_a_dict_batch(batch, self.model))
         return {
             k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
             for k, v in batch.items()

@@ -33,6 +33,7 @@ __all__ = [
     "TrainerControl",
     "TrainerState",
     "integration_callback",
+    "is_train_summary",
 ]
 
 
@@ -42,7 +43,9 @@ class TrainerState:
 
     ``epoch`` counts completed epochs plus the fraction of the current one.
     ``best_metric`` / ``best_checkpoint`` are set when a checkpoint is saved with a better
-    ``metric_for_best_model``. ``tokens_seen`` counts attention-masked tokens over all ranks.
+    ``metric_for_best_model``. ``tokens_seen`` counts attention-masked tokens over all ranks;
+    ``total_flos`` the floating-point operations of every step so far (Hugging Face's estimate,
+    for models that give one: ``BaseTrainer.floating_point_ops``), over all ranks.
     """
 
     global_step: int = 0
@@ -54,6 +57,7 @@ class TrainerState:
     last_checkpoint: str | None = None
     nonfinite_skipped: int = 0
     tokens_seen: int = 0
+    total_flos: float = 0.0
     is_world_process_zero: bool = True
     resumed_from: str | None = None
 
@@ -63,6 +67,7 @@ class TrainerState:
         "last_checkpoint",
         "nonfinite_skipped",
         "tokens_seen",
+        "total_flos",
     )
 
     def state_dict(self) -> dict[str, Any]:
@@ -184,6 +189,13 @@ class CallbackHandler:
                 logger.warning("checkpoint has no state for callback %s; it starts fresh", name)
 
 
+def is_train_summary(logs: dict[str, Any]) -> bool:
+    """Whether an ``on_log`` call carries the end-of-training summary (``train_runtime``,
+    ``train_samples_per_second``, ... as Hugging Face's Trainer logs it) rather than a step's
+    numbers."""
+    return "train_runtime" in logs
+
+
 def format_metrics(values: dict[str, float]) -> str:
     """``loss 4.1234 | learning_rate 3.00e-04``: a compact line for logs."""
     parts = []
@@ -222,6 +234,13 @@ class ProgressCallback(TrainerCallback):
             self.bar.update(state.global_step - self.bar.n)
 
     def on_log(self, args, state, control, logs, **kwargs):
+        if is_train_summary(logs):
+            line = f"trained to step {state.global_step} | {format_metrics(logs)}"
+            if self.bar is not None:
+                self.bar.write(line, file=sys.stderr)
+            else:
+                logger.info(line)
+            return
         if self.bar is None:
             logger.info("step %d/%d | %s", state.global_step, state.max_steps, format_metrics(logs))
             return

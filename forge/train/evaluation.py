@@ -69,6 +69,34 @@ def is_causal_lm(model: nn.Module) -> bool:
     return bool(can_generate()) and not getattr(config, "is_encoder_decoder", False)
 
 
+def loss_shifts_labels(model: nn.Module) -> bool:
+    """Whether the model's loss predicts label i+1 at position i (a causal LM's), so the first
+    label of each row is no target: Hugging Face's Trainer asks the loss its ``loss_type``
+    names, and leaves encoder-decoders out."""
+    model = unwrap(model)
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
+    except ImportError:  # transformers before its loss mapping
+        return is_causal_lm(model)
+    config = getattr(model, "config", None)
+    shifted = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
+    return shifted and not getattr(config, "is_encoder_decoder", False)
+
+
+def accepts_loss_kwargs(model: nn.Module) -> bool:
+    """Whether ``forward`` takes loss keywords such as ``num_items_in_batch``: the model's
+    ``accepts_loss_kwargs`` where it says, else whether ``forward`` takes ``**kwargs`` (as
+    Hugging Face's Trainer decides)."""
+    import inspect
+
+    model = unwrap(model)
+    said = getattr(model, "accepts_loss_kwargs", None)
+    if said is not None:
+        return bool(said)
+    parameters = inspect.signature(model.forward).parameters.values()
+    return any(p.kind is p.VAR_KEYWORD for p in parameters)
+
+
 def labels_of(batch: Mapping[str, Any], label_names: Sequence[str]) -> Any:
     """The batch's labels: one tensor for one label name, a tuple for several, None if any is
     missing."""

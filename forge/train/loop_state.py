@@ -32,6 +32,8 @@ class StepResult:
     tokens: torch.Tensor  # tokens of the step, summed over ranks (float64)
     grad_norm: torch.Tensor  # before clipping
     finite: torch.Tensor  # bool; False: the step must be skipped (when skip_nonfinite)
+    samples: torch.Tensor | float = 0.0  # items the step trained on, over ranks (float64)
+    flops: torch.Tensor | float = 0.0  # its floating-point operations, over ranks (float64)
 
 
 @dataclass
@@ -49,11 +51,11 @@ class Tally:
     settle into the plain numbers, once, at a logging step or a checkpoint.
     """
 
-    _SUMS = ("loss_sum", "finite_steps", "skipped", "tokens")
+    _SUMS = ("loss_sum", "finite_steps", "skipped", "tokens", "samples", "flops")
 
     def __init__(self) -> None:
-        self.steps = self.finite_steps = self.skipped = self.tokens = 0
-        self.loss_sum = 0.0
+        self.steps = self.finite_steps = self.skipped = self.tokens = self.samples = 0
+        self.loss_sum = self.flops = 0.0
         self.grad_norm = float("nan")
         self.started = time.perf_counter()
         self._pending: torch.Tensor | None = None  # sums of _SUMS since the last settle
@@ -68,6 +70,8 @@ class Tally:
                 finite.double(),
                 (~finite).double(),
                 step.tokens.double(),
+                torch.as_tensor(step.samples, dtype=torch.float64, device=finite.device),
+                torch.as_tensor(step.flops, dtype=torch.float64, device=finite.device),
             ]
         )
         self._pending = row if self._pending is None else self._pending + row
@@ -77,13 +81,15 @@ class Tally:
         """Fold the device-side sums into the plain numbers; returns what was folded in."""
         if self._pending is None:
             return Settled(0, 0)
-        loss_sum, finite_steps, skipped, tokens = self._pending.tolist()  # the one host sync
+        loss_sum, finite_steps, skipped, tokens, samples, flops = self._pending.tolist()  # sync
         norm = self._last_norm
         self._pending = self._last_norm = None
         self.loss_sum += loss_sum
         self.finite_steps += int(finite_steps)
         self.skipped += int(skipped)
         self.tokens += int(tokens)
+        self.samples += int(samples)
+        self.flops += flops
         self.grad_norm = float(norm)
         return Settled(int(tokens), int(skipped))
 

@@ -176,6 +176,12 @@ class PipelineTrainer(BaseTrainer):
     """
 
     trainer_kind: ClassVar[str] = "pipeline"
+    unsupported_arguments: ClassVar[dict[str, str]] = {
+        "compute_loss_func": (
+            "the pipeline trainer computes the loss on its last stage, which holds the "
+            "logits, not the model's outputs; give it loss_fn(logits, labels) instead"
+        ),
+    }
 
     def __init__(
         self,

@@ -61,7 +61,8 @@ def apply_runtime_settings(args: TrainingArguments, is_main: bool) -> None:
 
 def prepare_model(model: nn.Module, args: TrainingArguments) -> None:
     """``activation_checkpointing`` (HF's ``gradient_checkpointing_enable``) and, for a model
-    with a config, ``use_cache`` (HF's Trainer sets it the same way)."""
+    with a config, ``use_cache`` (HF's Trainer sets it the same way) and its loss type."""
+    name_causal_lm_loss(model)
     config = getattr(model, "config", None)
     if config is not None and hasattr(config, "use_cache"):
         config.use_cache = args.use_cache
@@ -78,3 +79,27 @@ def prepare_model(model: nn.Module, args: TrainingArguments) -> None:
             ]
         )
     enable(gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs)
+
+
+def name_causal_lm_loss(model: nn.Module) -> None:
+    """Name the loss of a Hugging Face causal LM whose class name maps to none.
+
+    transformers picks a model's loss from its class name (``post_init`` sets ``loss_type``);
+    a name such as ``GPT2LMHeadModel`` matches no entry of its ``LOSS_MAPPING``, so
+    ``loss_type`` is None and the first loss warns "`loss_type=None` was set in the config but
+    it is unrecognized. Using the default loss: `ForCausalLMLoss`" (once per process, so on
+    every rank). For a decoder-only generative model that default is its loss: naming it
+    (``loss_type``, transformers' own switch) keeps the loss and drops the warning. Any other
+    model keeps its None, and the warning, which then says something.
+    """
+    from forge.train.evaluation import is_causal_lm, unwrap
+
+    model = unwrap(model)
+    if getattr(model, "loss_type", "") is not None or not is_causal_lm(model):
+        return
+    try:
+        from transformers.loss.loss_utils import LOSS_MAPPING
+    except ImportError:  # transformers before the loss mapping: no such warning either
+        return
+    if "ForCausalLM" in LOSS_MAPPING:
+        model.loss_type = "ForCausalLM"

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.helpers import run_forge
@@ -47,6 +51,8 @@ def test_forward_returning_a_bare_tensor(classifier):
     )
     assert expected in stderr
     assert "CausalLMCollator" not in stderr
+    # logits, not a loss: the trainer's compute_loss_func computes one from them
+    assert "is predictions, not a loss: give the trainer a compute_loss_func" in stderr
 
 
 def test_forward_returning_no_loss_suggests_labels(classifier):
@@ -81,3 +87,91 @@ def test_model_partial_missing_an_argument_the_trainer_does_not_pass(classifier)
         stderr
     )
     assert "missing a required argument: 'num_features'" in stderr
+
+
+PLAIN_MODEL = '''"""A model as plain PyTorch code writes it: forward(x, y) returns the loss tensor."""
+import torch
+from torch import nn
+
+
+class Net(nn.Module):
+    def __init__(self, hidden: int = 16):
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+
+    def forward(self, x, y=None):
+        logits = self.body(x)
+        return logits if y is None else nn.functional.cross_entropy(logits, y)
+'''
+
+PLAIN_DATA = '''"""A dataset as plain PyTorch code writes it: items are (x, y) tuples."""
+import torch
+from torch.utils.data import Dataset
+
+
+class Blobs(Dataset):
+    def __init__(self, n: int = 128, seed: int = 0):
+        generator = torch.Generator().manual_seed(seed)
+        self.y = torch.randint(3, (n,), generator=generator)
+        self.x = torch.randn(n, 4, generator=generator) + self.y[:, None].float()
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+'''
+
+
+@pytest.mark.slow  # fast representatives: tests/test_preflight.py, tests/train/test_adapters.py
+def test_a_plain_pytorch_model_and_tuple_dataset_train_through_the_adapters(tmp_path):
+    """`forge new --from blank`, a model.py and data.py as plain PyTorch writes them: the
+    pre-run check names TupleCollator, then LossAdapter; with both, it trains, evaluates and
+    its checkpoint loads into the plain model."""
+    assert run_forge("new", "plain", "--from", "blank", "-p", str(tmp_path)).returncode == 0
+    project = tmp_path / "plain"
+    (project / "model.py").write_text(PLAIN_MODEL)
+    (project / "data.py").write_text(PLAIN_DATA)
+    config = project / "templates" / "configs" / "train.yaml"
+    edit(config, "model: &model null", "model: &model !partial:./model.py:Net {hidden: 16}")
+    edit(
+        config,
+        "train_dataset: &train_dataset null",
+        "train_dataset: &train_dataset !singleton:./data.py:Blobs {}",
+    )
+    edit(
+        config,
+        "eval_dataset: &eval_dataset null",
+        "eval_dataset: &eval_dataset !singleton:./data.py:Blobs {n: 32, seed: 1}",
+    )
+    stderr = train_fails_before_any_run(project, dry_run_only=True)
+    assert "train.yaml:" in stderr and "train_dataset: batches must be dicts of tensors" in stderr
+    assert "data_collator: !singleton:forge.data:TupleCollator {names: [x, y]}" in stderr
+
+    collator = "data_collator: &data_collator !singleton:forge.data:TupleCollator {names: [x, y]}"
+    config.write_text(config.read_text() + f"\n-- block collator\n{collator}\n-- endblock\n")
+    stderr = train_fails_before_any_run(project, dry_run_only=True)
+    assert (
+        "Net.forward must return an object with .loss or a dict with 'loss' (got Tensor)" in stderr
+    )
+    assert "model: !partial:forge.train:LossAdapter {module: !partial:...}" in stderr
+
+    edit(
+        config,
+        "model: &model !partial:./model.py:Net {hidden: 16}",
+        "model: &model !partial:forge.train:LossAdapter\n    module: !partial:./model.py:Net {hidden: 16}",
+    )
+    steps = ["-D", "max_steps=10", "-D", "eval_steps=10", "-D", "save_steps=10"]
+    trained = run_forge("train", "-p", str(project), *steps)
+    assert trained.returncode == 0, trained.stderr
+    assert "eval at step 10 | eval_loss " in trained.stderr
+    run_dir = Path(trained.stdout.splitlines()[0])
+    checkpoint = run_dir / "checkpoints" / "checkpoint-000010" / "model.safetensors"
+    check = (
+        "import sys; from safetensors.torch import load_file; sys.path.insert(0, sys.argv[1]); "
+        "from model import Net; Net(16).load_state_dict(load_file(sys.argv[2])); print('ok')"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", check, str(project), str(checkpoint)], capture_output=True, text=True
+    )
+    assert loaded.stdout.strip() == "ok", loaded.stderr

@@ -135,3 +135,25 @@ def test_readme_template_table_lists_every_library_template():
     listed = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
     shipped = {p.relative_to(LIBRARY_DIR).as_posix() for p in LIBRARY_DIR.rglob("*.yaml")}
     assert listed == shipped
+
+
+def readme_python(marker: str) -> str:
+    match = re.search(r"```python\n" + re.escape(marker) + r"\n(.*?)```", README, re.S)
+    assert match, f"README has no python block starting with {marker!r}"
+    return match.group(1)
+
+
+@pytest.mark.slow  # fast representatives: tests/train/test_adapters.py, test_loss_func.py
+def test_readme_plain_pytorch_model_and_data_train_with_the_adapters(tmp_path):
+    assert run_forge("new", "plain", "--from", "blank", cwd=tmp_path).returncode == 0
+    project = tmp_path / "plain"
+    (project / "model.py").write_text(readme_python("# model.py"))
+    (project / "data.py").write_text(readme_python("# data.py"))
+    for name in ("plain", "logits"):
+        config = readme_block(f"# templates/configs/{name}.yaml")
+        (project / "templates" / "configs" / f"{name}.yaml").write_text(config)
+    for name in ("plain", "logits"):
+        steps = ["-D", "max_steps=10", "-D", "eval_steps=10", "-D", "save_steps=10"]
+        result = run_forge("train", name, "-p", "plain", *steps, cwd=tmp_path)
+        assert result.returncode == 0, (name, result.stderr)
+        assert "eval at step 10 | eval_loss " in result.stderr, name

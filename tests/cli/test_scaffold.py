@@ -32,6 +32,16 @@ def test_classifier_scaffold_trains_and_its_loss_falls(tmp_path):
     assert len(losses) == 5
     assert losses[-1] < 0.5 * losses[0]
     assert (run_dir / "checkpoints" / "checkpoint-000050" / "manifest.json").is_file()
+    # HF's end-of-training summary: in the log, metrics.jsonl and run.json; and no noise: no
+    # tokens/s for a model without tokens, no huggingface_hub line at every checkpoint
+    assert "trained to step 50 | train_runtime " in trained.stderr
+    assert "tokens_per_second" not in trained.stderr
+    assert "successfully saved" not in trained.stderr
+    summary = json.loads((run_dir / "run.json").read_text())["train_summary"]
+    last = json.loads((run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert summary == last and summary["step"] == 50
+    samples = summary["train_samples_per_second"] * summary["train_runtime"]
+    assert samples == pytest.approx(50 * 64, rel=1e-3)  # 50 steps of the scaffold's 64 items
 
 
 def test_tiny_lm_scaffold_trains_a_few_steps(tmp_path):

@@ -41,3 +41,41 @@ def test_errors() -> None:
         CausalLMCollator()([{"input_ids": [1, 2], "labels": [1]}])
     with pytest.raises(ValueError, match="1-d"):
         CausalLMCollator()([{"input_ids": [[1, 2]]}])
+
+
+def test_tuple_collator_names_the_parts_of_tuple_items():
+    from forge.data import TupleCollator
+
+    items = [
+        (torch.tensor([1.0, 2.0]), torch.tensor(0)),
+        (torch.tensor([3.0, 4.0]), torch.tensor(1)),
+    ]
+    batch = TupleCollator(["x", "labels"])(items)
+    assert set(batch) == {"x", "labels"}
+    assert torch.equal(batch["x"], torch.tensor([[1.0, 2.0], [3.0, 4.0]]))
+    assert torch.equal(batch["labels"], torch.tensor([0, 1]))
+    # dict items pass as they are
+    assert set(TupleCollator(["x", "labels"])([{"a": torch.tensor(1)}])) == {"a"}
+
+
+def test_tuple_collator_names_the_tuple_a_collator_returns():
+    from forge.data import TupleCollator
+
+    def stack(items):
+        return torch.stack([i for i, _ in items]), torch.tensor([t for _, t in items])
+
+    collator = TupleCollator(["inputs", "targets"], collator=stack)
+    batch = collator([(torch.zeros(2), 1), (torch.ones(2), 0)])
+    assert torch.equal(batch["targets"], torch.tensor([1, 0]))
+    assert batch["inputs"].shape == (2, 2)
+
+
+def test_tuple_collator_says_when_names_and_parts_do_not_match():
+    from forge.data import TupleCollator
+
+    with pytest.raises(ValueError, match=r"names 2 parts \(x, labels\) but an item has 3"):
+        TupleCollator(["x", "labels"])([(torch.zeros(1), torch.zeros(1), torch.zeros(1))])
+    with pytest.raises(ValueError, match="one per part of an item"):
+        TupleCollator([])
+    with pytest.raises(ValueError, match="repeat a key"):
+        TupleCollator(["x", "x"])

@@ -1,6 +1,6 @@
 """Train the tiny Llama without dropout; run by torchrun from test_ddp_equivalence.py.
 
-    python -m torch.distributed.run --nproc_per_node=N ddp_equivalence_script.py OUT BATCH
+    python -m torch.distributed.run --nproc_per_node=N ddp_equivalence_script.py OUT BATCH [loss_func]
 
 Also called in-process (one rank) by the test. Rank 0 leaves ``OUT/metrics.jsonl`` (the loss
 of every step) and ``OUT/weights.pt`` (the final weights).
@@ -26,7 +26,9 @@ STEPS = 6
 ACCUMULATION = 2
 
 
-def train(output_dir: str | Path, per_device_batch: int) -> Trainer:
+def train(output_dir: str | Path, per_device_batch: int, loss_func: bool = False) -> Trainer:
+    """With ``loss_func``: rows of different lengths and an HF-style compute_loss_func that
+    divides the step's token loss by num_items_in_batch (over both ranks)."""
     config = tiny_llama_config()
     config.attention_dropout = 0.0  # dropout masks would differ between the two layouts
     args = make_args(
@@ -38,11 +40,19 @@ def train(output_dir: str | Path, per_device_batch: int) -> Trainer:
         logging_steps=1,
         save_final_checkpoint=False,
     )
+    extra = {}
+    dataset = TokenDataset(TRAIN_SIZE)
+    if loss_func:
+        from tests.train.test_loss_func import RaggedTokens, TokenSumLoss
+
+        extra["compute_loss_func"] = TokenSumLoss()
+        dataset = RaggedTokens(TRAIN_SIZE)
     trainer = Trainer(
         functools.partial(LlamaForCausalLM, config),
         args,
-        TokenDataset(TRAIN_SIZE),
+        dataset,
         data_collator=CausalLMCollator(pad_token_id=0),
+        **extra,
     )
     trainer.train()
     if trainer.is_main_process:
@@ -52,4 +62,4 @@ def train(output_dir: str | Path, per_device_batch: int) -> Trainer:
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    train(sys.argv[1], int(sys.argv[2]))
+    train(sys.argv[1], int(sys.argv[2]), loss_func=sys.argv[3:] == ["loss_func"])

@@ -20,6 +20,11 @@ def read_jsonl(path):
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def step_records(records):
+    """The records of steps and evaluations, without the end-of-training summaries."""
+    return [r for r in records if "train_runtime" not in r]
+
+
 def jsonl_args(output_dir, **overrides):
     values = dict(
         max_steps=12,
@@ -50,10 +55,12 @@ def test_metrics_jsonl_has_one_object_per_log_and_eval(tmp_path):
 
 def test_metrics_jsonl_is_rewritten_consistently_on_resume(tmp_path):
     make_trainer(jsonl_args(tmp_path), eval_size=8).train()
-    before = read_jsonl(tmp_path / "metrics.jsonl")
+    before = step_records(read_jsonl(tmp_path / "metrics.jsonl"))
     resumed = make_trainer(jsonl_args(tmp_path), eval_size=8)
     resumed.train(resume_from_checkpoint=str(checkpoint_dir(tmp_path, 6)))
-    after = read_jsonl(tmp_path / "metrics.jsonl")
+    records = read_jsonl(tmp_path / "metrics.jsonl")
+    assert "train_runtime" in records[-1]  # the resumed call's summary; the first's is gone
+    after = step_records(records)
     steps = [(r["step"], "eval_loss" in r) for r in after]
     assert steps == [(4, False), (6, True), (8, False), (12, False), (12, True)]
     assert after[:2] == before[:2]  # history up to the checkpoint is kept as it was
@@ -66,6 +73,7 @@ def test_progress_logs_plain_lines_without_a_tty(tmp_path, caplog):
     with caplog.at_level(logging.INFO, logger="forge.train"):
         make_trainer(args).train()
     lines = [r.getMessage() for r in caplog.records if r.name == "forge.train.callbacks"]
+    assert lines.pop().startswith("trained to step 4 | train_runtime ")  # the summary
     assert len(lines) == 2
     assert lines[0].startswith("step 2/4 | loss ")
     assert "learning_rate" in lines[0] and "tokens_per_second" in lines[0]

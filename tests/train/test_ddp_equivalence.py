@@ -28,12 +28,12 @@ SCRIPT = Path(__file__).with_name("ddp_equivalence_script.py")
 BATCH = 4
 
 
-def torchrun(output_dir: Path, nproc: int, batch: int) -> None:
+def torchrun(output_dir: Path, nproc: int, batch: int, *extra: str) -> None:
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
     env.pop("WORLD_SIZE", None)
     command = [
         sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(SCRIPT), str(output_dir), str(batch),
+        f"--nproc_per_node={nproc}", str(SCRIPT), str(output_dir), str(batch), *extra,
     ]  # fmt: skip
     # a session of its own, so a timeout can end the workers along with torchrun
     proc = subprocess.Popen(
@@ -56,6 +56,11 @@ def step_losses(output_dir: Path) -> list[float]:
     return [losses[step] for step in range(1, STEPS + 1)]
 
 
+def summary(output_dir: Path) -> dict:
+    last = (output_dir / "metrics.jsonl").read_text().splitlines()[-1]
+    return json.loads(last)
+
+
 def test_two_ranks_train_like_one_rank_with_twice_the_batch(tmp_path):
     torchrun(tmp_path / "ddp", nproc=2, batch=BATCH)
     train(tmp_path / "single", 2 * BATCH)
@@ -67,8 +72,31 @@ def test_two_ranks_train_like_one_rank_with_twice_the_batch(tmp_path):
     assert ddp_losses == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
     assert len(set(single_losses)) == STEPS  # training moves: the comparison is not vacuous
 
+    # the end-of-training summary counts what every rank trained on: 6 steps of 16 samples
+    summaries = [summary(tmp_path / name) for name in ("ddp", "single")]
+    for found in summaries:
+        trained = found["train_samples_per_second"] * found["train_runtime"]
+        assert trained == pytest.approx(STEPS * 16, rel=1e-3), found
+    assert summaries[0]["total_flos"] == summaries[1]["total_flos"] > 0
+
     ddp = torch.load(tmp_path / "ddp" / "weights.pt", weights_only=True)
     single = torch.load(tmp_path / "single" / "weights.pt", weights_only=True)
     assert ddp.keys() == single.keys()
+    for name in single:
+        torch.testing.assert_close(ddp[name], single[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_compute_loss_func_counts_the_label_tokens_of_both_ranks(tmp_path):
+    """Rows of different lengths, and a compute_loss_func that divides the token loss by
+    num_items_in_batch: with the count summed over the ranks (average_tokens_across_devices)
+    and each rank's loss scaled by the ranks, 2 ranks train exactly as 1 rank with both
+    ranks' rows; counted per rank, the ranks' token means would weigh tokens unequally."""
+    torchrun(tmp_path / "ddp", 2, BATCH, "loss_func")
+    train(tmp_path / "single", 2 * BATCH, loss_func=True)
+    ddp_losses, single_losses = step_losses(tmp_path / "ddp"), step_losses(tmp_path / "single")
+    assert ddp_losses == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
+    ddp = torch.load(tmp_path / "ddp" / "weights.pt", weights_only=True)
+    single = torch.load(tmp_path / "single" / "weights.pt", weights_only=True)
     for name in single:
         torch.testing.assert_close(ddp[name], single[name], rtol=1e-4, atol=1e-4, msg=name)

@@ -18,7 +18,8 @@ class Record(TrainerCallback):
         self.lrs: list[float] = []
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logs.append(dict(logs, step=state.global_step))
+        if "train_runtime" not in logs:  # steps' logs, not the end-of-training summary
+            self.logs.append(dict(logs, step=state.global_step))
 
     def on_evaluate(self, args, state, control, metrics=None, **kwargs):
         self.evals.append(state.global_step)

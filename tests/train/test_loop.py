@@ -36,7 +36,8 @@ class Snapshots(TrainerCallback):
         self.lrs[state.global_step] = optimizer.param_groups[0]["lr"]
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        self.logs.append(dict(logs, step=state.global_step))
+        if "train_runtime" not in logs:  # steps' logs, not the end-of-training summary
+            self.logs.append(dict(logs, step=state.global_step))
 
 
 class InfLossAtStep(Trainer):

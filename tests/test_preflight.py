@@ -1,0 +1,110 @@
+"""The pre-run contract check, in process: what it says about plain PyTorch models and data,
+the adapters it sees through, and compute_loss_func."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from forge.config import ConfigError, load_config, load_project
+from forge.preflight import check_training_contract
+from forge.scaffold import new_project
+from forge.worker import build_variables
+from tests.cli.test_preflight import PLAIN_DATA, PLAIN_MODEL
+
+TUPLES = "data_collator: &data_collator !singleton:forge.data:TupleCollator {names: [x, y]}"
+ADAPTED = "!partial:forge.train:LossAdapter\n    module: !partial:./model.py:Net {hidden: 16}"
+
+
+def project_with(
+    tmp_path: Path, *, model: str, collator: str | None = None, trainer: str = ""
+) -> Path:
+    """The blank scaffold with PLAIN_MODEL / PLAIN_DATA and the given blocks filled."""
+    project = new_project("plain", tmp_path, "blank")
+    (project / "model.py").write_text(PLAIN_MODEL)
+    (project / "data.py").write_text(PLAIN_DATA)
+    config = project / "templates" / "configs" / "train.yaml"
+    text = config.read_text()
+    text = text.replace("model: &model null", f"model: &model {model}")
+    text = text.replace(
+        "train_dataset: &train_dataset null",
+        "train_dataset: &train_dataset !singleton:./data.py:Blobs {}",
+    )
+    if collator:
+        text += f"\n-- block collator\n{collator}\n-- endblock\n"
+    config.write_text(text)
+    if trainer:  # a config of its own adds the Trainer argument, as a user would
+        (config.parent / "loss.yaml").write_text(
+            f"-- extends 'configs/train.yaml'\n-- block trainer\n    == super()\n{trainer}\n"
+            "-- endblock\n"
+        )
+    return project
+
+
+def problems(project: Path, **defines: str) -> str:
+    loaded = load_project(project)
+    name = (
+        "loss.yaml" if (project / "templates" / "configs" / "loss.yaml").exists() else "train.yaml"
+    )
+    cfg = load_config(loaded, name, defines)
+    variables = build_variables(project / "output" / "run_NNN", loaded, name)
+    try:
+        check_training_contract(cfg, variables)
+    except ConfigError as err:
+        return str(err)
+    return ""
+
+
+def test_tuple_items_are_told_the_collator_that_names_them(tmp_path):
+    found = problems(project_with(tmp_path, model="!partial:./model.py:Net {hidden: 16}"))
+    assert "train_dataset: batches must be dicts of tensors" in found
+    assert "a list of 2 (the dataset's items are tuples" in found
+    assert "TupleCollator {names: [x, y]}" in found  # forward's argument names
+
+
+def test_a_forward_returning_its_loss_as_a_tensor_is_told_the_loss_adapter(tmp_path):
+    found = problems(
+        project_with(tmp_path, model="!partial:./model.py:Net {hidden: 16}", collator=TUPLES)
+    )
+    assert (
+        "Net.forward must return an object with .loss or a dict with 'loss' (got Tensor)" in found
+    )
+    assert "!partial:forge.train:LossAdapter" in found
+
+
+def test_the_check_looks_through_the_loss_adapter_at_the_model_it_wraps(tmp_path):
+    assert problems(project_with(tmp_path, model=ADAPTED, collator=TUPLES)) == ""
+    names = TUPLES.replace("[x, y]", "[inputs, y]")
+    found = problems(project_with(tmp_path / "other", model=ADAPTED, collator=names))
+    assert "the batches do not fit Net.forward: forward takes no 'inputs'" in found
+
+
+def test_compute_loss_func_is_checked_against_how_the_trainer_calls_it(tmp_path):
+    logits_only = "!partial:torch.nn:Linear {in_features: 4, out_features: 3}"
+    fine = "    compute_loss_func: !partial:torch.nn.functional:cross_entropy []"
+    names = TUPLES.replace("[x, y]", "[input, labels]")
+    assert problems(project_with(tmp_path, model=logits_only, collator=names, trainer=fine)) == ""
+    bad = "    compute_loss_func: !partial:math:sqrt []"  # takes one argument
+    found = problems(project_with(tmp_path / "bad", model=logits_only, collator=names, trainer=bad))
+    assert "the trainer calls this partial as compute_loss_func(outputs, labels)" in found
+
+
+def test_the_pipeline_trainer_refuses_compute_loss_func_at_its_line(tmp_path):
+    loss = "    compute_loss_func: !partial:torch.nn.functional:cross_entropy []"
+    project = project_with(tmp_path, model=ADAPTED, collator=TUPLES, trainer=loss)
+    found = problems(project, trainer_class="forge.train:PipelineTrainer")
+    line = next(
+        n
+        for n, text in enumerate(
+            (project / "templates/configs/loss.yaml").read_text().splitlines(), 1
+        )
+        if "compute_loss_func:" in text
+    )
+    assert f"loss.yaml:{line}: trainer.compute_loss_func: the pipeline trainer computes" in found
+    assert "give it loss_fn(logits, labels) instead" in found
+
+
+@pytest.fixture(autouse=True)
+def _quiet_cwd(monkeypatch, tmp_path):
+    monkeypatch.chdir(tmp_path)  # problems name files relative to the working directory
