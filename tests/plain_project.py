@@ -117,6 +117,7 @@ eval_dataset: &eval_dataset !singleton:./data.py:Blocks [*tokenizer, {labelled}]
     == super()
     max_steps: 4
     save_steps: 4
+    eval_strategy: steps
     eval_steps: 4
     logging_steps: 2
     learning_rate: 0.01
