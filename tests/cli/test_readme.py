@@ -100,6 +100,23 @@ def test_readme_text_cls_config_is_the_shipped_one():
     assert docs.find(re.escape(shipped), "the shipped config")
 
 
+def test_the_local_files_dataset_example_reads_the_files_it_names(tmp_path):
+    """docs/models-and-data.md's config on JSON Lines files of one's own, rendered in a copy of
+    text_cls (building it, which reads the files with `datasets`, takes a minute)."""
+    project = tmp_path / "text_cls"
+    shutil.copytree(
+        REPO / "projects" / "text_cls", project, ignore=shutil.ignore_patterns("output")
+    )
+    config = readme_block("# templates/configs/reviews.yaml")
+    (project / "templates" / "configs" / "reviews.yaml").write_text(config)
+    result = run_forge("render", "reviews", "-p", str(project), "--resolved")
+    assert result.returncode == 0, result.stderr
+    files = result.stdout.split("data_files: !dict", 1)[1].split("cache_dir:", 1)[0]
+    assert f'- "{project / "data/train.jsonl"}"' in files
+    assert f'- "{project / "data/eval.jsonl"}"' in files
+    assert "tokenize_dataset" in result.stdout
+
+
 @pytest.mark.slow
 def test_readme_text_cls_commands_run(tmp_path):
     """Train text_cls as its page does, then evaluate, predict and generate from it."""
