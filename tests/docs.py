@@ -64,7 +64,7 @@ def section(heading: str) -> str:
     level = len(match.group(1))
     lines, fenced = [], False
     for line in match.string[match.end() :].splitlines(keepends=True):
-        fenced ^= line.startswith("```")
+        fenced ^= line.lstrip().startswith("```")
         heading_here = re.match(r"(#+) ", line)
         if not fenced and heading_here and len(heading_here.group(1)) <= level:
             break
@@ -74,4 +74,4 @@ def section(heading: str) -> str:
 
 def fenced_blocks(text: str) -> list[tuple[str, str]]:
     """Every fenced block of a page: (its language, its text)."""
-    return re.findall(r"^```(\w*)\n(.*?)^```", text, re.S | re.M)
+    return re.findall(r"^ *```(\w*)\n(.*?)^ *```", text, re.S | re.M)

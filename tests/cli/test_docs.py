@@ -85,7 +85,7 @@ def slug(heading: str) -> str:
 def anchors(text: str) -> set[str]:
     found, fenced = set(), False
     for line in text.splitlines():
-        fenced ^= line.startswith("```")
+        fenced ^= line.lstrip().startswith("```")
         heading = re.match(r"#+ (.*)", line)
         if heading and not fenced:
             found.add(slug(heading.group(1)))
