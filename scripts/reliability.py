@@ -2,8 +2,9 @@
 
 Runs pytest on the reliability tests with the slow ones included (the kill harness with 20
 kills per trainer, hundreds of generated hostile inputs, ...), keeping pytest's JUnit XML and
-the kill harness's per-trainer records, then writes the document: each scenario, how many
-trials it ran and what was seen. The document is rewritten only from a complete run.
+the kill harness's per-trainer records, then writes the document's results: each scenario, how
+many trials it ran and what was seen. The page's hand-written introduction (everything above
+its ``MARKER`` line) is kept; the results below it are rewritten, only from a complete run.
 
     python scripts/reliability.py [--output docs/RELIABILITY.md] [--kills 20] [-- PYTEST ARGS]
     python scripts/reliability.py --records DIR   # rewrite the page from a finished run's records
@@ -35,6 +36,19 @@ TESTS = [
     "tests/config/test_sandbox.py",
     "tests/config/test_fuzz.py",
 ]
+
+
+# The line between a page's hand-written introduction and the results this script writes.
+MARKER = (
+    "<!-- Everything below this line is written by `make reliability` (scripts/reliability.py) "
+    "from its last complete run; edit the text above it. -->"
+)
+# The introduction of a page that has none yet.
+DEFAULT_INTRODUCTION = (
+    "# Reliability\n\nWhat forge does when a run is killed, its files are damaged or hostile, "
+    "its disk fills up or two commands meet on one project, and what one full run of the suite "
+    "saw.\n\n"
+)
 
 
 @dataclass
@@ -148,9 +162,11 @@ def main(argv: list[str] | None = None) -> int:
         return code or 1
     run = json.loads((records / "run.json").read_text())
     kills = [json.loads(p.read_text()) for p in sorted(records.glob("kills-*.json"))]
-    text = render(parse_junit(junit), kills, run)
-    Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.output).write_text(text)
+    output = Path(args.output)
+    existing = output.read_text() if output.is_file() else None
+    text = page(existing, render(parse_junit(junit), kills, run))
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(text)
     print(f"wrote {args.output} (records in {records})")
     return code
 
@@ -206,24 +222,31 @@ def _examples(case_id: str) -> int:
     return (SLOW if case_id.endswith("_many") else FAST).max_examples
 
 
+def page(existing: str | None, results: str) -> str:
+    """The page: the introduction of ``existing`` (all above its MARKER line, else the default
+    introduction), the MARKER line, then ``results``."""
+    if existing and MARKER in existing:
+        introduction = existing.split(MARKER, 1)[0]
+    else:
+        introduction = DEFAULT_INTRODUCTION
+    return introduction + MARKER + "\n\n" + results
+
+
 def render(cases: list[dict], kills: list[dict], run: dict) -> str:
+    """The results part of the page (what goes below MARKER)."""
     import torch
 
     started = dt.datetime.fromisoformat(run["started"])
     lines = [
-        "# Reliability",
+        "## The last run",
         "",
-        "What forge does when a run is killed, its files are damaged or hostile, its disk fills "
-        "up or two commands meet on one project, and what one full run of the suite saw. "
-        "This page is written by `make reliability` (`scripts/reliability.py`), which runs "
-        "the suite with its slow tests and records each scenario's trials; do not edit it by "
-        "hand.",
+        "`make reliability` runs the suite with its slow tests and records each scenario's trials.",
         "",
         f"Last run: {started:%Y-%m-%d %H:%M %Z}, commit {run['commit']}, "
         f"{run['cores']} CPU core(s) available, Python {platform.python_version()}, torch "
         f"{torch.__version__}, on CPU with the gloo backend. Command: `{run['command']}`.",
         "",
-        "## Scenarios",
+        "### Scenarios",
         "",
         "| scenario | what is checked | trials | result | time |",
         "|---|---|---|---|---|",
@@ -236,11 +259,11 @@ def render(cases: list[dict], kills: list[dict], run: dict) -> str:
     rest = [c for c in cases if c["id"] not in used]
     if rest:
         lines.append(_scenario_row(Scenario("Other tests of these files", "", ()), rest, kills))
-    lines += ["", "## The kill harness", ""]
+    lines += ["", "### The kill harness", ""]
     lines += _kill_section(kills)
     failed = [c for c in cases if c["outcome"] == "failed"]
     skipped = [c for c in cases if c["outcome"].startswith("skipped")]
-    lines += ["", "## Failures and skips", ""]
+    lines += ["", "### Failures and skips", ""]
     if not failed and not skipped:
         lines.append(f"None: all {len(cases)} tests passed.")
     for case in failed:

@@ -24,6 +24,8 @@ _KEY_LINE_RE = re.compile(r"""^(\s*)(?:[A-Za-z_.][\w.\-]*|"[^"]*"|'[^']*')\s*:(?
 # Statements whose body is not output where they stand: a macro's text is output where it is
 # called, a `-- set name` ... `-- endset` block's text is a value.
 _NOT_OUTPUT = (nodes.Block, nodes.Macro, nodes.CallBlock, nodes.AssignBlock)
+# A text line that is one `{{ ... }}` expression and nothing else.
+_EXPRESSION_LINE_RE = re.compile(r"\s*\{\{.*\}\}\s*")
 
 
 @dataclass
@@ -38,9 +40,12 @@ class Block:
     includes: list[str] = field(default_factory=list)  # templates it includes, by name
 
     def indent(self) -> int | None:
-        """Indentation of its first text line, or None when it writes no text itself."""
+        """Indentation of its first text line, or None when it writes no text itself. A line
+        that is one expression alone (`== super()`, written at column 0 because its value
+        carries its own indentation) says nothing about the block's indentation."""
         for _, text in self.text_lines:
-            return len(text) - len(text.lstrip())
+            if not _EXPRESSION_LINE_RE.fullmatch(text):
+                return len(text) - len(text.lstrip())
         return None
 
 

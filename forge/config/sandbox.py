@@ -8,7 +8,8 @@ never run code or reach Python internals. Templates run in Jinja's
   sandbox-escape attempt fails even in a branch that would not have run;
 - turns every unsafe access the sandbox finds while rendering into an error at once
   (Jinja's default would only fail when the value is used);
-- offers only the filters, tests and globals listed here (README: "What templates can use");
+- offers only the filters, tests and globals listed here (docs/templates.md: "What templates
+  can use");
 - bounds `*` and `**` so that `'x' * 10**10` or `2 ** 10**9` fails instead of eating the
   machine.
 """

@@ -56,12 +56,9 @@ def test_ls_define_needs_one_config_to_read_it(tmp_path):
 
 
 def readme_output(command: str) -> list[str]:
-    from tests.helpers import REPO
+    from tests import docs
 
-    readme = (REPO / "README.md").read_text()
-    block = re.search(r"\$ " + re.escape(command) + r"\n(.*?)```", readme, re.S)
-    assert block, f"README shows no output of {command!r}"
-    return [line.split() for line in block.group(1).splitlines() if line != "..."]
+    return [line.split() for line in docs.output(command).splitlines() if line != "..."]
 
 
 def test_readme_vars_and_resolved_outputs_are_true():

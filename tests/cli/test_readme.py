@@ -1,25 +1,22 @@
-"""The README's examples stay true: its broken config reports exactly the errors it shows."""
+"""The examples of the README and of docs/*.md stay true: each is found in whichever page shows
+it (tests/docs.py) and run, and what forge prints is compared with what the page shows."""
 
 from __future__ import annotations
 
 import json
 import re
-import shlex
 import shutil
 import subprocess
 import sys
 
 import pytest
 
+from tests import docs
 from tests.helpers import REPO, run_forge
-
-README = (REPO / "README.md").read_text()
 
 
 def readme_block(marker: str) -> str:
-    match = re.search(r"```yaml\n" + re.escape(marker) + r"\n(.*?)```", README, re.S)
-    assert match, f"README has no yaml block starting with {marker!r}"
-    return match.group(1)
+    return docs.block("yaml", marker)
 
 
 def test_readme_broken_config_reports_its_three_problems(tmp_path):
@@ -30,7 +27,7 @@ def test_readme_broken_config_reports_its_three_problems(tmp_path):
     result = run_forge("train", "broken", "--dry-run", cwd=tmp_path)
     assert result.returncode == 2
     assert "Traceback" not in result.stderr
-    shown = re.search(r"\$ forge train broken --dry-run\n(.*?)```", README, re.S).group(1)
+    shown = docs.output("forge train broken --dry-run")
     for line in shown.splitlines():
         if line.startswith("templates/"):
             located = line.split(" (valid:")[0]
@@ -39,15 +36,12 @@ def test_readme_broken_config_reports_its_three_problems(tmp_path):
 
 def test_readme_tiny_lm_config_is_the_shipped_one():
     shipped = (REPO / "projects/tiny_lm/templates/configs/train.yaml").read_text().rstrip()
-    assert shipped in README
+    assert docs.find(re.escape(shipped), "the shipped config")
 
 
 def readme_commands(first: str) -> list[list[str]]:
-    """The `forge ...` lines of the README's bash block whose first line starts with ``first``."""
-    match = re.search(r"```bash\n(" + re.escape(first) + r".*?)```", README, re.S)
-    assert match, f"README has no bash block starting with {first!r}"
-    lines = [line.split("  #")[0].strip() for line in match.group(1).splitlines()]
-    return [shlex.split(line)[1:] for line in lines if line.startswith("forge ")]
+    """The `forge ...` lines of the bash block whose first line starts with ``first``."""
+    return docs.commands(first)
 
 
 def test_readme_new_project_example_runs(tmp_path):
@@ -57,7 +51,7 @@ def test_readme_new_project_example_runs(tmp_path):
         result = run_forge(*command, cwd=tmp_path)
         assert result.returncode == 0, (command, result.stderr)
     assert (tmp_path / "demo_cls" / "output" / "wide" / "run_001" / "checkpoints").is_dir()
-    loading = re.search(r"```python\n(import sys\n.*?)```", README, re.S).group(1)
+    loading = docs.block_from("python", "import sys")
     loaded = subprocess.run(
         [sys.executable, "-c", loading + "\nprint(sorted(model.state_dict()))"],
         cwd=tmp_path,
@@ -97,18 +91,35 @@ def test_readme_contract_error_is_what_forge_prints(tmp_path):
     data.write_text(data.read_text().replace('{"features":', '{"inputs":'))
     result = run_forge("train", "-p", "demo_cls", "--dry-run", cwd=tmp_path)
     assert result.returncode == 2
-    shown = re.search(r"\$ forge train -p demo_cls --dry-run\n(.*?)\n```", README, re.S).group(1)
+    shown = docs.output("forge train -p demo_cls --dry-run").removesuffix("\n")
     assert result.stderr.strip() == shown
 
 
 def test_readme_text_cls_config_is_the_shipped_one():
     shipped = (REPO / "projects/text_cls/templates/configs/train.yaml").read_text().rstrip()
-    assert shipped in README
+    assert docs.find(re.escape(shipped), "the shipped config")
+
+
+def test_the_local_files_dataset_example_reads_the_files_it_names(tmp_path):
+    """docs/models-and-data.md's config on JSON Lines files of one's own, rendered in a copy of
+    text_cls (building it, which reads the files with `datasets`, takes a minute)."""
+    project = tmp_path / "text_cls"
+    shutil.copytree(
+        REPO / "projects" / "text_cls", project, ignore=shutil.ignore_patterns("output")
+    )
+    config = readme_block("# templates/configs/reviews.yaml")
+    (project / "templates" / "configs" / "reviews.yaml").write_text(config)
+    result = run_forge("render", "reviews", "-p", str(project), "--resolved")
+    assert result.returncode == 0, result.stderr
+    files = result.stdout.split("data_files: !dict", 1)[1].split("cache_dir:", 1)[0]
+    assert f'- "{project / "data/train.jsonl"}"' in files
+    assert f'- "{project / "data/eval.jsonl"}"' in files
+    assert "tokenize_dataset" in result.stdout
 
 
 @pytest.mark.slow
 def test_readme_text_cls_commands_run(tmp_path):
-    """Train text_cls as the README does, then evaluate, predict and generate from it."""
+    """Train text_cls as its page does, then evaluate, predict and generate from it."""
     pytest.importorskip("datasets")
     project = tmp_path / "projects" / "text_cls"
     shutil.copytree(
@@ -120,7 +131,7 @@ def test_readme_text_cls_commands_run(tmp_path):
     result = run_forge(*evaluate, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     accuracy = float(result.stdout.split("eval_accuracy")[1].split()[0])
-    assert accuracy > 0.85  # the README says it climbs to about 0.95
+    assert accuracy > 0.85  # its page says it climbs to about 0.95
     assert run_forge(*predict, cwd=tmp_path).returncode == 0
     assert '"prediction": "positive"' in (tmp_path / "labelled.jsonl").read_text()
     refused = run_forge(*generate, cwd=tmp_path)
@@ -131,16 +142,15 @@ def test_readme_text_cls_commands_run(tmp_path):
 def test_readme_template_table_lists_every_library_template():
     from forge.config import LIBRARY_DIR
 
-    table = README.split("| library template | what it holds |", 1)[1].split("\n\n", 1)[0]
+    page = docs.find(r"\| library template \| what it holds \|\n", "the library templates table")
+    table = page.string[page.end() :].split("\n\n", 1)[0]
     listed = set(re.findall(r"^\| `([^`]+)` \|", table, re.M))
     shipped = {p.relative_to(LIBRARY_DIR).as_posix() for p in LIBRARY_DIR.rglob("*.yaml")}
     assert listed == shipped
 
 
 def readme_python(marker: str) -> str:
-    match = re.search(r"```python\n" + re.escape(marker) + r"\n(.*?)```", README, re.S)
-    assert match, f"README has no python block starting with {marker!r}"
-    return match.group(1)
+    return docs.block("python", marker)
 
 
 @pytest.mark.slow  # fast representatives: tests/train/test_adapters.py, test_loss_func.py

@@ -119,6 +119,46 @@ def test_key_at_column_zero_in_an_indented_block_is_located(make_project, with_s
     assert problem.hint.startswith("indent it by 4 spaces")
 
 
+def test_key_at_column_zero_is_found_through_a_parent_that_starts_its_block_with_super(
+    make_project,
+):
+    """The parent's own override begins with `== super()` (written at column 0, its value
+    carrying its own indentation): the block's indentation is that of its keys, not 0."""
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n-- block args\n    == super()\n    steps: 20\n-- endblock\n"
+            ),
+            "templates/configs/child.yaml": (
+                "-- extends 'configs/train.yaml'\n-- block args\n    == super()\nsteps: 5\n"
+                "-- endblock\n"
+            ),
+        }
+    )
+    (problem,) = render_problems(project, "child")
+    assert problem.file == str(project.configs_dir / "child.yaml") and problem.line == 4
+    assert "key 'steps' is written at column 0 inside block 'args'" in problem.message
+    assert "whose text in 'configs/train.yaml' is indented by 4" in problem.message
+
+
+def test_text_outside_blocks_is_told_the_indentation_of_a_parent_that_starts_with_super(
+    make_project,
+):
+    project = make_project(
+        {
+            "templates/base.yaml": PARENT,
+            "templates/configs/train.yaml": (
+                "-- extends 'base.yaml'\n-- block args\n    == super()\n    steps: 20\n-- endblock\n"
+            ),
+            "templates/configs/child.yaml": "-- extends 'configs/train.yaml'\nsteps: 5\n",
+        }
+    )
+    (problem,) = render_problems(project, "child")
+    assert problem.message.startswith("text outside any block")
+    assert "the line indented by 4" in problem.hint
+
+
 def test_indented_override_is_fine(make_project):
     project = make_project(
         {

@@ -152,10 +152,9 @@ def test_left_out_filters_are_unknown(config_project, name):
 
 
 def test_readme_lists_exactly_the_allowed_names():
-    from tests.helpers import REPO
+    from tests import docs
 
-    readme = (REPO / "README.md").read_text()
-    section = readme.split("### What templates can use", 1)[1].split("\n## ", 1)[0]
+    section = docs.section("What templates can use")
     for name in ALLOWED_FILTERS:
         assert f"`{name}`" in section, name
     for name in [*ALLOWED_GLOBALS, *FUNCTION_NAMES]:

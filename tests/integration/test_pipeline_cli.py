@@ -155,13 +155,11 @@ def test_a_split_name_that_does_not_exist_ends_the_job_before_training(project):
 
 
 def test_dry_run_prints_the_plan_the_readme_shows(project):
-    """README's `forge train pipeline ... --dry-run` output, line for line (the run directory
-    line names the project's own path)."""
-    import re
+    """The `forge train pipeline ... --dry-run` output docs/trainers.md shows, line for line
+    (the run directory line names the project's own path)."""
+    from tests import docs
 
-    from tests.cli.test_readme import README
-
-    shown = re.search(r"\$ (forge train pipeline .*--dry-run)\n(.*?)```", README, re.S)
+    shown = docs.find(r"\$ (forge train pipeline [^\n]*--dry-run)\n(.*?)```", "the pipeline plan")
     command = shown.group(1).replace("projects/tiny_lm", str(project)).split()[1:]
     result = run_forge(*command, *PIPE)
     assert result.returncode == 0, result.stderr
@@ -361,8 +359,9 @@ def test_a_plain_checkpoint_resumes_on_two_stages(project):
 
 @pytest.mark.slow
 def test_the_readmes_pipeline_examples_run(project, tmp_path):
-    """README's pipeline commands as written, on a copy of tiny_lm shrunk by PIPE's variables."""
-    from tests.cli.test_readme import readme_commands
+    """The pipeline commands of docs/trainers.md and the export of docs/checkpoints.md as
+    written, on a copy of tiny_lm shrunk by PIPE's variables."""
+    from tests.docs import commands as readme_commands
 
     def runnable(command: list[str]) -> list[str]:
         return [str(project) if word == "projects/tiny_lm" else word for word in command]
