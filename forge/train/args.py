@@ -582,7 +582,8 @@ class TrainingArguments:
         ``gradient_checkpointing_enable``, else the model's repeated layers.
         ``activation_checkpointing_every``: wrap every k-th of them (layers 0, k, 2k, ...),
         keeping the others' activations (HF 5's ``every_n_layers``, also read from
-        ``activation_checkpointing_kwargs``). Setting either turns activation checkpointing on.
+        ``activation_checkpointing_kwargs``). Setting either of these two turns activation
+        checkpointing on (as naming a compile backend turns ``torch_compile`` on).
         """
         names = self.activation_checkpointing_modules
         key = self._key("activation_checkpointing_modules")
@@ -599,6 +600,7 @@ class TrainingArguments:
             )
             names = None
         self.activation_checkpointing_modules = None if names is None else tuple(names)
+        asked = names is not None or self.activation_checkpointing_every != 1
         kwargs = self.activation_checkpointing_kwargs
         every_key = self._key("activation_checkpointing_every")
         if isinstance(kwargs, dict) and "every_n_layers" in kwargs:
@@ -611,15 +613,8 @@ class TrainingArguments:
             kwargs = {k: v for k, v in kwargs.items() if k != "every_n_layers"}
             self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = kwargs
         self._int("activation_checkpointing_every", p, minimum=1, fix="1 wraps every block")
-        asked = names is not None or self.activation_checkpointing_every != 1
-        if asked and self.activation_checkpointing is None:
+        if asked:  # as naming a compile backend turns torch_compile on
             self.activation_checkpointing = self.gradient_checkpointing = True
-        elif asked and self.activation_checkpointing is False:
-            p.append(
-                f"{self._key('activation_checkpointing')} is false but "
-                f"{'activation_checkpointing_modules' if names else 'activation_checkpointing_every'}"
-                " is set; set activation_checkpointing: true, or remove it"
-            )
 
     def _check_logging(self, p: list[str]) -> None:
         self._choice("logging_strategy", STRATEGIES, p)

@@ -799,8 +799,9 @@ class BaseTrainer:
         done = apply_activation_checkpointing(model, args, **self.activation_checkpointing_scope())
         if done:
             self._info("%s", done)
-        self._eval_model = self.compile_model(model) if args.torch_compile else None
-        return self.parallelize(self._eval_model or model)
+        compiled = self.compile_model(model) if args.torch_compile else None
+        self._eval_model = compiled
+        return self.parallelize(model if compiled is None else compiled)
 
     def build_model(self) -> nn.Module:
         """This rank's model: ``model_init()``, called just after seeding, or the module the
