@@ -1,8 +1,9 @@
 """The training loop every forge trainer shares.
 
 ``BaseTrainer.train`` reads top to bottom: batch, forward, backward, clip, step, log,
-evaluate, save, stop. A trainer differs in two public seams: ``setup_components()`` (build,
-wrap, prepare or split the model; build the optimizer and grad scaler) and
+evaluate, save, stop. A trainer differs in two public seams: ``parallelize(model)``, the last
+step of the model-transform stage (``transform_model``: build, adapters, activation
+checkpointing, compile, then DDP / Accelerate's prepare / the pipeline's stages), and
 ``forward_backward(window)`` (the micro-batches of one optimizer step), plus the small step
 methods they use (``backward``, ``clip_gradients``, ``optimizer_step``, ``reduce_step``,
 ``distributed``) and what it registers as checkpoint state (``checkpoint_components``).

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 #: containers whose children are a model's repeated blocks
 _BLOCK_LISTS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 #: ``activation_checkpointing_kwargs`` keys that are Hugging Face's, not torch's checkpoint's
-_HF_ONLY = ("every_n_layers", "offload")
+_HF_ONLY = ("offload",)
 
 
 def apply_model_settings(model: nn.Module, args: TrainingArguments) -> None:
@@ -77,14 +77,14 @@ def apply_activation_checkpointing(
     if names is None:
         names = (layers,) if layers is not None else None
     blocks = checkpointed_blocks(model, args, names, strict=not names_checked)
-    wrap = _checkpoint_function(args)
-    wrapped = [
-        name for index, (name, block) in enumerate(blocks) if _index(name, index) % every == 0
+    checkpoint = _checkpoint_function(args)
+    chosen = [
+        name for position, (name, _) in enumerate(blocks) if _index(name, position) % every == 0
     ]
     for name, block in blocks:
-        if name in wrapped:
-            checkpoint_forward(block, wrap)
-    return f"activation checkpointing: {len(wrapped)} of {len(blocks)} blocks ({_span(wrapped)})"
+        if name in chosen:
+            checkpoint_forward(block, checkpoint)
+    return f"activation checkpointing: {len(chosen)} of {len(blocks)} blocks ({_span(chosen)})"
 
 
 def checkpointed_blocks(
@@ -263,8 +263,8 @@ def _hf_checkpointing(model: nn.Module, args: TrainingArguments, every: int) -> 
     enable = getattr(model, "activation_checkpointing_enable", None)
     if not callable(enable):
         enable = getattr(model, "gradient_checkpointing_enable", None)
-    if not callable(enable):
-        return None
+    if not callable(enable) or not getattr(model, "supports_gradient_checkpointing", True):
+        return None  # a model class that says it cannot: its blocks are wrapped by forge
     kwargs = dict(args.activation_checkpointing_kwargs or {})
     options = {name: kwargs.pop(name) for name in _HF_ONLY if name in kwargs}
     if every > 1:
@@ -272,8 +272,10 @@ def _hf_checkpointing(model: nn.Module, args: TrainingArguments, every: int) -> 
     takes = inspect.signature(enable).parameters
     if any(name not in takes for name in options):
         return None
-    keyword = next(name for name in takes if name.endswith("checkpointing_kwargs"))
-    enable(**{keyword: kwargs or {"use_reentrant": False}}, **options)
+    keyword = next((name for name in takes if name.endswith("checkpointing_kwargs")), None)
+    if keyword is not None:
+        options[keyword] = kwargs or {"use_reentrant": False}
+    enable(**options)
     return f"activation checkpointing: {type(model).__name__}.{enable.__name__}()"
 
 
