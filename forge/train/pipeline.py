@@ -199,7 +199,7 @@ class PipelineTrainer(BaseTrainer):
         skeleton = model if isinstance(model, nn.Module) else meta_skeleton(model)
         self.plan = plan_pipeline(skeleton, self.args, self.topology.world_size)
         problems = activation_checkpointing_problems(skeleton, self.args)  # the whole model's
-        if problems:
+        if problems:  # (a stage holds only some of the named blocks)
             raise TrainingArgumentsError(problems)
         self.layout = self.plan.layout
         self._writer, self._shared = self.plan.writer, self.plan.shared
@@ -254,7 +254,13 @@ class PipelineTrainer(BaseTrainer):
             args = PipelineTrainingArguments(**args.to_dict())
         if not isinstance(model, nn.Module):
             model = meta_skeleton(model, build_if_needed=False)
-        return None if model is None else plan_pipeline(model, args, world_size).describe()
+        if model is None:
+            return None
+        plan = plan_pipeline(model, args, world_size)
+        problems = activation_checkpointing_problems(model, args)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        return plan.describe()
 
     @property
     def my_stages(self):

@@ -372,3 +372,5 @@ def test_named_blocks_are_checked_against_the_whole_model_when_built(tmp_path):
     args = pipeline_args(tmp_path, max_steps=1, activation_checkpointing_modules=["model.layer"])
     with pytest.raises(TrainingArgumentsError, match="did you mean 'model.layers'"):
         make_trainer(args, trainer_cls=PipelineTrainer)
+    with pytest.raises(TrainingArgumentsError, match="did you mean 'model.layers'"):
+        PipelineTrainer.plan_job(llama_init(), args, world_size=2)  # before forge launches
