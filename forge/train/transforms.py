@@ -234,9 +234,11 @@ def _checkpoint_function(args: TrainingArguments) -> Callable[..., Any]:
 class _CheckpointedForward:
     """A block's forward run under activation checkpointing: its activations are recomputed in
     the backward pass instead of kept. Set as the block instance's ``forward``: the module
-    tree, its names and its hooks stay as they were."""
+    tree, its names and its hooks stay as they were, and so does the forward's signature (what
+    the block takes is read from it, e.g. by the pipeline's stages)."""
 
     def __init__(self, forward: Callable[..., Any], checkpoint: Callable[..., Any]) -> None:
+        functools.update_wrapper(self, forward)
         self.forward = forward
         self.checkpoint = checkpoint
 

@@ -11,8 +11,10 @@ import pytest
 import torch
 
 from forge.checkpoint import read_manifest
+from forge.data import CausalLMCollator
 from forge.train import AccelTrainer, AccelTrainingArguments, Trainer, TrainingArgumentsError
 from tests.train.common import (
+    TokenDataset,
     assert_same_training,
     checkpoint_dir,
     make_args,
@@ -183,3 +185,20 @@ def test_compiled_under_accelerate_the_checkpoint_keeps_the_models_names(tmp_pat
     assert set(saved) == set(trainer.model.state_dict()) - {"lm_head.weight"} or set(saved) == set(
         trainer.model.state_dict()
     )
+
+
+def test_activation_checkpointing_happens_before_prepare_and_trains_the_same(tmp_path):
+    from tests.train.test_transforms import TinyLM, logged_losses, recomputed
+
+    def trainer(name: str, trainer_cls, args_fn, **overrides):
+        args = args_fn(tmp_path / name, max_steps=4, logging_steps=1, **overrides)
+        return trainer_cls(TinyLM, args, TokenDataset(32), data_collator=CausalLMCollator(0))
+
+    plain = trainer("plain", Trainer, make_args)
+    plain.train()
+    accel = trainer("accel", AccelTrainer, accel_args, activation_checkpointing=True)
+    accel.train()
+    assert recomputed(accel.model) == [1, 1, 1]
+    losses = logged_losses(tmp_path / "plain")
+    assert len(losses) == 4
+    assert logged_losses(tmp_path / "accel") == pytest.approx(losses, abs=1e-6)  # as above

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import functools
+import inspect
 import json
 from pathlib import Path
 
@@ -97,6 +98,8 @@ def test_checkpointed_blocks_give_the_same_gradients_and_keep_their_names():
     described = apply_activation_checkpointing(checkpointed, ac_args(activation_checkpointing=True))
     assert described == "activation checkpointing: 3 of 3 blocks (blocks.0, blocks.1, blocks.2)"
     assert list(checkpointed.state_dict()) == names
+    block = checkpointed.blocks[0]
+    assert inspect.signature(block.forward) == inspect.signature(plain.blocks[0].forward)
     assert [n for n, _ in checkpointed.named_parameters()] == [
         n for n, _ in plain.named_parameters()
     ]
