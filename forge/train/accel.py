@@ -1,25 +1,27 @@
 """The Accelerate trainer: the shared loop with Hugging Face Accelerate doing the device work.
 
-The model and optimizer go through ``accelerator.prepare`` (device placement, DDP / FSDP /
-DeepSpeed wrapping as Accelerate is configured, mixed precision); backward, gradient
+The model (the last step of the model-transform stage, ``parallelize``) and the optimizer go
+through ``accelerator.prepare`` (device placement, DDP, mixed precision); backward, gradient
 unscaling and clipping, skipped synchronisation during accumulation, metric reduction and
-main-process checks go through the accelerator.
+main-process checks go through the accelerator. An accelerate config that shards parameters
+or optimizer state (FSDP, DeepSpeed, Megatron-LM, a sharding parallelism config) is refused
+when the trainer is built: forge's checkpoints hold the whole state, not one shard.
 
 Two things deliberately do not: forge's learning-rate schedule and data loader are not
 prepared (Accelerate's scheduler wrapper steps once per process and its loader wrapper
 re-shards and re-seeds the data, which would change what a step sees and break exact
 resume), and checkpoints do not use ``save_state`` (it pickles random states that
 ``torch.load(weights_only=True)`` refuses). The trainer's state goes through forge's
-checkpoint registry like every trainer's: the weights from ``accelerator.get_state_dict``
-(collective under FSDP / DeepSpeed, so every rank takes it), the optimizer keyed by
-parameter name, Accelerate's grad scaler as a shared component.
+checkpoint registry like every trainer's: the weights from ``accelerator.get_state_dict``,
+the optimizer keyed by parameter name, Accelerate's grad scaler as a shared component.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Iterator
+import os
+from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -28,7 +30,7 @@ import torch
 from torch import nn
 
 from forge.checkpoint import Component, ModelWeights, OptimizerState
-from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.args import SHARDING_UNSUPPORTED, TrainingArguments, TrainingArgumentsError
 from forge.train.base import BaseTrainer
 from forge.train.loop_state import count_tokens
 from forge.train.optim import build_optimizer
@@ -79,6 +81,51 @@ class AccelTrainingArguments(TrainingArguments):
         return p
 
 
+#: accelerate config switches (the environment ``accelerate launch`` sets) that shard
+#: parameters or optimizer state
+_SHARDING = {
+    "ACCELERATE_USE_FSDP": "FSDP",
+    "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
+    "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
+}
+
+
+def accelerate_config_problems(environ: Mapping[str, str]) -> list[str]:
+    """What in the accelerate config (as ``accelerate launch`` passes it in ``environ``) the
+    Accelerate trainer cannot honour: parameter or optimizer-state sharding (forge's
+    checkpoints would hold one shard), and Accelerate's own ``torch.compile`` (forge compiles
+    in its model-transform stage, before ``prepare``)."""
+
+    def on(name: str) -> bool:
+        return environ.get(name, "false").strip().lower() in ("true", "1", "yes")
+
+    problems = [
+        f"the accelerate config turns on {what} ({name}): {SHARDING_UNSUPPORTED}"
+        for name, what in _SHARDING.items()
+        if on(name)
+    ]
+    if on("ACCELERATE_USE_PARALLELISM_CONFIG"):
+        sizes = {
+            dim: environ.get(f"PARALLELISM_CONFIG_{dim.upper()}_SIZE", "1").strip() or "1"
+            for dim in ("dp_shard", "tp", "cp", "sp")
+        }
+        sharded = [f"{dim}_size {size}" for dim, size in sizes.items() if size != "1"]
+        if sharded:
+            problems.append(
+                f"the accelerate config's parallelism_config has {', '.join(sharded)}: "
+                f"{SHARDING_UNSUPPORTED}"
+            )
+    backend = environ.get("ACCELERATE_DYNAMO_BACKEND", "no").strip()
+    if backend.lower() not in ("", "no"):
+        problems.append(
+            f"the accelerate config compiles the model (dynamo_backend {backend}) after "
+            "prepare, while forge compiles it in its model-transform stage before prepare; set "
+            f"dynamo_backend: no there and trainer.args.torch_compile: true "
+            f"(torch_compile_backend: {backend.lower()}) here"
+        )
+    return problems
+
+
 class AccelTrainer(BaseTrainer):
     """Train with Hugging Face Accelerate, in one process or under ``torchrun`` /
     ``accelerate launch`` (the ranks come from the environment either sets).
@@ -91,6 +138,12 @@ class AccelTrainer(BaseTrainer):
 
     #: the ``accelerate.Accelerator`` while ``train()`` / ``evaluate()`` runs, else None
     accelerator: Any = None
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        problems = accelerate_config_problems(os.environ)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        super().__init__(*args, **kwargs)
 
     # ------------------------------------------------------------------ process group
     @contextmanager
@@ -160,12 +213,20 @@ class AccelTrainer(BaseTrainer):
         return self.topology.is_main
 
     # ------------------------------------------------------------------ setup
-    def setup_components(self) -> None:
-        """Model and optimizer through ``accelerator.prepare``; Accelerate's grad scaler."""
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """``accelerator.prepare``: device placement, DDP across processes, mixed precision
+        (around the compiled module when ``torch_compile`` is on)."""
+        from accelerate.utils import DistributedType
+
+        kind = self.accelerator.distributed_type
+        if kind in (DistributedType.FSDP, DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+            raise TrainingArgumentsError([f"Accelerate runs {kind.value}: {SHARDING_UNSUPPORTED}"])
+        return self.accelerator.prepare(model)
+
+    def setup_optimizer(self) -> None:
+        """The optimizer through ``accelerator.prepare``; Accelerate's grad scaler."""
         optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
-        self.wrapped_model, self.optimizer = self.accelerator.prepare(self.model, optimizer)
-        if self.args.torch_compile:
-            self.wrapped_model = self.compile_model(self.wrapped_model)
+        self.optimizer = self.accelerator.prepare(optimizer)
         self.scaler = self.accelerator.scaler
 
     def per_rank_batch_size(self, field: str) -> int:
@@ -224,18 +285,14 @@ class AccelTrainer(BaseTrainer):
     def autocast(self) -> AbstractContextManager:
         return self.accelerator.autocast() if self.accelerator is not None else nullcontext()
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        return model  # prepare() wraps; see setup_components
-
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_components(self) -> list[Component]:
         components = super().checkpoint_components()
-        accel = self.accelerator
-        wrapped = self.wrapped_model
+        accel, model = self.accelerator, self.model
         for index, component in enumerate(components):
             if component.name == "model":
                 components[index].obj = ModelWeights(
-                    self.model, self.tokenizer, state_fn=lambda: accel.get_state_dict(wrapped)
+                    self.model, self.tokenizer, state_fn=lambda: accel.get_state_dict(model)
                 )
             elif component.name == "optimizer":
                 inner = getattr(self.optimizer, "optimizer", self.optimizer)

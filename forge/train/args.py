@@ -133,6 +133,14 @@ METRIC_INCLUDES = ("inputs", "loss")
 DDP_BACKENDS = ("gloo", "nccl", "mpi", "xccl", "ccl", "hccl", "cncl", "mccl")
 _DEVICE_RE = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
 
+#: why FSDP, DeepSpeed and other parameter or optimizer-state sharding are refused (here and by
+#: the Accelerate trainer, which reads them from an accelerate config)
+SHARDING_UNSUPPORTED = (
+    "forge does not shard parameters or optimizer state yet: its checkpoints hold the whole "
+    "weights and optimizer state, which a sharded run would hold one shard of; train with DDP "
+    "(the plain or Accelerate trainer with --nproc N) or split the model with the pipeline trainer"
+)
+
 #: HF names that do not apply to forge: the values accepted (HF's default, and any that mean
 #: the same in forge) and why others are refused
 NOT_APPLICABLE: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -167,9 +175,9 @@ NOT_APPLICABLE: dict[str, tuple[tuple[Any, ...], str]] = {
         "split_batches)",
     ),
     "parallelism_config": ((None,), "forge's trainers set up their own parallelism"),
-    "fsdp": ((None, "", False), "use the Accelerate trainer with an FSDP accelerate config"),
-    "fsdp_config": ((None,), "use the Accelerate trainer with an FSDP accelerate config"),
-    "deepspeed": ((None,), "use the Accelerate trainer with a DeepSpeed accelerate config"),
+    "fsdp": ((None, "", False), SHARDING_UNSUPPORTED),
+    "fsdp_config": ((None,), SHARDING_UNSUPPORTED),
+    "deepspeed": ((None,), SHARDING_UNSUPPORTED),
     "debug": (("", None), "HF's debug options are for its TPU and underflow tools"),
     "skip_memory_metrics": ((True,), "forge does not report memory metrics"),
     "dataloader_in_order": ((True,), "exact resume needs batches in order"),
@@ -235,6 +243,8 @@ class TrainingArguments:
     activation_checkpointing_kwargs: dict[str, Any] | str | None = None
     gradient_checkpointing: bool | None = None
     gradient_checkpointing_kwargs: dict[str, Any] | str | None = None
+    activation_checkpointing_modules: tuple[str, ...] | None = None  # forge's own (below)
+    activation_checkpointing_every: int = 1
     torch_compile: bool = False
     torch_compile_backend: str | None = None
     torch_compile_mode: str | None = None
@@ -552,6 +562,7 @@ class TrainingArguments:
             if getattr(self, new) is None and getattr(self, old) is not None:
                 setattr(self, new, getattr(self, old))
             setattr(self, old, getattr(self, new))
+        self._check_activation_checkpointing(p)
         if self.activation_checkpointing is None:
             self.activation_checkpointing = self.gradient_checkpointing = False
         for name in ("torch_compile_backend", "torch_compile_mode"):
@@ -561,6 +572,49 @@ class TrainingArguments:
             self.torch_compile = True  # as HF: naming a backend or mode turns compiling on
         self._bool("use_cache", p)
         self._optional_int("torch_empty_cache_steps", p, minimum=1, fix="use null to never")
+
+    def _check_activation_checkpointing(self, p: list[str]) -> None:
+        """forge's own activation-checkpointing arguments (forge/train/transforms.py).
+
+        ``activation_checkpointing_modules``: the blocks to wrap, as module paths
+        (``model.layers.3``; a module list such as ``model.layers`` wraps each of its
+        children) or class names (``LlamaDecoderLayer``); null: a Hugging Face model's own
+        ``gradient_checkpointing_enable``, else the model's repeated layers.
+        ``activation_checkpointing_every``: wrap every k-th of them (layers 0, k, 2k, ...),
+        keeping the others' activations (HF 5's ``every_n_layers``, also read from
+        ``activation_checkpointing_kwargs``). Setting either of these two turns activation
+        checkpointing on (as naming a compile backend turns ``torch_compile`` on).
+        """
+        names = self.activation_checkpointing_modules
+        key = self._key("activation_checkpointing_modules")
+        if isinstance(names, str):
+            names = (names,)
+        if names is not None and (
+            not isinstance(names, (list, tuple))
+            or not names
+            or not all(isinstance(n, str) and n for n in names)
+        ):
+            p.append(
+                f"{key} must be a list of module paths or class names (e.g. [model.layers]) or "
+                f"null for the model's repeated layers (got {self.activation_checkpointing_modules!r})"
+            )
+            names = None
+        self.activation_checkpointing_modules = None if names is None else tuple(names)
+        asked = names is not None or self.activation_checkpointing_every != 1
+        kwargs = self.activation_checkpointing_kwargs
+        every_key = self._key("activation_checkpointing_every")
+        if isinstance(kwargs, dict) and "every_n_layers" in kwargs:
+            if self.activation_checkpointing_every not in (1, kwargs["every_n_layers"]):
+                p.append(
+                    f"{every_key} and activation_checkpointing_kwargs.every_n_layers are both "
+                    "set; set activation_checkpointing_every only"
+                )
+            self.activation_checkpointing_every = kwargs["every_n_layers"]
+            kwargs = {k: v for k, v in kwargs.items() if k != "every_n_layers"}
+            self.activation_checkpointing_kwargs = self.gradient_checkpointing_kwargs = kwargs
+        self._int("activation_checkpointing_every", p, minimum=1, fix="1 wraps every block")
+        if asked:  # as naming a compile backend turns torch_compile on
+            self.activation_checkpointing = self.gradient_checkpointing = True
 
     def _check_logging(self, p: list[str]) -> None:
         self._choice("logging_strategy", STRATEGIES, p)

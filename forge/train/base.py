@@ -1,8 +1,9 @@
 """The training loop every forge trainer shares.
 
 ``BaseTrainer.train`` reads top to bottom: batch, forward, backward, clip, step, log,
-evaluate, save, stop. A trainer differs in two public seams: ``setup_components()`` (build,
-wrap, prepare or split the model; build the optimizer and grad scaler) and
+evaluate, save, stop. A trainer differs in two public seams: ``parallelize(model)``, the last
+step of the model-transform stage (``transform_model``: build, adapters, activation
+checkpointing, compile, then DDP / Accelerate's prepare / the pipeline's stages), and
 ``forward_backward(window)`` (the micro-batches of one optimizer step), plus the small step
 methods they use (``backward``, ``clip_gradients``, ``optimizer_step``, ``reduce_step``,
 ``distributed``) and what it registers as checkpoint state (``checkpoint_components``).
@@ -89,14 +90,14 @@ from forge.train.optim import (
     set_seed,
 )
 from forge.train.precision import device_problems, numerics
-from forge.train.runtime import (
-    Intervals,
-    apply_runtime_settings,
-    name_causal_lm_loss,
-    prepare_model,
-)
+from forge.train.runtime import Intervals, apply_runtime_settings, name_causal_lm_loss
 from forge.train.signals import StopSignals, TrainingInterrupted
 from forge.train.topology import Topology
+from forge.train.transforms import (
+    activation_checkpointing_problems,
+    apply_activation_checkpointing,
+    apply_model_settings,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -199,6 +200,10 @@ class BaseTrainer:
         self.topology = self.make_topology()
         self.device = self._resolve_device()
         self._check_eval_dataset()
+        if self.model is not None:  # a builder's model is checked when it is built
+            problems = activation_checkpointing_problems(self.model, args)
+            if problems:
+                raise TrainingArgumentsError(problems)
 
         self.state = TrainerState(is_world_process_zero=self.topology.is_main)
         self.control = TrainerControl()
@@ -729,41 +734,6 @@ class BaseTrainer:
         """Skip gradient synchronisation on all but the last micro-batch (DDP overrides)."""
         return nullcontext()
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        """What the training step calls; ``torch.compile`` when requested."""
-        return self.compile_model(model) if self.args.torch_compile else model
-
-    def compile_model(self, model: nn.Module) -> nn.Module:
-        """``torch.compile`` with ``torch_compile_backend`` / ``torch_compile_mode``."""
-        args = self.args
-        return torch.compile(
-            model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode
-        )
-
-    def evaluation_model(self) -> nn.Module:
-        """What evaluation calls: the model, compiled when ``torch_compile`` is on.
-
-        Not the training wrapper: evaluation needs no gradient synchronisation. With one
-        process the compiled training model is the same module and is reused.
-        """
-        if not self.args.torch_compile:
-            return self.model
-        if self._eval_model is None:
-            wrapped = self.wrapped_model
-            reuse = getattr(wrapped, "_orig_mod", None) is self.model
-            self._eval_model = wrapped if reuse else torch.compile(self.model)
-        return self._eval_model
-
-    def release_wrappers(self) -> None:
-        """Drop the training wrappers at the end of ``train()``.
-
-        A DDP wrapper holds the process group; freed later (at interpreter exit) the group's
-        destructor can deadlock with its worker thread, so it goes while the group is alive.
-        """
-        self.wrapped_model = self._eval_model = None
-        if self.topology.distributed:
-            gc.collect()  # wrappers sit in reference cycles (hooks)
-
     def distributed(self) -> AbstractContextManager:
         """The process group for a torchrun job (created here if needed, then destroyed)."""
         args = self.args
@@ -779,9 +749,7 @@ class BaseTrainer:
         args = self.args
         apply_runtime_settings(args, self.topology.is_main)
         set_seed(args.seed)
-        if self.model_init is not None:
-            self.model = self.build_model()
-        prepare_model(self.model, args)
+        self.wrapped_model = self.transform_model()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
         self.train_loader = self.build_train_loader()
@@ -793,7 +761,7 @@ class BaseTrainer:
             self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
             self.num_epochs = math.ceil(args.num_train_epochs)
         self._every = Intervals.of(args, self.max_steps)
-        self.setup_components()
+        self.setup_optimizer()
         self.lr_scheduler = build_scheduler(
             self.lr_scheduler_factory, self.optimizer, args, self.max_steps
         )
@@ -806,21 +774,40 @@ class BaseTrainer:
         self._position, self._resumed_batches, self._tally = Position(), None, Tally()
         self._last_eval, self._last_save_step = (None, {}), None
 
-    def setup_components(self) -> None:
-        """Place and wrap the model, build the optimizer and the grad scaler.
-
-        Sets ``wrapped_model`` (what the step calls), ``optimizer`` and ``scaler``; the
-        learning-rate schedule is built by the loop afterwards, on ``optimizer``.
-        """
-        self.model.to(self.device)
-        self.wrapped_model = self.wrap_model(self.model)
+    def setup_optimizer(self) -> None:
+        """The optimizer over the model's parameters, and the grad scaler (fp16); the
+        learning-rate schedule is built by the loop afterwards, on ``optimizer``."""
         self.optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
         self.scaler = torch.amp.GradScaler(self.device.type) if self.args.fp16 else None
 
+    # ------------------------------------------------------------------ the model-transform stage
+    def transform_model(self) -> nn.Module:
+        """Everything that happens to the model between "built" and "trained", in this order
+        (forge/train/transforms.py): build (``build_model``, just after seeding) -> the model's
+        settings (``use_cache``, loss type) -> adapters (``apply_adapters``) -> placement on the
+        device -> activation checkpointing -> ``torch.compile`` -> the trainer's parallel wrap
+        (``parallelize``, the one step a trainer overrides).
+
+        Sets ``model`` (the module checkpoints hold and the optimizer steps) and returns what
+        the training step calls.
+        """
+        args = self.args
+        model = self.build_model()
+        apply_model_settings(model, args)
+        model = self.apply_adapters(model)
+        model.to(self.device)
+        self.model = model
+        done = apply_activation_checkpointing(model, args, **self.activation_checkpointing_scope())
+        if done:
+            self._info("%s", done)
+        compiled = self.compile_model(model) if args.torch_compile else None
+        self._eval_model = compiled
+        return self.parallelize(model if compiled is None else compiled)
+
     def build_model(self) -> nn.Module:
-        """This rank's model from ``model_init``, called just after seeding (a pipeline stage
-        builds only its own part)."""
-        return self._call_model_init()
+        """This rank's model: ``model_init()``, called just after seeding, or the module the
+        trainer was given (a pipeline stage builds only its own part)."""
+        return self._call_model_init() if self.model_init is not None else self.model
 
     def _call_model_init(self) -> nn.Module:
         model = self.model_init()
@@ -830,6 +817,51 @@ class BaseTrainer:
                 "or a callable (e.g. !partial) that returns one"
             )
         return model
+
+    def apply_adapters(self, model: nn.Module) -> nn.Module:
+        """The adapter step (PEFT LoRA comes here): the model with its adapters. No adapter
+        can be configured yet, so this is the model as built."""
+        return model
+
+    def activation_checkpointing_scope(self) -> dict[str, Any]:
+        """Where activation checkpointing finds the blocks, as keywords of
+        ``apply_activation_checkpointing``: the whole model here; a pipeline stage names its
+        layers and holds only some of the named blocks."""
+        return {}
+
+    def compile_model(self, model: nn.Module) -> nn.Module:
+        """``torch.compile`` with ``torch_compile_backend`` / ``torch_compile_mode``."""
+        args = self.args
+        return torch.compile(
+            model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode
+        )
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """The trainer's parallel wrap, the transform stage's last step: what the training step
+        calls (``model``, compiled when ``torch_compile`` is on). One process: no wrapper."""
+        return model
+
+    def evaluation_model(self) -> nn.Module:
+        """What evaluation calls: the model, compiled when ``torch_compile`` is on.
+
+        Not the parallel wrapper: evaluation needs no gradient synchronisation. In ``train()``
+        it is the module the transform stage compiled (the one the wrapper calls).
+        """
+        if not self.args.torch_compile:
+            return self.model
+        if self._eval_model is None:  # outside train()
+            self._eval_model = self.compile_model(self.model)
+        return self._eval_model
+
+    def release_wrappers(self) -> None:
+        """Drop the training wrappers at the end of ``train()``.
+
+        A DDP wrapper holds the process group; freed later (at interpreter exit) the group's
+        destructor can deadlock with its worker thread, so it goes while the group is alive.
+        """
+        self.wrapped_model = self._eval_model = None
+        if self.topology.distributed:
+            gc.collect()  # wrappers sit in reference cycles (hooks)
 
     def per_rank_batch_size(self, field: str) -> int:
         """The batch one rank loads, from the ``args`` field that sets it."""

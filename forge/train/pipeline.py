@@ -34,11 +34,11 @@ from forge.checkpoint import Component, ModelWeights, load_model_weights
 from forge.train.args import TrainingArguments, TrainingArgumentsError, _as_int
 from forge.train.base import BaseTrainer
 from forge.train.loop_state import Batch, count_tokens
-from forge.train.optim import build_optimizer
-from forge.train.pipeline_plan import PipelinePlan, meta_skeleton, pipeline_size, plan_pipeline
+from forge.train.pipeline_plan import meta_skeleton, pipeline_size, plan_pipeline
 from forge.train.pipeline_split import StageModule, causal_lm_loss, prune_to_stages
 from forge.train.stage_init import build_partial_model, free_except
 from forge.train.topology import Topology
+from forge.train.transforms import activation_checkpointing_problems
 
 logger = logging.getLogger(__name__)
 
@@ -195,11 +195,16 @@ class PipelineTrainer(BaseTrainer):
             args = PipelineTrainingArguments(**args.to_dict())
         self.loss_fn = loss_fn
         super().__init__(model, args, *positional, **kwargs)
-        self.plan = self._plan(model)
+        self._check_loss()
+        skeleton = model if isinstance(model, nn.Module) else meta_skeleton(model)
+        self.plan = plan_pipeline(skeleton, self.args, self.topology.world_size)
+        problems = activation_checkpointing_problems(skeleton, self.args)  # the whole model's
+        if problems:  # (a stage holds only some of the named blocks)
+            raise TrainingArgumentsError(problems)
         self.layout = self.plan.layout
         self._writer, self._shared = self.plan.writer, self.plan.shared
         self.num_microbatches = self.plan.num_microbatches
-        # built by setup_components()
+        # built by parallelize()
         self.stage_modules: list[StageModule] = []
         self._schedules: dict[tuple, Any] = {}
         self._groups: dict[str, Any] = {}
@@ -218,11 +223,25 @@ class PipelineTrainer(BaseTrainer):
     def _key(self) -> str:
         return self.args.config_key
 
-    def _plan(self, model: Any) -> PipelinePlan:
-        """Check the split against the model's structure (built on the meta device) and work
-        out every stage, before any process group or weight exists."""
-        skeleton = model if isinstance(model, nn.Module) else meta_skeleton(model)
-        return plan_pipeline(skeleton, self.args, self.topology.world_size)
+    def _check_loss(self) -> None:
+        """What would change the loss elsewhere and cannot here is refused: the last stage
+        computes it from the logits and the labels alone."""
+        problems = []
+        if type(self).compute_loss is not BaseTrainer.compute_loss:
+            problems.append(
+                f"{type(self).__name__} overrides compute_loss, which the pipeline trainer never "
+                "calls: its last stage computes the loss from the logits and the labels alone, "
+                "without the model's other outputs; give the trainer loss_fn(logits, labels) "
+                "instead"
+            )
+        if self.loss_fn is not None and self.args.label_smoothing_factor:
+            problems.append(
+                f"{self._key}.label_smoothing_factor smooths the trainer's own loss, and "
+                "trainer.loss_fn replaces it; smooth the labels inside loss_fn, or set "
+                "label_smoothing_factor: 0"
+            )
+        if problems:
+            raise TrainingArgumentsError(problems)
 
     @classmethod
     def plan_job(cls, model: Any, args: TrainingArguments, world_size: int) -> list[str] | None:
@@ -235,7 +254,13 @@ class PipelineTrainer(BaseTrainer):
             args = PipelineTrainingArguments(**args.to_dict())
         if not isinstance(model, nn.Module):
             model = meta_skeleton(model, build_if_needed=False)
-        return None if model is None else plan_pipeline(model, args, world_size).describe()
+        if model is None:
+            return None
+        plan = plan_pipeline(model, args, world_size)
+        problems = activation_checkpointing_problems(model, args)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        return plan.describe()
 
     @property
     def my_stages(self):
@@ -251,34 +276,54 @@ class PipelineTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ setup
     def build_model(self) -> nn.Module:
-        """This rank's stages only: the other parts are never materialised (see stage_init)."""
-        model = build_partial_model(self.model_init, self._kept_modules)
-        if not isinstance(model, nn.Module):
-            raise TypeError(
-                f"trainer.model built a {type(model).__name__}, not an nn.Module; pass a module "
-                "or a callable (e.g. !partial) that returns one"
-            )
+        """This rank's stages only: from a builder the other parts are never materialised (see
+        stage_init); a whole module given to the trainer has their weights freed. Either way
+        the parts no stage of this rank holds are removed."""
+        if self.model_init is None:
+            model = self.model
+            free_except(model, self._kept_modules)
+        else:
+            model = build_partial_model(self.model_init, self._kept_modules)
+            if not isinstance(model, nn.Module):
+                raise TypeError(
+                    f"trainer.model built a {type(model).__name__}, not an nn.Module; pass a "
+                    "module or a callable (e.g. !partial) that returns one"
+                )
+        prune_to_stages(model, self.layout.parts, self.my_stages)
         return model
 
     @property
     def _kept_modules(self) -> list[str]:
         return self.layout.rank_modules(self.topology.stage)
 
-    def setup_components(self) -> None:
-        """Prune to this rank's stages, build the stage modules, process groups, optimizer."""
-        layout = self.layout
-        if self.model_init is None:  # given a whole module: free the other stages' weights
-            free_except(self.model, self._kept_modules)
-        prune_to_stages(self.model, layout.parts, self.my_stages)
-        self.model.to(self.device)
-        self.wrapped_model = self.model  # what the loop puts in train() / eval() mode
-        self.stage_modules = [StageModule(self.model, layout.parts, s) for s in self.my_stages]
-        self._loss = _MicrobatchLoss(self.loss_fn or _default_loss(self.model))
+    def activation_checkpointing_scope(self) -> dict[str, Any]:
+        """The stage's layers by default; named blocks other stages hold are theirs (checked
+        against the whole model when the trainer was built)."""
+        return {"layers": self.layout.parts.layers, "names_checked": True}
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """The stage modules, the process groups and the last stage's loss; the model itself
+        is what the loop puts in train() / eval() mode."""
+        self.stage_modules = [StageModule(model, self.layout.parts, s) for s in self.my_stages]
+        self._loss = _MicrobatchLoss(self.loss_fn or self._default_loss(model))
         self._schedules = {}
         self._make_groups()
-        self.optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
-        self.scaler = None
         self._log_split()
+        return model
+
+    def _default_loss(
+        self, model: nn.Module
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The model's own loss (``_default_loss``), or with ``label_smoothing_factor`` the
+        smoothed cross-entropy the other trainers compute (Hugging Face's ``LabelSmoother``,
+        labels shifted for a causal LM)."""
+        epsilon = self.args.label_smoothing_factor
+        if not epsilon:
+            return _default_loss(model)
+        from transformers.trainer_pt_utils import LabelSmoother
+
+        smoother, shift = LabelSmoother(epsilon=epsilon), self.layout.parts.causal
+        return lambda logits, labels: smoother({"logits": logits}, labels, shift_labels=shift)
 
     def _make_groups(self) -> None:
         """Every rank creates every group, in one order (``new_group`` is collective)."""

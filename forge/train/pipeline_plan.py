@@ -19,6 +19,7 @@ from torch import nn
 from forge.train.args import TrainingArgumentsError
 from forge.train.pipeline_models import model_parts
 from forge.train.pipeline_split import PipelineLayout, SplitError, split_layers
+from forge.train.stage_init import warn_whole_build
 
 logger = logging.getLogger(__name__)
 
@@ -148,7 +149,10 @@ def meta_skeleton(
         if not build_if_needed:
             logger.debug("the model cannot be built on the meta device (%s)", exc)
             return None
-        logger.info("the model cannot be built on the meta device (%s); building it", exc)
+        warn_whole_build(
+            "planning the pipeline split on the whole model",
+            f"it cannot be built on the meta device ({exc})",
+        )
         skeleton = model_init()
     if not isinstance(skeleton, nn.Module):
         raise TypeError(

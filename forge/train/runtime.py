@@ -1,6 +1,7 @@
 """What ``train()`` applies from the arguments before the first step: process-wide settings
-(determinism, TF32, log levels), model settings (activation checkpointing, ``use_cache``) and
-the step intervals of logging, evaluation and saving."""
+(log levels), the step intervals of logging, evaluation and saving, and the loss naming of a
+Hugging Face causal LM (the model's other settings are steps of the model-transform stage,
+forge/train/transforms.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from dataclasses import dataclass
 
 from torch import nn
 
-from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.args import TrainingArguments
 
 logger = logging.getLogger(__name__)
 
@@ -57,28 +58,6 @@ def apply_runtime_settings(args: TrainingArguments, is_main: bool) -> None:
 
         logging.getLogger("forge").setLevel(_LEVELS[level])
         transformers.logging.set_verbosity(_LEVELS[level])
-
-
-def prepare_model(model: nn.Module, args: TrainingArguments) -> None:
-    """``activation_checkpointing`` (HF's ``gradient_checkpointing_enable``) and, for a model
-    with a config, ``use_cache`` (HF's Trainer sets it the same way) and its loss type."""
-    name_causal_lm_loss(model)
-    config = getattr(model, "config", None)
-    if config is not None and hasattr(config, "use_cache"):
-        config.use_cache = args.use_cache
-    if not args.activation_checkpointing:
-        return
-    enable = getattr(model, "gradient_checkpointing_enable", None)
-    if not callable(enable):
-        raise TrainingArgumentsError(
-            [
-                f"{args.config_key}.activation_checkpointing (gradient_checkpointing) needs a "
-                f"model with gradient_checkpointing_enable(), as Hugging Face models have; "
-                f"{type(model).__name__} has none. Wrap its blocks in "
-                "torch.utils.checkpoint.checkpoint yourself, or set it to false"
-            ]
-        )
-    enable(gradient_checkpointing_kwargs=args.activation_checkpointing_kwargs)
 
 
 def name_causal_lm_loss(model: nn.Module) -> None:

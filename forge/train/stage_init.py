@@ -7,12 +7,14 @@ construction and initialisation is replayed on a scratch CPU tensor of the same 
 global generator moves exactly as it would for the real model; the random state before each
 module's ``_init_weights`` is recorded. Then only the kept modules are materialised, and each
 one's ``_init_weights`` runs again from its recorded state. Memory stays at the stage's weights
-plus one scratch tensor at a time.
+plus one scratch tensor at a time. Nothing of transformers or torch is patched: the recording
+uses torch's module-registration hook and wrappers on the model's own instances, all removed
+however the build ends.
 
 Other modules initialise their weights inside their constructors, where no such record is
 possible; they are built whole on the CPU and pruned afterwards, as is a Hugging Face model
 whose ``_init_weights`` leaves a kept weight unset (materialised tensors start as NaN, so one
-left unwritten is seen).
+left unwritten is seen), or one that cannot be built on the meta device; a warning says which.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import sys
-from collections.abc import Callable, Collection, Iterator
+from collections.abc import Callable, Collection
 from typing import Any
 
 import torch
@@ -61,29 +63,68 @@ def _on_meta(args: Any, kwargs: dict[str, Any]) -> bool:
 InitRecord = tuple[nn.Module, nn.Module, torch.Tensor]  # module, its PreTrainedModel, rng state
 
 
-@contextlib.contextmanager
-def _recording_hf_inits(records: list[InitRecord]) -> Iterator[None]:
-    """Run Hugging Face's weight initialisation even on the meta device, recording the random
-    state before each module's ``_init_weights``."""
-    import transformers.modeling_utils as hf
+class _InitEachHFModel(contextlib.AbstractContextManager):
+    """Initialise each Hugging Face model of a meta-device build when its constructor is done,
+    recording the random state before each module's ``_init_weights``; patches nothing.
 
-    original_init = hf.PreTrainedModel._initialize_weights
-    original_device = getattr(hf, "get_torch_context_manager_or_global_device", None)
+    On the meta device transformers skips weight initialisation (``init_weights``), so it runs
+    here instead, at the moment the real build would have run it: a model built inside another
+    (``LlamaModel`` inside ``LlamaForCausalLM``) when it is assigned to its parent (torch's
+    module-registration hook, removed on exit), the outermost one by ``finish``. The record
+    comes from per-instance wrappers of ``_initialize_weights``, removed after each model's
+    initialisation, so neither transformers nor torch is changed for anyone else.
+    """
 
-    def recording(self, module, *args, **kwargs):
-        if not getattr(module, "_is_hf_initialized", False):
-            records.append((module, self, torch.get_rng_state()))
-        return original_init(self, module, *args, **kwargs)
+    def __init__(self, records: list[InitRecord]) -> None:
+        from transformers import PreTrainedModel
 
-    hf.PreTrainedModel._initialize_weights = recording
-    if original_device is not None:  # transformers 5 skips initialisation on meta
-        hf.get_torch_context_manager_or_global_device = lambda: None
-    try:
-        yield
-    finally:
-        hf.PreTrainedModel._initialize_weights = original_init
-        if original_device is not None:
-            hf.get_torch_context_manager_or_global_device = original_device
+        self.records = records
+        self._pretrained = PreTrainedModel
+        self._handle: Any = None
+        self._done: set[int] = set()  # the models initialised here, and their modules
+        self.library_initialised: list[str] = []  # models the library initialised on meta
+
+    def __enter__(self) -> _InitEachHFModel:
+        self._handle = torch.nn.modules.module.register_module_module_registration_hook(
+            self._on_registration
+        )
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        self._handle.remove()
+
+    def _on_registration(self, parent: nn.Module, name: str, module: Any) -> None:
+        if isinstance(module, self._pretrained):
+            self.finish(module)
+
+    def finish(self, model: nn.Module) -> None:
+        """Initialise ``model`` (its modules not initialised yet), recording each module's
+        random state."""
+        if id(model) in self._done:
+            return
+        flagged = [m for m in model.modules() if getattr(m, "_is_hf_initialized", False)]
+        if any(id(m) not in self._done for m in flagged):
+            # a transformers that initialises on the meta device itself: nothing to record
+            self.library_initialised.append(type(model).__name__)
+        owners = [m for m in model.modules() if isinstance(m, self._pretrained)]
+        for owner in owners:
+            owner._initialize_weights = self._recording(owner)  # this instance only
+        try:
+            model.initialize_weights()
+        finally:
+            for owner in owners:
+                del owner._initialize_weights
+        self._done.update(id(m) for m in model.modules())
+
+    def _recording(self, owner: nn.Module) -> Callable[..., Any]:
+        original = owner._initialize_weights  # the class's, bound to this instance
+
+        def recording(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+            if not getattr(module, "_is_hf_initialized", False):
+                self.records.append((module, owner, torch.get_rng_state()))
+            return original(module, *args, **kwargs)
+
+        return recording
 
 
 def _is_hf_model(model: nn.Module) -> bool:
@@ -101,8 +142,10 @@ def _builds_hf_model(model_init: Callable[[], nn.Module]) -> bool:
         return False
     from transformers import PreTrainedModel
 
-    # the recording relies on the per-module initialisation hook of transformers 4.x / 5.x
-    return issubclass(target, PreTrainedModel) and hasattr(PreTrainedModel, "_initialize_weights")
+    # the recording relies on transformers' per-module initialisation (_initialize_weights)
+    return issubclass(target, PreTrainedModel) and all(
+        hasattr(PreTrainedModel, name) for name in ("_initialize_weights", "initialize_weights")
+    )
 
 
 def keeps(name: str, kept: Collection[str]) -> bool:
@@ -115,17 +158,30 @@ def build_partial_model(model_init: Callable[[], nn.Module], kept: Collection[st
     (and their children); every other tensor stays on the meta device, to be pruned.
 
     The kept weights equal those of ``model_init()`` called with the same random state, and the
-    global generator ends where that call would leave it.
+    global generator ends where that call would leave it. Where the stage cannot be built
+    alone, the whole model is built and pruned (a warning says why, once per process).
     """
     if not _builds_hf_model(model_init):
+        logger.info("the model is not a Hugging Face one: building it whole, then pruning")
         return _build_whole(model_init, kept)  # initialised in its constructors
     start = torch.get_rng_state()
     records: list[InitRecord] = []
-    with _recording_hf_inits(records), torch.device("meta"), _ReplayRandomOnCPU():
-        model = model_init()
+    try:
+        with torch.device("meta"), _ReplayRandomOnCPU(), _InitEachHFModel(records) as init:
+            model = model_init()
+            if _is_hf_model(model):
+                init.finish(model)
+    except Exception as exc:  # noqa: BLE001 - any failure: the whole build says what is wrong
+        return _fall_back(model_init, kept, start, f"building it on the meta device failed ({exc})")
     if not _is_hf_model(model):  # a builder that wraps a Hugging Face model in its own module
-        torch.set_rng_state(start)
-        return _build_whole(model_init, kept)
+        reason = f"its builder returned a {type(model).__name__}, not a transformers model"
+        return _fall_back(model_init, kept, start, reason)
+    if init.library_initialised:
+        reason = (
+            f"this transformers initialises {init.library_initialised[0]} on the meta device "
+            "itself, which leaves no record of each module's random state"
+        )
+        return _fall_back(model_init, kept, start, reason)
     end = torch.get_rng_state()
     ties = tie_groups(model)
     kept = with_tie_owners(kept, ties)
@@ -138,15 +194,30 @@ def build_partial_model(model_init: Callable[[], nn.Module], kept: Collection[st
     _retie(ties)
     unset = _unset_tensors(model)
     if unset:  # a weight its _init_weights leaves to the constructor: build the model whole
-        logger.info(
-            "%s initialises %s in its constructor; building the whole model for this stage",
-            type(model).__name__,
-            unset[0],
-        )
-        torch.set_rng_state(start)
-        return _build_whole(model_init, kept)
+        reason = f"{type(model).__name__} initialises {unset[0]} in its constructor"
+        return _fall_back(model_init, kept, start, reason)
     torch.set_rng_state(end)
     return model
+
+
+_warned_whole: set[str] = set()
+
+
+def warn_whole_build(what: str, reason: str) -> None:
+    """Say once per process (at warning level) that a rank builds the whole model: every
+    rank then holds all its weights for a while, which a stage-only build avoids."""
+    if what in _warned_whole:
+        return
+    _warned_whole.add(what)
+    logger.warning("%s: %s; each rank holds the whole model while it is built", what, reason)
+
+
+def _fall_back(
+    model_init: Callable[[], nn.Module], kept: Collection[str], start: torch.Tensor, reason: str
+) -> nn.Module:
+    warn_whole_build("building the whole model for this pipeline stage, then pruning it", reason)
+    torch.set_rng_state(start)
+    return _build_whole(model_init, kept)
 
 
 def _build_whole(model_init: Callable[[], nn.Module], kept: Collection[str]) -> nn.Module:

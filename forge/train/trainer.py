@@ -24,16 +24,17 @@ class Trainer(BaseTrainer):
 
     _ddp: DistributedDataParallel | None = None
 
-    def wrap_model(self, model: nn.Module) -> nn.Module:
-        """DDP when there are several ranks, then ``torch.compile`` when requested."""
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """DistributedDataParallel when there are several ranks (around the compiled module
+        when ``torch_compile`` is on)."""
         self._ddp = None
         if self.topology.distributed:
             device_ids = [self.device.index] if self.device.type == "cuda" else None
             self._ddp = DistributedDataParallel(
                 model, device_ids=device_ids, **self.args.ddp_kwargs()
             )
-            model = self._ddp
-        return super().wrap_model(model)
+            return self._ddp
+        return model
 
     def no_sync(self, last: bool) -> AbstractContextManager:
         """Gradients are all-reduced only on a window's last micro-batch."""

@@ -1,6 +1,9 @@
 """Train the tiny Llama without dropout; run by torchrun from test_ddp_equivalence.py.
 
-    python -m torch.distributed.run --nproc_per_node=N ddp_equivalence_script.py OUT BATCH [loss_func]
+    python -m torch.distributed.run --nproc_per_node=N ddp_equivalence_script.py OUT BATCH [MODE]
+
+MODE ``loss_func``: a compute_loss_func over ragged rows; ``transforms``: the model
+checkpointed (activation checkpointing) and compiled (the eager backend) before DDP wraps it.
 
 Also called in-process (one rank) by the test. Rank 0 leaves ``OUT/metrics.jsonl`` (the loss
 of every step) and ``OUT/weights.pt`` (the final weights).
@@ -26,9 +29,12 @@ STEPS = 6
 ACCUMULATION = 2
 
 
-def train(output_dir: str | Path, per_device_batch: int, loss_func: bool = False) -> Trainer:
+def train(
+    output_dir: str | Path, per_device_batch: int, loss_func: bool = False, transforms: bool = False
+) -> Trainer:
     """With ``loss_func``: rows of different lengths and an HF-style compute_loss_func that
-    divides the step's token loss by num_items_in_batch (over both ranks)."""
+    divides the step's token loss by num_items_in_batch (over both ranks). With
+    ``transforms``: activation checkpointing and torch.compile (eager backend: no toolchain)."""
     config = tiny_llama_config()
     config.attention_dropout = 0.0  # dropout masks would differ between the two layouts
     args = make_args(
@@ -39,6 +45,11 @@ def train(output_dir: str | Path, per_device_batch: int, loss_func: bool = False
         learning_rate=1e-2,
         logging_steps=1,
         save_final_checkpoint=False,
+        **(
+            {"activation_checkpointing": True, "torch_compile_backend": "eager"}
+            if transforms
+            else {}
+        ),
     )
     extra = {}
     dataset = TokenDataset(TRAIN_SIZE)
@@ -62,4 +73,10 @@ def train(output_dir: str | Path, per_device_batch: int, loss_func: bool = False
 
 if __name__ == "__main__":
     torch.set_num_threads(1)
-    train(sys.argv[1], int(sys.argv[2]), loss_func=sys.argv[3:] == ["loss_func"])
+    mode = sys.argv[3:]
+    train(
+        sys.argv[1],
+        int(sys.argv[2]),
+        loss_func=mode == ["loss_func"],
+        transforms=mode == ["transforms"],
+    )

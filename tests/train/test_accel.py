@@ -3,6 +3,7 @@ arguments checked, its state in the shared checkpoint layer."""
 
 from __future__ import annotations
 
+import functools
 import json
 from pathlib import Path
 
@@ -10,8 +11,10 @@ import pytest
 import torch
 
 from forge.checkpoint import read_manifest
+from forge.data import CausalLMCollator
 from forge.train import AccelTrainer, AccelTrainingArguments, Trainer, TrainingArgumentsError
 from tests.train.common import (
+    TokenDataset,
     assert_same_training,
     checkpoint_dir,
     make_args,
@@ -116,3 +119,86 @@ def test_bf16_through_accelerate_trains(tmp_path):
     )
     output = trainer.train()
     assert output.global_step == 3 and torch.isfinite(torch.tensor(output.training_loss))
+
+
+@pytest.mark.parametrize(
+    ("environment", "named"),
+    [
+        ({"ACCELERATE_USE_FSDP": "true"}, "turns on FSDP (ACCELERATE_USE_FSDP)"),
+        ({"ACCELERATE_USE_DEEPSPEED": "true"}, "turns on DeepSpeed (ACCELERATE_USE_DEEPSPEED)"),
+        (
+            {"ACCELERATE_USE_PARALLELISM_CONFIG": "true", "PARALLELISM_CONFIG_DP_SHARD_SIZE": "2"},
+            "parallelism_config has dp_shard_size 2",
+        ),
+    ],
+)
+def test_an_accelerate_config_that_shards_state_is_refused_when_built(
+    tmp_path, monkeypatch, environment, named
+):
+    """forge's checkpoints hold the whole weights and optimizer state: a sharded run would
+    save one shard (and DeepSpeed's clip gives no norm, so every step would be skipped)."""
+    for name, value in environment.items():
+        monkeypatch.setenv(name, value)
+    with pytest.raises(TrainingArgumentsError) as refused:
+        make_trainer(accel_args(tmp_path, max_steps=1), trainer_cls=AccelTrainer)
+    message = str(refused.value)
+    assert named in message
+    assert "forge does not shard parameters or optimizer state yet" in message
+    assert "train with DDP" in message
+
+
+def test_accelerates_own_compile_is_refused_for_forges(tmp_path, monkeypatch):
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "INDUCTOR")
+    with pytest.raises(TrainingArgumentsError, match="torch_compile: true"):
+        make_trainer(accel_args(tmp_path, max_steps=1), trainer_cls=AccelTrainer)
+    monkeypatch.setenv("ACCELERATE_DYNAMO_BACKEND", "NO")  # what `accelerate launch` passes
+    make_trainer(accel_args(tmp_path, max_steps=1), trainer_cls=AccelTrainer)
+
+
+def test_hfs_sharding_arguments_do_not_send_users_to_a_refused_config(tmp_path):
+    for name, value in (
+        ("fsdp", "full_shard"),
+        ("fsdp_config", {"min_num_params": 1}),
+        ("deepspeed", "ds.json"),
+    ):
+        with pytest.raises(TrainingArgumentsError) as refused:
+            accel_args(tmp_path, **{name: value})
+        message = str(refused.value)
+        assert "forge does not shard parameters or optimizer state yet" in message, name
+        assert "accelerate config" not in message
+
+
+@pytest.mark.slow
+def test_compiled_under_accelerate_the_checkpoint_keeps_the_models_names(tmp_path, monkeypatch):
+    """torch.compile runs before prepare (the transform stage's order); the saved weights
+    carry the model's own names, not the compiled wrapper's."""
+    from safetensors.torch import load_file
+
+    compile_eager = functools.partial(torch.compile, backend="eager")  # no C++ toolchain
+    monkeypatch.setattr(torch, "compile", lambda model, **kw: compile_eager(model))
+    trainer = make_trainer(
+        accel_args(tmp_path, max_steps=2, torch_compile=True, save_strategy="steps", save_steps=2),
+        trainer_cls=AccelTrainer,
+    )
+    trainer.train()
+    saved = load_file(checkpoint_dir(tmp_path, 2) / "model.safetensors")
+    assert set(saved) == set(trainer.model.state_dict()) - {"lm_head.weight"} or set(saved) == set(
+        trainer.model.state_dict()
+    )
+
+
+def test_activation_checkpointing_happens_before_prepare_and_trains_the_same(tmp_path):
+    from tests.train.test_transforms import TinyLM, logged_losses, recomputed
+
+    def trainer(name: str, trainer_cls, args_fn, **overrides):
+        args = args_fn(tmp_path / name, max_steps=4, logging_steps=1, **overrides)
+        return trainer_cls(TinyLM, args, TokenDataset(32), data_collator=CausalLMCollator(0))
+
+    plain = trainer("plain", Trainer, make_args)
+    plain.train()
+    accel = trainer("accel", AccelTrainer, accel_args, activation_checkpointing=True)
+    accel.train()
+    assert recomputed(accel.model) == [1, 1, 1]
+    losses = logged_losses(tmp_path / "plain")
+    assert len(losses) == 4
+    assert logged_losses(tmp_path / "accel") == pytest.approx(losses, abs=1e-6)  # as above

@@ -100,3 +100,18 @@ def test_compute_loss_func_counts_the_label_tokens_of_both_ranks(tmp_path):
     single = torch.load(tmp_path / "single" / "weights.pt", weights_only=True)
     for name in single:
         torch.testing.assert_close(ddp[name], single[name], rtol=1e-4, atol=1e-4, msg=name)
+
+
+@pytest.mark.slow
+def test_ddp_around_the_checkpointed_compiled_model_trains_like_one_rank(tmp_path):
+    """The transform stage's order under DDP: blocks checkpointed, the model compiled, then
+    DDP around the compiled module; 2 ranks still train like 1 rank with twice the batch."""
+    torchrun(tmp_path / "ddp", 2, BATCH, "transforms")
+    train(tmp_path / "single", 2 * BATCH)
+    ddp_losses, single_losses = step_losses(tmp_path / "ddp"), step_losses(tmp_path / "single")
+    assert ddp_losses == pytest.approx(single_losses, rel=1e-5, abs=1e-6)
+    ddp = torch.load(tmp_path / "ddp" / "weights.pt", weights_only=True)
+    single = torch.load(tmp_path / "single" / "weights.pt", weights_only=True)
+    assert ddp.keys() == single.keys()  # no compile or DDP prefix in the names
+    for name in single:
+        torch.testing.assert_close(ddp[name], single[name], rtol=1e-4, atol=1e-4, msg=name)

@@ -308,3 +308,69 @@ def test_batches_the_stages_cannot_pass_on_are_refused(tmp_path):
         trainer._inputs({"input_ids": ids, "labels": ids, "attention_mask": left_padded})
     right_padded = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     trainer._inputs({"input_ids": ids, "labels": ids, "attention_mask": right_padded})
+
+
+def test_label_smoothing_is_the_last_stages_loss_as_in_the_plain_trainer(tmp_path):
+    config = tiny_llama_config()
+    config.attention_dropout = 0.0  # microbatches would draw other dropout masks
+    data = dict(train_dataset=TokenDataset(64), data_collator=CausalLMCollator(pad_token_id=0))
+    common = dict(max_steps=4, logging_steps=1, label_smoothing_factor=0.2)
+    plain = Trainer(
+        functools.partial(LlamaForCausalLM, config), make_args(tmp_path / "plain", **common), **data
+    )
+    plain.train()
+    pipe = PipelineTrainer(
+        functools.partial(LlamaForCausalLM, config),
+        pipeline_args(tmp_path / "pipe", **common),
+        **data,
+    )
+    pipe.train()
+    unsmoothed = Trainer(
+        functools.partial(LlamaForCausalLM, config),
+        make_args(tmp_path / "none", max_steps=4, logging_steps=1),
+        **data,
+    )
+    unsmoothed.train()
+    assert step_losses(tmp_path / "pipe") == step_losses(tmp_path / "plain")
+    assert step_losses(tmp_path / "pipe") != step_losses(tmp_path / "none")
+
+
+def test_what_would_change_the_loss_and_cannot_is_refused_when_built(tmp_path):
+    class OwnLoss(PipelineTrainer):
+        def compute_loss(self, model, batch, return_outputs=False, num_items_in_batch=None):
+            return super().compute_loss(model, batch, return_outputs, num_items_in_batch)
+
+    with pytest.raises(TrainingArgumentsError, match="OwnLoss overrides compute_loss, which"):
+        make_trainer(pipeline_args(tmp_path, max_steps=1), trainer_cls=OwnLoss)
+    with pytest.raises(TrainingArgumentsError, match="smooth the labels inside loss_fn"):
+        make_trainer(
+            pipeline_args(tmp_path, max_steps=1, label_smoothing_factor=0.1),
+            trainer_cls=PipelineTrainer,
+            loss_fn=lambda logits, labels: logits.mean(),
+        )
+
+
+def test_activation_checkpointing_wraps_the_stages_layers_and_trains_the_same(tmp_path):
+    """The stage's layers are checkpointed by forge (not HF's switch, which needs the embedding
+    a later stage lacks); dropout on, the losses and weights equal those without."""
+    common = dict(max_steps=4, logging_steps=1, pipeline_microbatches=2)
+    plain = make_trainer(pipeline_args(tmp_path / "a", **common), trainer_cls=PipelineTrainer)
+    plain.train()
+    ac = make_trainer(
+        pipeline_args(tmp_path / "b", activation_checkpointing=True, **common),
+        trainer_cls=PipelineTrainer,
+    )
+    ac.train()
+    layers = ac.model.model.layers
+    assert all("forward" in vars(layer) for layer in layers.values())
+    assert not any(layer.gradient_checkpointing for layer in layers.values())
+    assert step_losses(tmp_path / "b") == step_losses(tmp_path / "a")
+    assert_same_tensors(plain.stage_state_dict(), ac.stage_state_dict(), "weights")
+
+
+def test_named_blocks_are_checked_against_the_whole_model_when_built(tmp_path):
+    args = pipeline_args(tmp_path, max_steps=1, activation_checkpointing_modules=["model.layer"])
+    with pytest.raises(TrainingArgumentsError, match="did you mean 'model.layers'"):
+        make_trainer(args, trainer_cls=PipelineTrainer)
+    with pytest.raises(TrainingArgumentsError, match="did you mean 'model.layers'"):
+        PipelineTrainer.plan_job(llama_init(), args, world_size=2)  # before forge launches
