@@ -66,7 +66,8 @@ def _no_match(inputs: ModelInputs, ignored: list[str]) -> ValueError:
 
 class RemoveColumnsCollator:
     """Drops the keys ``columns`` does not name from each item, then calls ``collator``
-    (torch's default collation when None). Logs the dropped keys once."""
+    (torch's default collation when None). Logs the dropped keys once, unless ``quiet`` (a
+    check before training, whose trainer logs them)."""
 
     def __init__(
         self,
@@ -75,6 +76,7 @@ class RemoveColumnsCollator:
         *,
         model_name: str = "the model's forward",
         description: str = "",
+        quiet: bool = False,
     ) -> None:
         if collator is None:
             from torch.utils.data import default_collate
@@ -84,6 +86,7 @@ class RemoveColumnsCollator:
         self.columns = set(columns)
         self.model_name = model_name
         self.description = description
+        self.quiet = quiet
         self._logged = False
 
     def __call__(self, items: list[Any]) -> Any:
@@ -103,7 +106,7 @@ class RemoveColumnsCollator:
                 f"{', '.join(ignored)}. Tokenize the data into the model's inputs, or set "
                 "trainer.args.remove_unused_columns: false"
             )
-        if ignored:
+        if ignored and not self.quiet:
             logger.info(
                 "remove_unused_columns: dropping %s from the %sitems: %s does not take %s",
                 ", ".join(ignored),
@@ -121,15 +124,18 @@ def keep_model_inputs(
     collator: Callable[[list[Any]], Any] | None,
     inputs: ModelInputs,
     description: str = "",
+    *,
+    quiet: bool = False,
 ) -> tuple[Any, Callable[[list[Any]], Any] | None]:
-    """``(dataset, collator)`` that give the model only the columns ``inputs`` names."""
+    """``(dataset, collator)`` that give the model only the columns ``inputs`` names; one log
+    line names the columns dropped, unless ``quiet``."""
     columns = inputs.columns
     names = getattr(dataset, "column_names", None)
     if isinstance(names, list) and hasattr(dataset, "remove_columns"):  # a datasets.Dataset
         ignored = [c for c in names if c not in columns]
         if ignored and len(ignored) == len(names):
             raise _no_match(inputs, ignored)
-        if ignored:
+        if ignored and not quiet:
             logger.info(
                 "remove_unused_columns: dropping %s from the %sdataset: %s does not take %s",
                 ", ".join(ignored),
@@ -140,7 +146,7 @@ def keep_model_inputs(
             dataset = dataset.remove_columns(ignored)
         return dataset, collator
     wrapped = RemoveColumnsCollator(
-        collator, columns, model_name=inputs.forward, description=description
+        collator, columns, model_name=inputs.forward, description=description, quiet=quiet
     )
     return dataset, wrapped
 

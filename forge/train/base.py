@@ -52,7 +52,13 @@ from forge.checkpoint import (
 from forge.data import trainer_loaders
 from forge.data.columns import ModelInputs
 from forge.train import dist
-from forge.train.adapters import model_loss, not_a_dict_batch, takes_keyword
+from forge.train.adapters import (
+    loss_from_outputs,
+    model_loss,
+    not_a_dict_batch,
+    split_labels,
+    takes_keyword,
+)
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.callbacks import (
     CallbackHandler,
@@ -69,9 +75,9 @@ from forge.train.evaluation import (
     IGNORE_INDEX,
     accepts_loss_kwargs,
     batch_size_of,
-    default_label_names,
     is_causal_lm,
     loss_shifts_labels,
+    resolve_label_names,
     unwrap,
 )
 from forge.train.evaluator import Evaluator
@@ -563,9 +569,8 @@ class BaseTrainer:
         """
         func, smoother = self.compute_loss_func, self._label_smoother
         labels = None
-        if (func is not None or smoother is not None) and "labels" in batch:
-            batch = dict(batch)
-            labels = batch.pop("labels")
+        if loss_from_outputs(func, self.args.label_smoothing_factor):
+            batch, labels = split_labels(batch)
         if num_items_in_batch is not None and accepts_loss_kwargs(model):
             batch = {**batch, "num_items_in_batch": num_items_in_batch}
         outputs = model(**batch)
@@ -882,12 +887,9 @@ class BaseTrainer:
     def label_names(self) -> list[str]:
         """``args.label_names``, else the model's ``forward`` parameters named like labels;
         with ``compute_loss_func`` and none of those, ``labels`` (what the function gets)."""
-        if self.args.label_names is not None:
-            return list(self.args.label_names)
-        names = default_label_names(self.model) if self.model is not None else ["labels"]
-        if not names and self.compute_loss_func is not None:
-            return ["labels"]
-        return names
+        return resolve_label_names(
+            self.args.label_names, self.model, self.compute_loss_func is not None
+        )
 
     def _check_eval_dataset(self) -> None:
         if self.eval_dataset is not None:

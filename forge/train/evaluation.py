@@ -24,12 +24,25 @@ from forge.train import dist
 IGNORE_INDEX = -100  # label value the loss skips; also the padding of gathered arrays
 
 
-def default_label_names(model: nn.Module) -> list[str]:
+def default_label_names(model: Any) -> list[str]:
     """The batch keys that hold labels: the ``forward`` parameters with "label" in their name
-    (start/end positions for question answering), as HF's Trainer finds them."""
+    (start/end positions for question answering), as HF's Trainer finds them. ``model`` is a
+    module (looked at through its wrappers) or a module class."""
     from transformers.utils import find_labels
 
-    return find_labels(type(unwrap(model)))
+    return find_labels(model if isinstance(model, type) else type(unwrap(model)))
+
+
+def resolve_label_names(given: Sequence[str] | None, model: Any, has_loss_func: bool) -> list[str]:
+    """The trainer's label names: ``given`` (``args.label_names``), else ``model``'s
+    (``default_label_names``; a module or a module class); with a ``compute_loss_func`` and
+    none of those, ``labels`` (what the function gets)."""
+    if given is not None:
+        return list(given)
+    names = default_label_names(model) if model is not None else ["labels"]
+    if not names and has_loss_func:
+        return ["labels"]
+    return names
 
 
 def unwrap(model: nn.Module) -> nn.Module:
