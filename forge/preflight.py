@@ -158,31 +158,38 @@ def _check(
         logger.debug("model built by %s; forward checked at the first step", model_node.spec)
         return []
 
+    from forge.data.columns import ModelInputs, forward_name, keep_model_inputs
+    from forge.train.adapters import loss_from_outputs, split_labels
+    from forge.train.evaluation import resolve_label_names
+
     loss_func = trainer.kwargs.get("compute_loss_func") is not None
     dataset = built.value(dataset_node)
     collator = built.value(trainer.kwargs.get("data_collator"))
     args = built.value(trainer.kwargs.get("args"))
     dropped: list[str] = []
     if getattr(args, "remove_unused_columns", False):  # as the trainer's loader will
-        columns = set(inspect.signature(model_class.forward).parameters) - {"self"}
-        label_names = getattr(args, "label_names", None)
-        if label_names is None and loss_func and not any("label" in c for c in columns):
-            label_names = ["labels"]  # what the trainer hands compute_loss_func
-        columns |= {"label", "label_ids", *(label_names or ())}
-        dropped = [k for k in _item_keys(dataset) if k not in columns]
-        collator = _keep_columns(collator, columns)
+        given = getattr(args, "label_names", None)
+        inputs = ModelInputs.of(model_class, resolve_label_names(given, model_class, loss_func))
+        keys = _item_keys(dataset)
+        dropped = [k for k in keys if k not in inputs.columns]
+        if len(dropped) < len(keys):  # with nothing kept, the key mismatch says more
+            dataset, collator = keep_model_inputs(dataset, collator, inputs, quiet=True)
     batch, problem = _sample_batch(cfg, dataset, collator, dataset_node, trainer, model_class)
     if problem is not None or batch is None:
         return [problem] if problem else []
-    if loss_func:  # the trainer takes the labels out for it (as HF's Trainer does)
-        batch = {k: v for k, v in batch.items() if k != "labels"}
-    label = f"{model_class.__name__}.forward"
+    # compute_loss_func or label smoothing: the trainer takes the labels out (HF's rule)
+    from_outputs = loss_from_outputs(
+        trainer.kwargs.get("compute_loss_func"), getattr(args, "label_smoothing_factor", 0.0)
+    )
+    if from_outputs:
+        batch, _ = split_labels(batch)
+    label = forward_name(model_class)
     signature = inspect.signature(model_class.forward)
     mismatch = _signature_mismatch(signature, batch, label, dropped)
     if mismatch:
         return [cfg.problem(model_node.loc, mismatch, _FIX_KEYS)]
-    if loss_func:
-        return []  # compute_loss_func computes the loss from whatever forward returns
+    if from_outputs:
+        return []  # the loss is computed from whatever forward returns
     returned = _meta_forward(model_node, resolver, variables, cfg, batch)
     message = _return_problem(returned, label, batch, dropped)
     return [cfg.problem(model_node.loc, message, None)] if message else []
@@ -286,20 +293,6 @@ def _is_module_class(obj: Any) -> bool:
     from torch import nn
 
     return isinstance(obj, type) and issubclass(obj, nn.Module)
-
-
-def _keep_columns(collator: Any, columns: set[str]) -> Any:
-    """``collator`` applied to items stripped of the keys ``forward`` does not take."""
-    from torch.utils.data import default_collate
-
-    def collate(items: list[Any]) -> Any:
-        kept = [
-            {k: v for k, v in item.items() if k in columns} if isinstance(item, Mapping) else item
-            for item in items
-        ]
-        return (collator or default_collate)(kept)
-
-    return collate
 
 
 def _sample_batch(
@@ -409,24 +402,17 @@ def _meta_forward(
 def _return_problem(
     returned: Any, label: str, batch: Mapping, dropped: list[str] = ()
 ) -> str | None:
-    import torch
+    """What the trainer would say, reading the loss from what forward ``returned`` (None when
+    it could not run on the meta device)."""
+    from forge.train.adapters import model_loss
 
     if returned is None:
         return None
-    if isinstance(returned, torch.Tensor):
-        from forge.train.adapters import bare_tensor_message
-
-        return bare_tensor_message(returned, label)
-    loss = getattr(returned, "loss", None)
-    if loss is None and isinstance(returned, Mapping):
-        loss = returned.get("loss")
-    if loss is not None:
-        return None
-    kind = type(returned).__name__
-    keys = _with_dropped([str(k) for k in batch], dropped)
-    lost = f", of which {_dropped_note(list(dropped))}" if dropped else ""
-    return (
-        f"{label} returned no loss ({kind} without 'loss') for a batch with keys "
-        f"{', '.join(keys)}{lost}: give the batches labels (e.g. data_collator: "
-        "CausalLMCollator), or compute the loss in forward"
-    )
+    keys = ", ".join(_with_dropped([str(k) for k in batch], dropped))
+    if dropped:
+        keys += f", of which {_dropped_note(list(dropped))}"
+    try:
+        model_loss(returned, label, batch_keys=keys)
+    except ValueError as err:
+        return str(err)
+    return None

@@ -80,6 +80,19 @@ def test_the_check_looks_through_the_loss_adapter_at_the_model_it_wraps(tmp_path
     assert "the batches do not fit Net.forward: forward takes no 'inputs'" in found
 
 
+def test_a_forward_returning_loss_and_logits_as_a_tuple_passes_as_the_trainer_reads_it(tmp_path):
+    """The trainer reads a tuple's first element as its loss (HF's rule): the check reads what
+    forward returns the same way, instead of refusing a model the trainer trains."""
+    project = project_with(tmp_path, model="!partial:./model.py:Net {hidden: 16}", collator=TUPLES)
+    model = project / "model.py"
+    returns = "return logits if y is None else nn.functional.cross_entropy(logits, y)"
+    assert returns in model.read_text()
+    model.write_text(
+        model.read_text().replace(returns, "return nn.functional.cross_entropy(logits, y), logits")
+    )
+    assert problems(project) == ""
+
+
 def test_compute_loss_func_is_checked_against_how_the_trainer_calls_it(tmp_path):
     logits_only = "!partial:torch.nn:Linear {in_features: 4, out_features: 3}"
     fine = "    compute_loss_func: !partial:torch.nn.functional:cross_entropy []"

@@ -17,7 +17,9 @@ from dataclasses import dataclass, field
 
 from jinja2 import nodes
 
-from .errors import Problem, display_path, suggestion
+from forge.suggest import suggestion
+
+from .errors import Problem, display_path
 from .syntax import ANY_MARK_RE
 
 _KEY_LINE_RE = re.compile(r"""^(\s*)(?:[A-Za-z_.][\w.\-]*|"[^"]*"|'[^']*')\s*:(?:\s|$)""")

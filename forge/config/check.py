@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import difflib
 import inspect
 import logging
 import re
@@ -10,7 +9,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .errors import short_list, suggestion
+from forge.suggest import did_you_mean, offer, suggestion
+
+from .errors import short_list
 from .graph import CallNode, ContainerNode, Loc, Node, walk
 from .resolve import Resolver, SpecError
 
@@ -182,11 +183,11 @@ def _literal(value: Any) -> tuple[bool, Any]:
 def _near_miss(node: CallNode, label: str, key: str, keywords: list[str]) -> list[Finding]:
     """A warning for a keyword that **kwargs swallows but that is one typo away from a
     named one (`hidden_sise` for `hidden_size`)."""
-    close = difflib.get_close_matches(key, keywords, n=1, cutoff=NEAR_MISS_CUTOFF)
+    close = did_you_mean(key, keywords, n=1, cutoff=NEAR_MISS_CUTOFF)
     if not close:
         return []
     message = f"{label}() takes any keyword, so {key!r} is passed on as is"
-    return [(node.arg_locs.get(key, node.loc), message, f"did you mean {close[0]!r}?")]
+    return [(node.arg_locs.get(key, node.loc), message, offer(close))]
 
 
 def _binding_message(label: str, error: str, signature: inspect.Signature, node: CallNode) -> str:

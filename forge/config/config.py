@@ -8,11 +8,13 @@ from typing import Any
 
 import yaml
 
+from forge.suggest import suggestion
+
 from .analysis import TemplateInfo, variables_read
 from .build import CycleError, Materializer, missing_variables
 from .check import check_graph, keywords_of
 from .describe import describe_graph
-from .errors import ConfigError, Problem, display_path, excerpt, suggestion
+from .errors import ConfigError, Problem, display_path, excerpt
 from .graph import GraphConstructor, GraphProblem, Loc, VarNode, walk
 from .overrides import apply_overrides
 from .project import Project

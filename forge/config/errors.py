@@ -8,7 +8,6 @@ together as one `ConfigError`.
 
 from __future__ import annotations
 
-import difflib
 import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -79,24 +78,6 @@ def display_path(path: str | Path) -> str:
         return str(p.relative_to(Path.cwd()))
     except ValueError:
         return str(path)
-
-
-def did_you_mean(word: str, candidates: Iterable[str], n: int = 3) -> list[str]:
-    """Close matches of `word` among `candidates`, best first."""
-    pool = sorted(set(candidates))
-    matches = difflib.get_close_matches(word, pool, n=n, cutoff=0.6)
-    if not matches:
-        lowered = {c.lower(): c for c in pool}
-        matches = [lowered[m] for m in difflib.get_close_matches(word.lower(), lowered, n=n)]
-    return matches
-
-
-def suggestion(word: str, candidates: Iterable[str]) -> str:
-    """`"; did you mean 'x'?"` or the empty string."""
-    matches = did_you_mean(word, candidates)
-    if not matches:
-        return ""
-    return "; did you mean " + " or ".join(repr(m) for m in matches) + "?"
 
 
 def short_list(names: Iterable[str], limit: int = 20) -> str:

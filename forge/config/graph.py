@@ -13,7 +13,8 @@ from typing import Any
 
 import yaml
 
-from .errors import suggestion
+from forge.suggest import suggestion
+
 from .yaml_io import ForgeLoader
 
 logger = logging.getLogger(__name__)

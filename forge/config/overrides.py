@@ -14,8 +14,10 @@ from collections.abc import Callable, Iterable
 
 import yaml
 
+from forge.suggest import suggestion
+
 from .check import Keywords
-from .errors import ConfigError, Problem, short_list, suggestion
+from .errors import ConfigError, Problem, short_list
 from .graph import CALL_KINDS
 from .resolve import SpecError
 from .yaml_io import compose

@@ -9,8 +9,9 @@ from pathlib import Path
 import yaml
 
 import forge
+from forge.suggest import did_you_mean, offer, suggestion
 
-from .errors import ConfigError, Problem, did_you_mean, suggestion
+from .errors import ConfigError, Problem
 from .yaml_io import describe_yaml_error
 
 logger = logging.getLogger(__name__)
@@ -106,7 +107,7 @@ class Project:
         stems = {c.rsplit(".", 1)[0]: c for c in available}
         close = did_you_mean(candidate, list(available) + list(stems))
         close = list(dict.fromkeys(stems.get(c, c) for c in close))
-        hint = "did you mean " + " or ".join(repr(c) for c in close) + "?" if close else None
+        hint = offer(close) or None
         listing = ", ".join(available) if available else "none"
         raise ConfigError(
             Problem(

@@ -17,6 +17,8 @@ import jinja2
 import yaml
 from jinja2.sandbox import SecurityError
 
+from forge.suggest import offer, suggestion
+
 from .analysis import (
     TemplateInfo,
     check_inheritance,
@@ -24,7 +26,7 @@ from .analysis import (
     unused_variables,
     variables_read,
 )
-from .errors import ConfigError, Problem, display_path, suggestion
+from .errors import ConfigError, Problem, display_path
 from .project import Project
 from .replaced import ReplacedRead, replaced_reads
 from .sandbox import TemplateEnvironment, UnsafeTemplateError
@@ -291,7 +293,7 @@ def _not_found_problem(err: jinja2.TemplateNotFound, loader: TemplateLoader) -> 
         same_base = [a for a in available if a.rsplit("/", 1)[-1] == base]
         close = suggestion(str(name), available)
         if same_base:
-            hints.append(f"did you mean {' or '.join(repr(a) for a in same_base)}?")
+            hints.append(offer(same_base))
         elif close:
             hints.append(close.lstrip("; "))
     roots = ", ".join(display_path(r) for r in loader.roots)

@@ -22,8 +22,9 @@ from types import ModuleType
 from typing import Any
 
 from forge.extras import missing_package_note
+from forge.suggest import did_you_mean, offer, suggestion
 
-from .errors import did_you_mean, display_path, short_list, suggestion
+from .errors import display_path, short_list
 
 logger = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def parse_spec(text: str) -> Spec:
             head, _, tail = text.rpartition(".")
             raise SpecError(
                 f"bad spec {text!r}: separate the module from the attribute with ':'",
-                f"did you mean '{head}:{tail}'?",
+                offer([f"{head}:{tail}"]),
             )
         module, attrs = "builtins", text
     if not module or not attrs or "" in attrs.split("."):
@@ -207,7 +208,7 @@ class Resolver:
             names = [m.name for m in pkgutil.iter_modules(getattr(package, "__path__", []))]
             names += [n for n, v in vars(package).items() if isinstance(v, ModuleType)]
             close = [f"{parent}.{n}" for n in did_you_mean(leaf, names)]
-        return "; did you mean " + " or ".join(repr(c) for c in close) + "?" if close else ""
+        return f"; {offer(close)}" if close else ""
 
     def _attribute(self, obj: Any, attr: str, where: str, text: str) -> Any:
         if attr.startswith("__"):

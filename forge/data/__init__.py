@@ -10,17 +10,27 @@ from forge.data.loader import (
     loader_epoch_length,
 )
 from forge.data.tokenizer import load_or_train_tokenizer
+from forge.data.trainer_loaders import (
+    StridedSampler,
+    build_eval_loader,
+    build_train_loader,
+    worker_settings,
+)
 
 __all__ = [
     "CausalLMCollator",
     "PackedTextDataset",
     "ResumableDataLoader",
     "ResumableDistributedSampler",
+    "StridedSampler",
     "TupleCollator",
     "build_dataloader",
+    "build_eval_loader",
+    "build_train_loader",
     "load_or_train_tokenizer",
     "loader_epoch_length",
     "read_text_files",
     "stdlib_dir",
     "stdlib_source_files",
+    "worker_settings",
 ]

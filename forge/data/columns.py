@@ -12,38 +12,62 @@ from __future__ import annotations
 import inspect
 import logging
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["RemoveColumnsCollator", "remove_unused_columns", "signature_columns"]
+__all__ = [
+    "ModelInputs",
+    "RemoveColumnsCollator",
+    "keep_model_inputs",
+    "remove_unused_columns",
+    "signature_columns",
+]
 
 
 def signature_columns(model: Any, label_names: Sequence[str]) -> list[str]:
-    """The batch keys ``model`` can take: ``forward``'s parameters and the label names."""
-    from forge.train.evaluation import unwrap
+    """The batch keys ``model`` can take: ``forward``'s parameters and the label names.
 
-    names = list(inspect.signature(unwrap(model).forward).parameters)
+    ``model`` is a module or a module class whose ``forward`` names the inputs (the caller
+    looks through wrappers such as DDP first)."""
+    names = list(inspect.signature(model.forward).parameters)
+    if isinstance(model, type):
+        names = names[1:]  # self
     return names + sorted({"label", "label_ids", *label_names} - set(names))
 
 
-def _describe(model: Any) -> str:
-    from forge.train.evaluation import unwrap
+def forward_name(model: Any) -> str:
+    """``Net.forward``: the forward of a module or module class, for messages."""
+    return f"{(model if isinstance(model, type) else type(model)).__name__}.forward"
 
-    return f"{type(unwrap(model)).__name__}.forward"
+
+@dataclass(frozen=True)
+class ModelInputs:
+    """What ``remove_unused_columns`` keeps: the batch keys a model's ``forward`` takes (its
+    parameters and the label names), and that forward's name for messages."""
+
+    columns: tuple[str, ...]
+    forward: str = "the model's forward"
+
+    @classmethod
+    def of(cls, model: Any, label_names: Sequence[str]) -> ModelInputs:
+        """The inputs of ``model`` (a module or module class, unwrapped)."""
+        return cls(tuple(signature_columns(model, label_names)), forward_name(model))
 
 
-def _no_match(model: Any, columns: list[str], ignored: list[str]) -> ValueError:
+def _no_match(inputs: ModelInputs, ignored: list[str]) -> ValueError:
     return ValueError(
-        f"no column of the dataset is an argument of {_describe(model)} ({', '.join(columns)}); "
-        f"the dataset has {', '.join(ignored)}. Tokenize the data into the model's inputs, or "
-        "set trainer.args.remove_unused_columns: false"
+        f"no column of the dataset is an argument of {inputs.forward} "
+        f"({', '.join(inputs.columns)}); the dataset has {', '.join(ignored)}. Tokenize the data "
+        "into the model's inputs, or set trainer.args.remove_unused_columns: false"
     )
 
 
 class RemoveColumnsCollator:
     """Drops the keys ``columns`` does not name from each item, then calls ``collator``
-    (torch's default collation when None). Logs the dropped keys once."""
+    (torch's default collation when None). Logs the dropped keys once, unless ``quiet`` (a
+    check before training, whose trainer logs them)."""
 
     def __init__(
         self,
@@ -52,6 +76,7 @@ class RemoveColumnsCollator:
         *,
         model_name: str = "the model's forward",
         description: str = "",
+        quiet: bool = False,
     ) -> None:
         if collator is None:
             from torch.utils.data import default_collate
@@ -61,6 +86,7 @@ class RemoveColumnsCollator:
         self.columns = set(columns)
         self.model_name = model_name
         self.description = description
+        self.quiet = quiet
         self._logged = False
 
     def __call__(self, items: list[Any]) -> Any:
@@ -80,7 +106,7 @@ class RemoveColumnsCollator:
                 f"{', '.join(ignored)}. Tokenize the data into the model's inputs, or set "
                 "trainer.args.remove_unused_columns: false"
             )
-        if ignored:
+        if ignored and not self.quiet:
             logger.info(
                 "remove_unused_columns: dropping %s from the %sitems: %s does not take %s",
                 ", ".join(ignored),
@@ -93,6 +119,38 @@ class RemoveColumnsCollator:
         return f"RemoveColumnsCollator({self.collator!r}, columns={sorted(self.columns)})"
 
 
+def keep_model_inputs(
+    dataset: Any,
+    collator: Callable[[list[Any]], Any] | None,
+    inputs: ModelInputs,
+    description: str = "",
+    *,
+    quiet: bool = False,
+) -> tuple[Any, Callable[[list[Any]], Any] | None]:
+    """``(dataset, collator)`` that give the model only the columns ``inputs`` names; one log
+    line names the columns dropped, unless ``quiet``."""
+    columns = inputs.columns
+    names = getattr(dataset, "column_names", None)
+    if isinstance(names, list) and hasattr(dataset, "remove_columns"):  # a datasets.Dataset
+        ignored = [c for c in names if c not in columns]
+        if ignored and len(ignored) == len(names):
+            raise _no_match(inputs, ignored)
+        if ignored and not quiet:
+            logger.info(
+                "remove_unused_columns: dropping %s from the %sdataset: %s does not take %s",
+                ", ".join(ignored),
+                f"{description} " if description else "",
+                inputs.forward,
+                "it" if len(ignored) == 1 else "them",
+            )
+            dataset = dataset.remove_columns(ignored)
+        return dataset, collator
+    wrapped = RemoveColumnsCollator(
+        collator, columns, model_name=inputs.forward, description=description, quiet=quiet
+    )
+    return dataset, wrapped
+
+
 def remove_unused_columns(
     dataset: Any,
     collator: Callable[[list[Any]], Any] | None,
@@ -100,24 +158,6 @@ def remove_unused_columns(
     label_names: Sequence[str],
     description: str = "",
 ) -> tuple[Any, Callable[[list[Any]], Any] | None]:
-    """``(dataset, collator)`` that give the model only the columns its ``forward`` takes."""
-    columns = signature_columns(model, label_names)
-    names = getattr(dataset, "column_names", None)
-    if isinstance(names, list) and hasattr(dataset, "remove_columns"):  # a datasets.Dataset
-        ignored = [c for c in names if c not in columns]
-        if ignored and len(ignored) == len(names):
-            raise _no_match(model, columns, ignored)
-        if ignored:
-            logger.info(
-                "remove_unused_columns: dropping %s from the %sdataset: %s does not take %s",
-                ", ".join(ignored),
-                f"{description} " if description else "",
-                _describe(model),
-                "it" if len(ignored) == 1 else "them",
-            )
-            dataset = dataset.remove_columns(ignored)
-        return dataset, collator
-    wrapped = RemoveColumnsCollator(
-        collator, columns, model_name=_describe(model), description=description
-    )
-    return dataset, wrapped
+    """``(dataset, collator)`` that give ``model`` (unwrapped) only the columns its
+    ``forward`` takes."""
+    return keep_model_inputs(dataset, collator, ModelInputs.of(model, label_names), description)

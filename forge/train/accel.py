@@ -32,7 +32,6 @@ from torch import nn
 from forge.checkpoint import Component, ModelWeights, OptimizerState
 from forge.train.args import SHARDING_UNSUPPORTED, TrainingArguments, TrainingArgumentsError
 from forge.train.base import BaseTrainer
-from forge.train.loop_state import count_tokens
 from forge.train.optim import build_optimizer
 
 logger = logging.getLogger(__name__)
@@ -158,8 +157,9 @@ class AccelTrainer(BaseTrainer):
         self.accelerator = Accelerator(
             mixed_precision=getattr(args, "mixed_precision", None)
             or ("bf16" if args.bf16 else "fp16" if args.fp16 else "no"),
-            # forge divides each micro-batch's loss by the window it belongs to
-            gradient_accumulation_steps=args.gradient_accumulation_steps,
+            # one: forge divides each micro-batch's loss by the window it belongs to (a short
+            # last window too), so backward must not divide again
+            gradient_accumulation_steps=1,
             cpu=self.device.type == "cpu",
             dataloader_config=DataLoaderConfiguration(
                 split_batches=getattr(args, "split_batches", False)
@@ -245,28 +245,13 @@ class AccelTrainer(BaseTrainer):
         return total // processes
 
     # ------------------------------------------------------------------ one step
-    def forward_backward(self, window: list[Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        """As the plain trainer's, with ``accelerator.no_sync`` / ``backward`` / ``autocast``.
+    # The shared forward_backward, with the accelerator's no_sync / autocast / backward.
+    def no_sync(self, last: bool) -> AbstractContextManager:
+        """Gradients are synchronised only on a window's last micro-batch."""
+        return nullcontext() if last else self.accelerator.no_sync(self.wrapped_model)
 
-        ``accelerator.backward`` divides by ``gradient_accumulation_steps``, so each
-        micro-batch's share of the step (``window_loss``: over the window it belongs to, a
-        short last one included) is multiplied by it first.
-        """
-        accel = self.accelerator
-        window = [self._to_device(batch) for batch in window]
-        num_items = self.num_items_in_batch(window)
-        loss_sum = torch.zeros((), device=self.device)
-        tokens = torch.zeros((), dtype=torch.long, device=self.device)
-        for index, batch in enumerate(window):
-            tokens += count_tokens(batch)
-            last = index == len(window) - 1
-            with nullcontext() if last else accel.no_sync(self.wrapped_model):
-                with accel.autocast():
-                    loss = self.window_loss(batch, len(window), num_items)
-                steps = accel.gradient_accumulation_steps
-                accel.backward(loss if steps == 1 else loss * steps)
-            loss_sum += loss.detach().float()
-        return loss_sum, tokens
+    def backward(self, loss: torch.Tensor) -> None:
+        self.accelerator.backward(loss)  # scales for fp16; divides by nothing (see _accelerated)
 
     def clip_gradients(self) -> torch.Tensor:
         """Unscale (fp16) and clip through the accelerator; the norm before clipping."""

@@ -18,7 +18,7 @@ from torch import nn
 
 from forge.data.collator import tuple_collator_hint
 
-__all__ = ["LossAdapter", "model_loss", "not_a_dict_batch"]
+__all__ = ["LossAdapter", "loss_from_outputs", "model_loss", "not_a_dict_batch", "split_labels"]
 
 LOSS_FUNC_EXAMPLE = "compute_loss_func: !partial:torch.nn.functional:cross_entropy []"
 
@@ -77,10 +77,10 @@ def as_model_output(outputs: Any) -> Any:
     return {"loss": first, "logits": rest[0] if len(rest) == 1 else rest}
 
 
-def model_loss(outputs: Any, label: str) -> torch.Tensor:
+def model_loss(outputs: Any, label: str, batch_keys: str = "") -> torch.Tensor:
     """The loss a model returned: ``.loss``, ``["loss"]`` or, as Hugging Face reads a tuple,
     its first element (a 0-d tensor); a ValueError that says what to do otherwise. ``label``
-    names the forward (``Net.forward``)."""
+    names the forward (``Net.forward``), ``batch_keys`` the keys of the batch it was given."""
     loss = getattr(outputs, "loss", None)
     if loss is None and isinstance(outputs, Mapping):
         loss = outputs.get("loss")
@@ -91,11 +91,26 @@ def model_loss(outputs: Any, label: str) -> torch.Tensor:
         return loss
     if isinstance(outputs, torch.Tensor):
         raise ValueError(bare_tensor_message(outputs, label))
+    given = f" for a batch with keys {batch_keys}" if batch_keys else ""
     raise ValueError(
-        f"{label} returned no loss (got {type(outputs).__name__} without 'loss'): give the "
+        f"{label} returned no loss ({type(outputs).__name__} without 'loss'){given}: give the "
         "batches labels (e.g. data_collator: CausalLMCollator), give the trainer "
-        "compute_loss_func(outputs, labels) to compute it, or override Trainer.compute_loss"
+        "compute_loss_func(outputs, labels) to compute it, compute the loss in forward, or "
+        "override Trainer.compute_loss"
     )
+
+
+def loss_from_outputs(compute_loss_func: Any, label_smoothing_factor: float) -> bool:
+    """Whether the trainer computes the loss from the model's outputs and the batch's labels
+    (``compute_loss_func``, or label smoothing), so the model is called without the labels
+    (Hugging Face's rule), rather than reading the loss the model returns."""
+    return compute_loss_func is not None or bool(label_smoothing_factor)
+
+
+def split_labels(batch: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
+    """``batch`` without its ``labels``, and the labels (None when it has none)."""
+    inputs = dict(batch)
+    return inputs, inputs.pop("labels", None)
 
 
 def bare_tensor_message(tensor: torch.Tensor, label: str) -> str:

@@ -5,8 +5,11 @@ evaluate, save, stop. A trainer differs in two public seams: ``parallelize(model
 step of the model-transform stage (``transform_model``: build, adapters, activation
 checkpointing, compile, then DDP / Accelerate's prepare / the pipeline's stages), and
 ``forward_backward(window)`` (the micro-batches of one optimizer step), plus the small step
-methods they use (``backward``, ``clip_gradients``, ``optimizer_step``, ``reduce_step``,
-``distributed``) and what it registers as checkpoint state (``checkpoint_components``).
+methods they use (``backward``, ``no_sync``, ``autocast``, ``clip_gradients``,
+``optimizer_step``, ``reduce_step``, ``distributed``), ``forward_eval`` (one evaluation
+batch; the ``Evaluator`` of forge/train/evaluator.py runs the rest of evaluation for every
+trainer) and what it registers as checkpoint state (``checkpoint_components``). The loaders
+are built by forge/data/trainer_loaders.py from plain arguments.
 
 Resume is exact: every piece of state a step reads (weights, optimizer, scheduler, grad
 scaler, step counters, callback state, data position, random generators) is a checkpoint
@@ -47,10 +50,16 @@ from forge.checkpoint import (
     rotate_checkpoints,
     unwrap_model,
 )
-from forge.data import build_dataloader
-from forge.data.columns import remove_unused_columns
+from forge.data import trainer_loaders
+from forge.data.columns import ModelInputs
 from forge.train import dist
-from forge.train.adapters import model_loss, not_a_dict_batch, takes_keyword
+from forge.train.adapters import (
+    loss_from_outputs,
+    model_loss,
+    not_a_dict_batch,
+    split_labels,
+    takes_keyword,
+)
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.callbacks import (
     CallbackHandler,
@@ -61,26 +70,19 @@ from forge.train.callbacks import (
     TrainerCallback,
     TrainerControl,
     TrainerState,
-    integration_callback,
 )
 from forge.train.components import DataPosition
 from forge.train.evaluation import (
     IGNORE_INDEX,
-    Accumulator,
-    LossMean,
-    StridedSampler,
     accepts_loss_kwargs,
     batch_size_of,
-    default_label_names,
-    gather_in_order,
     is_causal_lm,
-    labels_of,
     loss_shifts_labels,
-    loss_weight,
-    missing_metric_message,
-    output_logits,
+    resolve_label_names,
     unwrap,
 )
+from forge.train.evaluator import Evaluator
+from forge.train.integrations import integration_callback
 from forge.train.loop_state import Batch, Position, StepResult, Tally, TrainOutput, count_tokens
 from forge.train.optim import (
     MetricSchedule,
@@ -90,7 +92,7 @@ from forge.train.optim import (
     set_seed,
 )
 from forge.train.precision import device_problems, numerics
-from forge.train.runtime import Intervals, apply_runtime_settings, name_causal_lm_loss
+from forge.train.runtime import Intervals, apply_runtime_settings
 from forge.train.signals import StopSignals, TrainingInterrupted
 from forge.train.topology import Topology
 from forge.train.transforms import (
@@ -134,6 +136,8 @@ class BaseTrainer:
     trainer_kind: ClassVar[str] = "base"
     #: constructor arguments a trainer cannot honour, with the reason and what to use instead
     unsupported_arguments: ClassVar[dict[str, str]] = {}
+    #: whether ``forward_eval`` gives the model's outputs (predictions for compute_metrics)
+    forward_eval_outputs: ClassVar[bool] = True
 
     def __init__(
         self,
@@ -211,6 +215,7 @@ class BaseTrainer:
         self.callback_handler = CallbackHandler(
             self.default_callbacks(user_callbacks) + user_callbacks
         )
+        self.evaluator = Evaluator(self)
 
         # built by train()
         self.wrapped_model: nn.Module | None = None
@@ -218,7 +223,6 @@ class BaseTrainer:
         self.lr_scheduler: LRScheduler | None = None
         self.scaler: torch.amp.GradScaler | None = None
         self.train_loader: Any = None
-        self._eval_loaders: dict[int, tuple[Any, Any]] = {}  # id -> (dataset, its loader)
         self.max_steps = 0
         self.num_epochs = 0
         self._position = Position()
@@ -571,9 +575,8 @@ class BaseTrainer:
         """
         func, smoother = self.compute_loss_func, self._label_smoother
         labels = None
-        if (func is not None or smoother is not None) and "labels" in batch:
-            batch = dict(batch)
-            labels = batch.pop("labels")
+        if loss_from_outputs(func, self.args.label_smoothing_factor):
+            batch, labels = split_labels(batch)
         if num_items_in_batch is not None and accepts_loss_kwargs(model):
             batch = {**batch, "num_items_in_batch": num_items_in_batch}
         outputs = model(**batch)
@@ -868,67 +871,58 @@ class BaseTrainer:
         return getattr(self.args, field)
 
     def build_train_loader(self) -> Any:
+        """This data-parallel rank's resumable loader over the training dataset."""
         args = self.args
-        dataset, collator = self._model_columns(self.train_dataset, "train")
-        return build_dataloader(
-            dataset,
+        return trainer_loaders.build_train_loader(
+            self.train_dataset,
+            self.data_collator,
             batch_size=self.per_rank_batch_size("per_device_train_batch_size"),
-            collate_fn=collator,
-            shuffle=args.train_sampling_strategy == "random",
             seed=args.seed if args.data_seed is None else args.data_seed,
             rank=self.topology.dp_rank,
             world_size=self.topology.dp_size,
+            shuffle=args.train_sampling_strategy == "random",
             drop_last=args.dataloader_drop_last,
-            **self._worker_settings(),
+            workers=self._worker_settings(),
+            inputs=self._model_inputs(),
         )
 
     def build_eval_loader(self, dataset: Dataset | None = None, description: str = "eval") -> Any:
         """This rank's share of ``dataset`` (default: the eval dataset), in order: items
         ``rank, rank + world_size, ...``, each item once."""
-        dataset, collator = self._model_columns(
-            self.eval_dataset if dataset is None else dataset, description
-        )
-        sampler = StridedSampler(len(dataset), self.topology.dp_rank, self.topology.dp_size)
-        return torch.utils.data.DataLoader(
-            dataset,
+        return trainer_loaders.build_eval_loader(
+            self.eval_dataset if dataset is None else dataset,
+            self.data_collator,
             batch_size=self.per_rank_batch_size("per_device_eval_batch_size"),
-            sampler=sampler,
-            collate_fn=collator,
-            **self._worker_settings(),
+            rank=self.topology.dp_rank,
+            world_size=self.topology.dp_size,
+            workers=self._worker_settings(),
+            inputs=self._model_inputs(),
+            description=description,
         )
 
     def _worker_settings(self) -> dict[str, Any]:
         args = self.args
-        settings: dict[str, Any] = {
-            "num_workers": args.dataloader_num_workers,
-            "pin_memory": args.dataloader_pin_memory and self.device.type == "cuda",
-        }
-        if args.dataloader_num_workers:
-            settings.update(
-                persistent_workers=args.dataloader_persistent_workers,
-                prefetch_factor=args.dataloader_prefetch_factor,
-                multiprocessing_context=args.dataloader_multiprocessing_context,
-            )
-        return settings
-
-    def _model_columns(self, dataset: Any, description: str) -> tuple[Any, Any]:
-        """The dataset and collator, with ``remove_unused_columns`` applied."""
-        if not self.args.remove_unused_columns:
-            return dataset, self.data_collator
-        return remove_unused_columns(
-            dataset, self.data_collator, self.model, self.label_names, description
+        return trainer_loaders.worker_settings(
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
         )
+
+    def _model_inputs(self) -> ModelInputs | None:
+        """What ``remove_unused_columns`` keeps (None: keep every column)."""
+        if not self.args.remove_unused_columns:
+            return None
+        return ModelInputs.of(unwrap(self.model), self.label_names)
 
     @property
     def label_names(self) -> list[str]:
         """``args.label_names``, else the model's ``forward`` parameters named like labels;
         with ``compute_loss_func`` and none of those, ``labels`` (what the function gets)."""
-        if self.args.label_names is not None:
-            return list(self.args.label_names)
-        names = default_label_names(self.model) if self.model is not None else ["labels"]
-        if not names and self.compute_loss_func is not None:
-            return ["labels"]
-        return names
+        return resolve_label_names(
+            self.args.label_names, self.model, self.compute_loss_func is not None
+        )
 
     def _check_eval_dataset(self) -> None:
         if self.eval_dataset is not None:
@@ -1128,29 +1122,12 @@ class BaseTrainer:
         over ranks; a causal LM also gets ``eval_perplexity``. A dict of datasets is evaluated
         one by one, each one's metrics prefixed ``eval_NAME_`` (as HF's Trainer does).
         Evaluation forks the random generators, so it never changes the training trajectory.
+        The work is the ``Evaluator``'s (forge/train/evaluator.py).
         """
-        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
-        if dataset is None:
-            raise ValueError("trainer.eval_dataset is not set; there is nothing to evaluate")
-        parts = dataset if isinstance(dataset, Mapping) else {None: dataset}
-        metrics: dict[str, float] = {}
-        with self.distributed():
-            self._model_for_evaluation()
-            for name, part in parts.items():
-                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-                started = time.time()
-                output = self.evaluation_loop(
-                    part,
-                    description=prefix,
-                    prediction_loss_only=True if self.compute_metrics is None else None,
-                    ignore_keys=ignore_keys,
-                    metric_key_prefix=prefix,
-                )
-                metrics.update(output.metrics)
-                metrics.update(self._speed_metrics(prefix, started, output.num_samples))
+        metrics = self.evaluator.evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         if self._in_train:
             metrics["epoch"] = self.state.epoch
-            self._check_best_metric(metrics)
+            self.evaluator.check_best_metric(metrics)
         self._last_eval = (self.state.global_step, metrics)
         self._call("on_evaluate", metrics=metrics)
         return metrics
@@ -1163,20 +1140,7 @@ class BaseTrainer:
     ) -> Any:
         """Predictions (and, where the dataset has labels, labels and metrics) over
         ``test_dataset``: a ``transformers.trainer_utils.PredictionOutput``."""
-        from transformers.trainer_utils import PredictionOutput
-
-        with self.distributed():
-            self._model_for_evaluation()
-            started = time.time()
-            output = self.evaluation_loop(
-                test_dataset,
-                description=metric_key_prefix,
-                ignore_keys=ignore_keys,
-                metric_key_prefix=metric_key_prefix,
-            )
-        metrics = output.metrics
-        metrics.update(self._speed_metrics(metric_key_prefix, started, output.num_samples))
-        return PredictionOutput(output.predictions, output.label_ids, metrics)
+        return self.evaluator.predict(test_dataset, ignore_keys, metric_key_prefix)
 
     def evaluation_loop(
         self,
@@ -1186,115 +1150,11 @@ class BaseTrainer:
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
     ) -> Any:
-        """Run the model over this rank's share of ``dataset`` and gather what every rank saw:
-        a ``transformers.trainer_utils.EvalLoopOutput`` (predictions, label ids, metrics,
-        number of samples), as HF's ``Trainer.evaluation_loop``."""
-        from transformers.trainer_utils import EvalLoopOutput, EvalPrediction
-
-        args, model = self.args, self.model
-        if prediction_loss_only is None:
-            prediction_loss_only = args.prediction_loss_only
-        if ignore_keys is None:  # as HF: what the model's config says, e.g. the KV cache
-            config = getattr(model, "config", None)
-            default = ["past_key_values"] if config is not None else []
-            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", default))
-        streaming = args.batch_eval_metrics and self.compute_metrics is not None
-        if streaming and self.topology.dp_size > 1:
-            raise TrainingArgumentsError(
-                [
-                    f"{args.config_key}.batch_eval_metrics computes metrics batch by batch on one "
-                    "process; with several processes set it to false"
-                ]
-            )
-        if self._eval_loaders.get(id(dataset), (None,))[0] is not dataset:
-            self._eval_loaders[id(dataset)] = (
-                dataset,
-                self.build_eval_loader(dataset, description),
-            )
-        loader = self._eval_loaders[id(dataset)][1]
-        causal = is_causal_lm(model)
-        label_names = self.label_names
-        main_input = getattr(model, "main_input_name", "input_ids")
-        losses, count = LossMean(args.logging_nan_inf_filter), 0
-        concat = args.eval_do_concat_batches
-        kept = {name: Accumulator(concat) for name in ("preds", "labels", "inputs", "losses")}
-        metrics: dict[str, Any] = {}
-        was_training = model.training
-        model.eval()
-        devices = [self.device] if self.device.type == "cuda" else []
-        batches = list(itertools.islice(range(len(loader)), args.max_eval_batches))
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for step, batch in zip(batches, loader, strict=False):
-                batch = self._to_device(batch)
-                size = batch_size_of(batch)
-                loss, logits, labels = self.prediction_step(
-                    self.evaluation_model(), batch, prediction_loss_only, ignore_keys, label_names
-                )
-                count += size
-                if loss is not None:
-                    losses.add(float(loss), loss_weight(size, labels, causal))
-                if prediction_loss_only:
-                    continue
-                if logits is not None and self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, labels)
-                include = args.include_for_metrics
-                batch_losses = loss.repeat(size) if loss is not None and "loss" in include else None
-                batch_inputs = batch.get(main_input) if "inputs" in include else None
-                if streaming:
-                    if logits is not None and labels is not None:
-                        metrics = self.compute_metrics(
-                            EvalPrediction(
-                                logits,
-                                labels,
-                                inputs=batch_inputs,
-                                losses=batch_losses,
-                            ),
-                            compute_result=step == batches[-1],
-                        )
-                    continue
-                kept["preds"].add(logits)
-                kept["labels"].add(labels)
-                kept["inputs"].add(batch_inputs)
-                kept["losses"].add(batch_losses)
-                if args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
-                    for accumulator in kept.values():
-                        accumulator.to_host()
-        model.train(was_training)
-        world = self.topology.dp_size
-        found = {
-            name: gather_in_order(acc.result(), count, world, concat) for name, acc in kept.items()
-        }
-        total = int(self.all_reduce_sum(torch.tensor(float(count), device=self.device)).item())
-        if (
-            self.compute_metrics is not None
-            and not streaming
-            and found["preds"] is not None
-            and found["labels"] is not None
-        ):
-            metrics = self.compute_metrics(
-                EvalPrediction(
-                    found["preds"],
-                    found["labels"],
-                    inputs=found["inputs"] if "inputs" in args.include_for_metrics else None,
-                    losses=found["losses"] if "loss" in args.include_for_metrics else None,
-                )
-            )
-        elif self.compute_metrics is not None and not streaming and metric_key_prefix == "eval":
-            self._info(
-                "compute_metrics was not called: the eval batches hold no labels under %s "
-                "(trainer.args.label_names); name the batch keys that hold them",
-                label_names,
-                level=logging.WARNING,
-            )
-        metrics = self._checked_metrics(metrics)
-        loss, weight = losses.reduced(self.all_reduce_sum, self.device)
-        if weight:  # some rank's batches gave a loss
-            metrics["loss"] = loss
-            if causal:
-                metrics["perplexity"] = math.exp(min(loss, 50.0))
-        prefix = f"{metric_key_prefix}_"
-        metrics = {k if k.startswith(prefix) else prefix + k: v for k, v in metrics.items()}
-        return EvalLoopOutput(found["preds"], found["labels"], metrics, total)
+        """This rank's share of ``dataset`` through the model, gathered over the ranks: a
+        ``transformers.trainer_utils.EvalLoopOutput``, as HF's ``Trainer.evaluation_loop``."""
+        return self.evaluator.evaluation_loop(
+            dataset, description, prediction_loss_only, ignore_keys, metric_key_prefix
+        )
 
     def prediction_step(
         self,
@@ -1305,68 +1165,31 @@ class BaseTrainer:
         label_names: list[str],
     ) -> tuple[torch.Tensor | None, Any, Any]:
         """One evaluation batch: (mean loss or None, logits or None, labels or None)."""
-        labels = labels_of(batch, label_names)
+        return self.evaluator.prediction_step(
+            model, batch, prediction_loss_only, ignore_keys, label_names
+        )
+
+    def forward_eval(
+        self, model: nn.Module, batch: Batch, labels: Any
+    ) -> tuple[torch.Tensor | None, Any]:
+        """One evaluation batch's mean loss on this rank (None when there is none) and the
+        model's outputs, from which the predictions are read (the evaluator's seam; a trainer
+        that gives no outputs sets ``forward_eval_outputs = False``).
+
+        With labels the loss is ``compute_loss``'s (``compute_loss_func`` and label smoothing
+        included); without, a loss the model returns still counts.
+        """
         with self.autocast():
             if labels is not None:
                 num_items = self.num_items_in_batch([batch], over_ranks=False)
                 items = {} if num_items is None else {"num_items_in_batch": num_items}
                 loss, outputs = self.compute_loss(model, batch, return_outputs=True, **items)
-                loss = loss.detach().mean()
-            else:
-                loss, outputs = None, model(**batch)
-        if loss is None:  # no labels under label_names: a loss the model returned still counts
-            found = getattr(outputs, "loss", None)
-            if found is None and isinstance(outputs, Mapping):
-                found = outputs.get("loss")
-            loss = found.detach().mean() if isinstance(found, torch.Tensor) else None
-        if prediction_loss_only:
-            return loss, None, None
-        return loss, output_logits(outputs, ignore_keys), labels
-
-    def _checked_metrics(self, metrics: Any) -> dict[str, Any]:
-        from transformers.trainer_utils import denumpify_detensorize
-
-        if not isinstance(metrics, Mapping):
-            raise TypeError(
-                "compute_metrics must return a dict of metric name to number (got "
-                f"{type(metrics).__name__})"
-            )
-        return dict(denumpify_detensorize(dict(metrics)))
-
-    def _speed_metrics(self, prefix: str, started: float, num_samples: int) -> dict[str, float]:
-        from transformers.trainer_utils import speed_metrics
-
-        batch = self.per_rank_batch_size("per_device_eval_batch_size") * self.topology.dp_size
-        steps = math.ceil(num_samples / batch) if num_samples else 0
-        return speed_metrics(prefix, started, num_samples=num_samples, num_steps=steps)
-
-    def _model_for_evaluation(self) -> None:
-        """Outside ``train()``: build the model (``model_init``), put it on the device and,
-        with ``bf16_full_eval`` / ``fp16_full_eval``, in that precision."""
-        if self._in_train:
-            return
-        if self.model is None:
-            set_seed(self.args.seed)
-            self.model = self._call_model_init()
-        name_causal_lm_loss(self.model)
-        args = self.args
-        dtype = (
-            torch.bfloat16
-            if args.bf16_full_eval
-            else torch.float16
-            if args.fp16_full_eval
-            else None
-        )
-        self.model.to(device=self.device, dtype=dtype)
-
-    def _check_best_metric(self, metrics: dict[str, Any]) -> None:
-        """``metric_for_best_model`` must be among the evaluation's metrics (as HF checks)."""
-        metric = self.args.metric_for_best_model
-        if metric is not None and metric not in metrics:
-            message = missing_metric_message(
-                self.args, metric, metrics, self.state.global_step, self.compute_metrics is not None
-            )
-            raise TrainingArgumentsError([message])
+                return loss.detach().mean(), outputs
+            outputs = model(**batch)
+        found = getattr(outputs, "loss", None)
+        if found is None and isinstance(outputs, Mapping):
+            found = outputs.get("loss")
+        return (found.detach().mean() if isinstance(found, torch.Tensor) else None), outputs
 
     def _evaluation_enabled(self) -> bool:
         return self.eval_dataset is not None and self.args.eval_strategy != "no"

@@ -32,7 +32,6 @@ __all__ = [
     "TrainerCallback",
     "TrainerControl",
     "TrainerState",
-    "integration_callback",
     "is_train_summary",
 ]
 
@@ -424,12 +423,3 @@ class EmptyCacheCallback(TrainerCallback):
                 torch.xpu.empty_cache()
             elif torch.backends.mps.is_available():
                 torch.mps.empty_cache()
-
-
-def integration_callback(name: str) -> TrainerCallback:
-    """The callback of one ``report_to`` integration."""
-    if name == "tensorboard":
-        return TensorBoardCallback()
-    from forge.train import integrations
-
-    return integrations.CALLBACKS[name]()

@@ -8,12 +8,9 @@ epoch. The trainer's own counters (step, epoch, best metric, log tally) are the 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from forge.checkpoint import CheckpointError
-
-if TYPE_CHECKING:
-    from forge.train.base import BaseTrainer
 
 logger = logging.getLogger(__name__)
 
@@ -26,7 +23,7 @@ class DataPosition:
     uninterrupted run did at the start of that epoch.
     """
 
-    def __init__(self, trainer: BaseTrainer) -> None:
+    def __init__(self, trainer: Any) -> None:  # a BaseTrainer (no import: base imports this)
         self.trainer = trainer
         self.restored = False
 

@@ -17,33 +17,32 @@ from typing import Any
 import numpy as np
 import torch
 from torch import nn
-from torch.utils.data import Sampler
 
+from forge.suggest import suggestion
 from forge.train import dist
 
 IGNORE_INDEX = -100  # label value the loss skips; also the padding of gathered arrays
 
 
-class StridedSampler(Sampler[int]):
-    """Rank ``rank`` of ``world_size`` takes items ``rank, rank + world_size, ...``: every item
-    once, none repeated (shards differ by at most one item)."""
-
-    def __init__(self, length: int, rank: int = 0, world_size: int = 1) -> None:
-        self.length, self.rank, self.world_size = length, rank, world_size
-
-    def __iter__(self):
-        return iter(range(self.rank, self.length, self.world_size))
-
-    def __len__(self) -> int:
-        return len(range(self.rank, self.length, self.world_size))
-
-
-def default_label_names(model: nn.Module) -> list[str]:
+def default_label_names(model: Any) -> list[str]:
     """The batch keys that hold labels: the ``forward`` parameters with "label" in their name
-    (start/end positions for question answering), as HF's Trainer finds them."""
+    (start/end positions for question answering), as HF's Trainer finds them. ``model`` is a
+    module (looked at through its wrappers) or a module class."""
     from transformers.utils import find_labels
 
-    return find_labels(type(unwrap(model)))
+    return find_labels(model if isinstance(model, type) else type(unwrap(model)))
+
+
+def resolve_label_names(given: Sequence[str] | None, model: Any, has_loss_func: bool) -> list[str]:
+    """The trainer's label names: ``given`` (``args.label_names``), else ``model``'s
+    (``default_label_names``; a module or a module class); with a ``compute_loss_func`` and
+    none of those, ``labels`` (what the function gets)."""
+    if given is not None:
+        return list(given)
+    names = default_label_names(model) if model is not None else ["labels"]
+    if not names and has_loss_func:
+        return ["labels"]
+    return names
 
 
 def unwrap(model: nn.Module) -> nn.Module:
@@ -181,7 +180,7 @@ class Accumulator:
 
 
 def gather_in_order(value: Any, count: int, world_size: int, concat: bool) -> Any:
-    """Every rank's ``value`` (``count`` items of its ``StridedSampler`` shard) put back in
+    """Every rank's ``value`` (``count`` items of its ``forge.data.StridedSampler`` shard) put back in
     dataset order.
 
     Concatenated values are interleaved item by item; lists of batches are joined step by step
@@ -264,11 +263,8 @@ def missing_metric_message(
 ) -> str:
     """``metric_for_best_model`` names a metric the evaluation did not produce: which, where,
     what there is, and the nearest name."""
-    import difflib
-
     produced = list(metrics)
-    close = difflib.get_close_matches(metric, produced, n=1, cutoff=0.6)
-    hint = f"; did you mean {close[0]!r}?" if close else ""
+    hint = suggestion(metric, produced, n=1)
     if not has_compute_metrics:
         hint += " (the trainer has no compute_metrics, which gives every metric but the loss)"
     return (

@@ -1,4 +1,5 @@
-"""``report_to`` integrations beyond TensorBoard: Weights & Biases and MLflow, offline by default.
+"""``report_to`` integrations: the callback of each (TensorBoard's is in callbacks.py), and
+Weights & Biases and MLflow, offline by default.
 
 Both run on rank 0 and keep their files under the run directory unless the environment says
 otherwise: wandb in ``WANDB_MODE=offline`` (set ``WANDB_MODE=online`` to sync as you train, or
@@ -17,11 +18,11 @@ import os
 from pathlib import Path
 from typing import Any
 
-from forge.train.callbacks import TrainerCallback
+from forge.train.callbacks import TensorBoardCallback, TrainerCallback
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CALLBACKS", "MLflowCallback", "WandbCallback"]
+__all__ = ["CALLBACKS", "MLflowCallback", "WandbCallback", "integration_callback"]
 
 
 def _numbers(values: dict[str, Any]) -> dict[str, float]:
@@ -141,4 +142,14 @@ class MLflowCallback(TrainerCallback):
             self.mlflow = None
 
 
-CALLBACKS = {"wandb": WandbCallback, "mlflow": MLflowCallback}
+#: the callback of each ``report_to`` integration
+CALLBACKS: dict[str, type[TrainerCallback]] = {
+    "tensorboard": TensorBoardCallback,
+    "wandb": WandbCallback,
+    "mlflow": MLflowCallback,
+}
+
+
+def integration_callback(name: str) -> TrainerCallback:
+    """The callback of one ``report_to`` integration (``args.report_to`` is checked)."""
+    return CALLBACKS[name]()

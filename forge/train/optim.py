@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 import logging
 import random
 from collections.abc import Callable
@@ -14,7 +13,8 @@ from torch import nn
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-from forge.train.args import METRIC_SCHEDULERS, TrainingArguments
+from forge.train.args import TrainingArguments
+from forge.train.args_names import METRIC_SCHEDULERS
 
 logger = logging.getLogger(__name__)
 
@@ -97,34 +97,6 @@ def num_warmup_steps(args: TrainingArguments, num_training_steps: int) -> int:
     """``warmup_steps`` (a fraction of the training steps when below 1), else
     ``warmup_ratio`` of the training steps, rounded up."""
     return args.warmup_steps_for(num_training_steps)
-
-
-#: keywords every schedule function gets from the trainer, never from lr_scheduler_kwargs
-_SCHEDULE_OWN = ("optimizer", "num_warmup_steps", "num_training_steps", "last_epoch")
-
-
-def schedule_keywords(name: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
-    """(keywords ``lr_scheduler_kwargs`` may give schedule ``name``, keywords it must give)."""
-    from transformers.optimization import TYPE_TO_SCHEDULER_FUNCTION, GreedyLR, SchedulerType
-
-    function = TYPE_TO_SCHEDULER_FUNCTION[SchedulerType(name)]
-    if name == "reduce_lr_on_plateau":
-        function = torch.optim.lr_scheduler.ReduceLROnPlateau
-    elif name == "greedy":
-        function = GreedyLR
-    if name == "constant":  # transformers.get_scheduler passes it nothing else
-        return (), ()
-    params = [
-        p
-        for p in inspect.signature(function).parameters.values()
-        if p.name not in (*_SCHEDULE_OWN, "self") and p.kind is not p.VAR_KEYWORD
-    ]
-    if name == "constant_with_warmup":
-        params = []
-    required = tuple(p.name for p in params if p.default is p.empty)
-    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
-        required = ("min_lr|min_lr_rate",)  # one of the two
-    return tuple(p.name for p in params), required
 
 
 def build_scheduler(

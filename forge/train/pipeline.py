@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import nn
 
 from forge.checkpoint import Component, ModelWeights, load_model_weights
-from forge.train.args import TrainingArguments, TrainingArgumentsError, _as_int
+from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.args_values import as_int
 from forge.train.base import BaseTrainer
 from forge.train.loop_state import Batch, count_tokens
 from forge.train.pipeline_plan import meta_skeleton, pipeline_size, plan_pipeline
@@ -115,7 +116,7 @@ class PipelineTrainingArguments(TrainingArguments):
 
     def _check_pipeline_fit(self, p: list[str]) -> None:
         """What can be checked before the job's size is known."""
-        schedule, per_rank = self.pipeline_schedule, _as_int(self.pipeline_stages_per_rank)
+        schedule, per_rank = self.pipeline_schedule, as_int(self.pipeline_stages_per_rank)
         if schedule == "interleaved_1f1b" and per_rank == 1:
             p.append(
                 f"{self._key('pipeline_schedule')} interleaved_1f1b runs several stages per "
@@ -126,17 +127,17 @@ class PipelineTrainingArguments(TrainingArguments):
                 f"{self._key('pipeline_stages_per_rank')} is {per_rank}, which only the "
                 "interleaved_1f1b schedule runs; set pipeline_schedule: interleaved_1f1b"
             )
-        micro = _as_int(self.pipeline_microbatches)
+        micro = as_int(self.pipeline_microbatches)
         if micro is None or micro < 1:
             return
-        batch = _as_int(self.per_device_train_batch_size)
+        batch = as_int(self.per_device_train_batch_size)
         if batch is not None and batch >= 1 and batch % micro:
             p.append(
                 f"{self._key('per_device_train_batch_size')} {batch} is not a multiple of "
                 f"pipeline_microbatches {micro}; each batch is split into that many equal "
                 "microbatches"
             )
-        size = _as_int(self.pipeline_parallel_size)
+        size = as_int(self.pipeline_parallel_size)
         if schedule == "1f1b" and size is not None and micro < size:
             p.append(
                 f"{self._key('pipeline_microbatches')} {micro} is fewer than the "
@@ -176,6 +177,7 @@ class PipelineTrainer(BaseTrainer):
     """
 
     trainer_kind: ClassVar[str] = "pipeline"
+    forward_eval_outputs: ClassVar[bool] = False  # the logits stay on the last stage
     unsupported_arguments: ClassVar[dict[str, str]] = {
         "compute_loss_func": (
             "the pipeline trainer computes the loss on its last stage, which holds the "
@@ -496,62 +498,20 @@ class PipelineTrainer(BaseTrainer):
         return total
 
     # ------------------------------------------------------------------ evaluation
-    def evaluation_loop(
-        self,
-        dataset: Any,
-        description: str = "eval",
-        prediction_loss_only: bool | None = None,
-        ignore_keys: list[str] | None = None,
-        metric_key_prefix: str = "eval",
-    ) -> Any:
-        """Mean eval loss, each batch through the pipeline forward only (the loss lives on
-        the last stage, so ``compute_metrics`` is not run: its predictions would have to
-        travel back through the stages)."""
-        from transformers.trainer_utils import EvalLoopOutput
-
+    def forward_eval(
+        self, model: nn.Module, batch: Batch, labels: Any
+    ) -> tuple[torch.Tensor | None, Any]:
+        """The batch through the pipeline, forward only: its mean loss on the last stage
+        (None elsewhere), and no outputs (``forward_eval_outputs``: the logits stay on the
+        last stage, so ``compute_metrics`` is not run and the evaluation reports the loss)."""
         if not self.stage_modules:
             raise RuntimeError(
                 "PipelineTrainer.evaluate() runs inside train() (the stages are built there); "
                 "set eval_strategy to evaluate during training"
             )
-        import itertools
-
-        if self.compute_metrics is not None and not getattr(self, "_warned_metrics", False):
-            self._warned_metrics = True
-            self._info(
-                "compute_metrics is not run by the pipeline trainer; it reports %s_loss only",
-                metric_key_prefix,
-                level=logging.WARNING,
-            )
-        if self._eval_loaders.get(id(dataset), (None,))[0] is not dataset:
-            self._eval_loaders[id(dataset)] = (
-                dataset,
-                self.build_eval_loader(dataset, description),
-            )
-        loader = self._eval_loaders[id(dataset)][1]
-        was_training = self.model.training
-        self.model.eval()
-        # loss sum weighted by samples, samples
-        totals = torch.zeros(2, dtype=torch.float64, device=self.device)
-        devices = [self.device] if self.device.type == "cuda" else []
-        with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for batch in itertools.islice(loader, self.args.max_eval_batches):
-                inputs, labels, _ = self._inputs(batch)
-                losses = self._run(inputs, labels, train=False)
-                if self.holds_last:
-                    samples = float(labels.shape[0]) if torch.is_tensor(labels) else 1.0
-                    loss = torch.stack(losses).mean().double() * samples
-                    totals += torch.stack([loss, totals.new_tensor(samples)])
-        self.model.train(was_training)
-        loss_sum, samples = self.all_reduce_sum(totals).tolist()
-        loss = loss_sum / samples if samples else float("nan")
-        metrics = {
-            f"{metric_key_prefix}_loss": loss,
-            f"{metric_key_prefix}_perplexity": math.exp(min(loss, 50.0)),
-        }
-        return EvalLoopOutput(
-            predictions=None, label_ids=None, metrics=metrics, num_samples=int(samples)
-        )
+        inputs, targets, _ = self._inputs(batch)
+        losses = self._run(inputs, targets, train=False)
+        return (torch.stack(losses).mean() if self.holds_last else None), None
 
     # ------------------------------------------------------------------ checkpoints
     def checkpoint_components(self) -> list[Component]:

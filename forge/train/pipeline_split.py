@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from forge.suggest import suggestion
 from forge.train.stage_init import keeps, tie_groups, with_tie_owners
 
 
@@ -71,7 +72,7 @@ class ModelParts:
                 continue
             found.append(
                 f"{key}.{field}: {type(model).__name__} has no module {name!r} (name {what})"
-                + _did_you_mean(name, candidates)
+                + suggestion(name, candidates)
             )
         uncovered = sorted(
             {
@@ -170,13 +171,6 @@ def _few(names: list[str], n: int = 3) -> str:
     return shown + (f" and {len(names) - n} more" if len(names) > n else "")
 
 
-def _did_you_mean(name: str, candidates: list[str]) -> str:
-    import difflib
-
-    close = difflib.get_close_matches(name, candidates, n=3, cutoff=0.6)
-    return f"; did you mean {' or '.join(repr(c) for c in close)}?" if close else ""
-
-
 @dataclass(frozen=True)
 class StageSpec:
     """Which layers one pipeline stage runs, and whether it is the first or last."""
@@ -261,7 +255,7 @@ def _split_starts(
         if prefix != parts.layers or not index.isdigit() or not 0 < int(index) < num_layers:
             problems.append(
                 f"{key}.pipeline_split: {name!r} is not a layer where a stage can begin; use "
-                f"one of {valid[0]!r} ... {valid[-1]!r}" + _did_you_mean(str(name), valid)
+                f"one of {valid[0]!r} ... {valid[-1]!r}" + suggestion(str(name), valid)
             )
             continue
         starts.append(int(index))

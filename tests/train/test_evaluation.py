@@ -146,6 +146,7 @@ def test_token_losses_are_weighted_per_label_token(tmp_path):
     )
     metrics = trainer.evaluate()
     total, tokens = 0.0, 0
+    trainer.model.eval()  # the reference without the model's attention dropout, as evaluated
     with torch.no_grad():
         for index in range(23):
             batch = trainer.data_collator([trainer.eval_dataset[index]])
@@ -349,3 +350,57 @@ def test_label_names_that_match_no_batch_key_are_reported(tmp_path, caplog):
     assert "compute_metrics was not called: the eval batches hold no labels under ['y']" in (
         caplog.text
     )
+
+
+class LabelMean(torch.nn.Module):
+    """Its loss is the mean label value over the batch's label tokens (not -100), so the
+    exact per-token mean of a whole evaluation is known in advance."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(()))
+
+    def forward(self, input_ids, labels=None):
+        loss = labels[labels != -100].float().mean() + self.weight
+        return {"loss": loss, "logits": input_ids.float()}
+
+
+class Rows(Dataset):
+    """Row ``i``: ``1 + i % 5`` tokens, each labelled ``i``."""
+
+    def __len__(self) -> int:
+        return 11
+
+    def __getitem__(self, index):
+        return {"input_ids": [index] * (1 + index % 5), "labels": [index] * (1 + index % 5)}
+
+
+def pad_rows(items):
+    width = max(len(item["input_ids"]) for item in items)
+    return {
+        key: torch.tensor([item[key] + [pad] * (width - len(item[key])) for item in items])
+        for key, pad in (("input_ids", 0), ("labels", -100))
+    }
+
+
+@pytest.mark.parametrize("with_metrics", [False, True])
+def test_eval_loss_is_per_label_token_with_or_without_compute_metrics(tmp_path, with_metrics):
+    """The loss weighting does not depend on whether predictions are gathered for
+    compute_metrics (it once weighed batches by their samples without compute_metrics)."""
+    args = make_args(tmp_path, per_device_eval_batch_size=4)
+    metrics = (
+        (lambda prediction: {"rows": float(len(prediction.label_ids))}) if with_metrics else None
+    )
+    trainer = Trainer(
+        LabelMean(),
+        args,
+        Rows(),
+        eval_dataset=Rows(),
+        data_collator=pad_rows,
+        compute_metrics=metrics,
+    )
+    result = trainer.evaluate()
+    lengths = [1 + i % 5 for i in range(11)]
+    expected = sum(i * n for i, n in enumerate(lengths)) / sum(lengths)
+    assert result["eval_loss"] == pytest.approx(expected, abs=1e-6)
+    assert ("eval_rows" in result) == with_metrics

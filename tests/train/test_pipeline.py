@@ -272,6 +272,37 @@ def test_in_one_process_it_trains_exactly_like_the_plain_trainer(tmp_path, overr
         assert torch.equal(tensor, plain.model.state_dict()[name]), name
 
 
+class Ragged(TokenDataset):
+    """Rows of 4..16 tokens: right-padded batches hold different numbers of label tokens."""
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index][: 4 + index % 13]}
+
+
+def test_it_evaluates_through_the_shared_evaluator_like_the_plain_trainer(tmp_path, caplog):
+    """The pipeline trainer's evaluation is the evaluator every trainer uses, through its
+    forward_eval seam: the same eval_loss as the plain trainer (per label token, over batches
+    of different token counts), and compute_metrics named as not run."""
+    config = tiny_llama_config()
+    config.attention_dropout = 0.0
+    data = dict(
+        train_dataset=TokenDataset(32),
+        eval_dataset=Ragged(23, seed=3),
+        data_collator=CausalLMCollator(pad_token_id=0),
+        compute_metrics=lambda prediction: {"never": 1.0},
+    )
+    common = dict(max_steps=2, eval_strategy="steps", eval_steps=2, per_device_eval_batch_size=5)
+    plain = Trainer(
+        functools.partial(LlamaForCausalLM, config), make_args(tmp_path / "plain", **common), **data
+    ).train()
+    args = pipeline_args(tmp_path / "pipe", **common)
+    pipe = PipelineTrainer(functools.partial(LlamaForCausalLM, config), args, **data).train()
+    assert pipe.metrics["eval_loss"] == pytest.approx(plain.metrics["eval_loss"], rel=1e-5)
+    assert "eval_never" in plain.metrics and "eval_never" not in pipe.metrics
+    assert "compute_metrics is not run by the pipeline trainer" in caplog.text
+    assert "evaluation_loop" not in PipelineTrainer.__dict__  # no copy of the loop
+
+
 def test_a_stage_checkpoint_resumes_exactly_and_loads_into_the_plain_trainer(tmp_path):
     """Stop at step 4 (a checkpoint), resume to 8: the same weights and optimizer as straight;
     the plain trainer then resumes from the pipeline trainer's checkpoint."""

@@ -1,0 +1,112 @@
+"""The two loaders a trainer reads, from plain arguments (no trainer, no training arguments).
+
+The training loader is shuffled (or sequential), sharded over the data-parallel ranks and
+resumable (``build_dataloader``); the evaluation loader gives rank ``r`` of ``n`` the items
+``r, r + n, ...`` in order, each item once, so gathered predictions go back into dataset order.
+Both apply ``remove_unused_columns`` when given the model's inputs (``ModelInputs``), and run
+their workers as torch's ``DataLoader`` keywords from ``worker_settings`` say.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+from torch.utils.data import DataLoader, Dataset, Sampler
+
+from forge.data.columns import ModelInputs, keep_model_inputs
+from forge.data.loader import ResumableDataLoader, build_dataloader
+
+__all__ = ["StridedSampler", "build_eval_loader", "build_train_loader", "worker_settings"]
+
+Collator = Callable[[list[Any]], Any]
+
+
+def worker_settings(
+    *,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+    multiprocessing_context: str | None = None,
+) -> dict[str, Any]:
+    """torch ``DataLoader`` keywords for the loaders' worker processes (HF's
+    ``dataloader_*`` arguments); the settings of worker processes only when there are some,
+    as torch refuses them otherwise."""
+    settings: dict[str, Any] = {"num_workers": num_workers, "pin_memory": pin_memory}
+    if num_workers:
+        settings.update(
+            persistent_workers=persistent_workers,
+            prefetch_factor=prefetch_factor,
+            multiprocessing_context=multiprocessing_context,
+        )
+    return settings
+
+
+def build_train_loader(
+    dataset: Dataset,
+    collator: Collator | None,
+    *,
+    batch_size: int,
+    seed: int,
+    rank: int = 0,
+    world_size: int = 1,
+    shuffle: bool = True,
+    drop_last: bool = False,
+    workers: Mapping[str, Any] | None = None,
+    inputs: ModelInputs | None = None,
+    description: str = "train",
+) -> ResumableDataLoader:
+    """This data-parallel rank's resumable loader over ``dataset``; with ``inputs``, the
+    columns the model does not take are dropped first."""
+    if inputs is not None:
+        dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
+    return build_dataloader(
+        dataset,
+        batch_size=batch_size,
+        collate_fn=collator,
+        shuffle=shuffle,
+        seed=seed,
+        rank=rank,
+        world_size=world_size,
+        drop_last=drop_last,
+        **(workers or {}),
+    )
+
+
+def build_eval_loader(
+    dataset: Dataset,
+    collator: Collator | None,
+    *,
+    batch_size: int,
+    rank: int = 0,
+    world_size: int = 1,
+    workers: Mapping[str, Any] | None = None,
+    inputs: ModelInputs | None = None,
+    description: str = "eval",
+) -> DataLoader:
+    """This data-parallel rank's share of ``dataset``, in order: items ``rank, rank +
+    world_size, ...``, each item once (``StridedSampler``)."""
+    if inputs is not None:
+        dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
+    return DataLoader(
+        dataset,
+        batch_size=batch_size,
+        sampler=StridedSampler(len(dataset), rank, world_size),
+        collate_fn=collator,
+        **(workers or {}),
+    )
+
+
+class StridedSampler(Sampler[int]):
+    """Rank ``rank`` of ``world_size`` takes items ``rank, rank + world_size, ...``: every item
+    once, none repeated (shards differ by at most one item)."""
+
+    def __init__(self, length: int, rank: int = 0, world_size: int = 1) -> None:
+        self.length, self.rank, self.world_size = length, rank, world_size
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(range(self.rank, self.length, self.world_size))
+
+    def __len__(self) -> int:
+        return len(range(self.rank, self.length, self.world_size))
