@@ -143,6 +143,7 @@ def keep_model_inputs(
                 inputs.forward,
                 "it" if len(ignored) == 1 else "them",
             )
+        if ignored:
             dataset = dataset.remove_columns(ignored)
         return dataset, collator
     wrapped = RemoveColumnsCollator(

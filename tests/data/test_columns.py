@@ -48,3 +48,17 @@ def test_a_datasets_dataset_loses_the_columns_once():
     assert kept.column_names == ["input_ids", "label"] and collator is None
     with pytest.raises(ValueError, match="remove_unused_columns: false"):
         remove_unused_columns(data.select_columns(["text"]), None, Net(), ["labels"])
+
+
+def test_a_quiet_check_drops_the_same_columns_without_logging(caplog):
+    # the pre-run check is quiet (the trainer logs the drop); it must still drop the columns,
+    # or a text column reaches the collator and the check refuses a config that trains
+    datasets = pytest.importorskip("datasets")
+    from forge.data.columns import ModelInputs, keep_model_inputs
+
+    data = datasets.Dataset.from_list([{"input_ids": [1, 2], "text": "a", "label": 1}])
+    inputs = ModelInputs.of(Net(), ["labels"])
+    with caplog.at_level(logging.INFO, logger="forge.data.columns"):
+        kept, _ = keep_model_inputs(data, None, inputs, quiet=True)
+    assert kept.column_names == ["input_ids", "label"]
+    assert caplog.messages == []
