@@ -150,6 +150,13 @@ def cmd_vars(args: argparse.Namespace) -> int:
     from forge.config.render import builtin_variables, render_config
     from forge.config.variables import variable_rows
 
+    if args.set or args.allow:
+        given = "--set" if args.set else "--allow"
+        raise UsageError(
+            f"forge vars lists template variables (-D VAR=VALUE); {given} acts on the rendered "
+            "YAML, which it does not read. See a --set's effect with "
+            "`forge render CONFIG --resolved --set KEY.PATH=VALUE`"
+        )
     project = _project(args)
     name = _config_name(args, project)
     defines = _defines(args)

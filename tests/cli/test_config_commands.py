@@ -34,6 +34,14 @@ def test_vars_refuses_an_unread_define():
     assert "did you mean 'max_steps'" in result.stderr
 
 
+def test_vars_refuses_a_set_it_would_ignore():
+    result = run_forge("vars", "train", "-p", str(TINY_LM), "--set", "trainer.args.max_steps=3")
+    assert result.returncode == 2
+    assert "--set acts on the rendered YAML" in result.stderr
+    assert "forge render CONFIG --resolved --set" in result.stderr
+    assert result.stdout == ""
+
+
 def test_render_resolved_shows_each_key_once_with_its_line():
     result = run_forge("render", "train", "-p", str(TINY_LM), "--resolved")
     assert result.returncode == 0, result.stderr
