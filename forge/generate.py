@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import Any
 
 from forge.errors import RuntimeFailure, UsageError
+from forge.predict import (
+    checkpoint_tokenizer,
+    continue_with_module,
+    model_kind,
+    model_through_run,
+    module_logits,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -70,8 +77,7 @@ def generate_text(
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from forge.checkpoint.hf import hf_directory_problem
-    from forge.predict import checkpoint_tokenizer
+    from forge.checkpoint.weights import hf_directory_problem
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -118,8 +124,6 @@ def _generate_with_module(
 ) -> list[str]:
     import torch
 
-    from forge.predict import continue_with_module, model_through_run, module_logits
-
     model = model_through_run(checkpoint, problem, allow)
     ids = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
     if module_logits(model, ids[:, -1:]).dim() != 3:
@@ -134,29 +138,6 @@ def _generate_with_module(
         new = continue_with_module(model, tokenizer, ids, max_new_tokens, temperature, top_k=top_k)
         texts.append(tokenizer.decode(ids[0].tolist() + new, skip_special_tokens=True))
     return texts
-
-
-def model_kind(checkpoint: Path) -> tuple[str, str]:
-    """(kind, architecture) of a checkpoint's model: kind is "causal_lm", "classifier" or
-    "other", from its ``config.json``."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-    )
-
-    if not (checkpoint / "config.json").is_file():
-        raise RuntimeFailure(
-            f"{checkpoint} has no config.json: it is not a Hugging Face model directory "
-            "(a model without a transformers config is used through its project's config)"
-        )
-    config = AutoConfig.from_pretrained(checkpoint)
-    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-    if architecture == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):
-        return "causal_lm", architecture
-    if architecture == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type):
-        return "classifier", architecture
-    return "other", architecture
 
 
 def check_generative(checkpoint: Path) -> None:

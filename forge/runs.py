@@ -14,6 +14,7 @@ import datetime as _dt
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -540,6 +541,16 @@ def stale_running_note(run_dir: Path) -> str | None:
 
 
 # --------------------------------------------------------------------------- resume
+
+
+def resume_command(run_dir: Path, project_root: Path) -> str:
+    """The command that continues ``run_dir``, with paths as short as the working directory allows."""
+
+    def shown(path: Path) -> str:
+        relative = os.path.relpath(path)
+        return shlex.quote(str(path) if relative.startswith("..") else relative)
+
+    return f"forge resume -p {shown(Path(project_root))} --run-dir {shown(Path(run_dir))}"
 
 
 def find_resume_checkpoint(run_dir: Path, from_checkpoint: Path | None = None) -> Path:

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.errors import EXIT_USAGE, exit_code_for
-from forge.runs import RunRecord, hold_training_lock, now_iso
+from forge.runs import RunRecord, hold_training_lock, now_iso, resume_command
 from forge.train.topology import Topology
 
 if TYPE_CHECKING:
@@ -127,8 +127,6 @@ def reached_step(trainer: Any) -> int:
 
 def stopped_message(stop: TrainingInterrupted, run_dir: Path, project: Project) -> str:
     """What a job stopped by a signal tells the user: where it stopped and how to go on."""
-    from forge.launch import resume_command
-
     name = signal.Signals(stop.signum).name
     return (
         f"stopped by {name} at step {stop.step}; checkpoint {stop.checkpoint} holds it. "

@@ -18,8 +18,11 @@ from typing import Any
 
 _EXPORTS = {
     "CheckpointError": "io",
-    "load_model_weights": "io",
-    "unwrap_model": "io",
+    "load_torch_state": "io",
+    "load_model_weights": "weights",
+    "read_weights": "weights",
+    "weight_files": "weights",
+    "unwrap_model": "wrappers",
     "FORMAT_VERSION": "layout",
     "MANIFEST_NAME": "layout",
     "CheckpointInfo": "layout",
@@ -43,7 +46,6 @@ _EXPORTS = {
     "OptimizerState": "state",
     "RngState": "state",
     "capture_rng_state": "state",
-    "load_torch_state": "state",
     "restore_rng_state": "state",
     "CheckpointWriter": "writer",
 }
@@ -55,7 +57,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'forge.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"forge.checkpoint.{module}"), name)
+    package = "forge" if module == "wrappers" else "forge.checkpoint"
+    value = getattr(importlib.import_module(f"{package}.{module}"), name)
     globals()[name] = value
     return value
 

@@ -17,10 +17,13 @@ from forge.checkpoint.io import (
     DELETE_PREFIX,
     OLD_PREFIX,
     TEMP_PREFIX,
+    WEIGHTS_INDEX_NAME,
     CheckpointError,
     hash_file,
     list_files,
     map_files,
+    read_component_header,
+    read_safetensors_header,
     remove_tree,
 )
 
@@ -31,11 +34,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 CHECKPOINT_PREFIX = "checkpoint-"
-# Every component .pt file is {HEADER_KEY: {name, scope, step, rank, stage, ...}, "state": ...}
-# (registry.py); safetensors written by the CheckpointWriter carry the step in their metadata.
-HEADER_KEY = "forge_component"
+# Safetensors written by the CheckpointWriter carry the step in their metadata.
 STEP_METADATA = "forge_step"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 SCOPES = ("shared", "stage", "rank")
 _NAME_RE = re.compile(r"checkpoint-(\d+)")
 _RUN_DIR_RE = re.compile(r"run_(\d+)")
@@ -333,9 +333,6 @@ def _header_problems(path: Path, manifest: CheckpointManifest) -> list[str]:
                 problems.append(f"{name}: {problem}")
     if not manifest.components or _component_problems(manifest):
         return problems  # format 1, or a manifest whose components are already wrong
-    from forge.checkpoint.io import CheckpointError
-    from forge.checkpoint.state import read_component_header
-
     for component, entry in sorted(manifest.components.items()):
         if entry.get("weights"):
             continue
@@ -373,8 +370,6 @@ def _expected_headers(
 
 
 def _safetensors_step_problem(file: Path, step: int) -> str | None:
-    from forge.checkpoint.io import read_safetensors_header
-
     try:
         metadata = read_safetensors_header(file).get("__metadata__") or {}
     except (OSError, ValueError, AttributeError, struct.error) as exc:

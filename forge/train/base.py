@@ -79,7 +79,6 @@ from forge.train.evaluation import (
     is_causal_lm,
     loss_shifts_labels,
     resolve_label_names,
-    unwrap,
 )
 from forge.train.evaluator import Evaluator
 from forge.train.integrations import integration_callback
@@ -676,7 +675,7 @@ class BaseTrainer:
         (a ``PreTrainedModel``) 6 x the main input's tokens x the parameters outside the
         embeddings. None otherwise: ``total_flos`` is then left out of the summary. Override
         to count another way."""
-        model = unwrap(self.model)
+        model = unwrap_model(self.model, through_adapters=True)
         estimate = getattr(model, "floating_point_ops", None)
         if callable(estimate):
             return float(estimate(batch))
@@ -914,7 +913,7 @@ class BaseTrainer:
         """What ``remove_unused_columns`` keeps (None: keep every column)."""
         if not self.args.remove_unused_columns:
             return None
-        return ModelInputs.of(unwrap(self.model), self.label_names)
+        return ModelInputs.of(unwrap_model(self.model, through_adapters=True), self.label_names)
 
     @property
     def label_names(self) -> list[str]:
