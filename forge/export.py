@@ -43,14 +43,14 @@ def export_model(
 ) -> Path:
     """Write ``checkpoint``'s model to ``output``; returns the checkpoint exported.
 
-    ``checkpoint`` is a checkpoint directory or a run directory (its newest valid
-    checkpoint). A non-empty ``output`` is refused unless ``force``; then it is replaced only
+    ``checkpoint`` is what forge.checkpoint.resolve takes: a checkpoint, a run directory (its
+    newest valid checkpoint), a project, or a Hugging Face model directory. A non-empty ``output`` is refused unless ``force``; then it is replaced only
     once the export is complete. ``submodule`` names the transformers model inside the
     checkpoint's model to export alone (``lm`` for a wrapper's ``self.lm``).
     """
-    from forge.generate import resolve_checkpoint
+    from forge.checkpoint.resolve import resolve_checkpoint
 
-    source = resolve_checkpoint(Path(checkpoint))
+    source = resolve_checkpoint(checkpoint, models=True).path
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
         raise UsageError(

@@ -1,5 +1,4 @@
-"""Sampling text from a checkpoint (``forge generate``), and finding the checkpoint a command
-names (a checkpoint, a run's newest, or its best).
+"""Sampling text from a checkpoint (``forge generate``; forge.checkpoint.resolve finds it).
 
 A forge checkpoint of a transformers model is a Hugging Face model directory, so this is plain
 transformers: ``AutoModelForCausalLM.from_pretrained`` and ``generate``. Any other model is
@@ -13,7 +12,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from forge.errors import RuntimeFailure, UsageError
+from forge.errors import UsageError
 from forge.predict import (
     checkpoint_tokenizer,
     continue_with_module,
@@ -23,39 +22,6 @@ from forge.predict import (
 )
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_checkpoint(path: Path, best: bool = False) -> Path:
-    """A checkpoint directory as given (``RUN/best`` too), or a run directory's newest valid
-    checkpoint (its best with ``best``)."""
-    from forge.checkpoint.layout import find_latest_checkpoint, validate_checkpoint
-
-    path = Path(path)
-    if not path.exists():
-        raise RuntimeFailure(f"{path}: no such checkpoint or run directory")
-    is_checkpoint = (path / "manifest.json").exists() or (path / "config.json").exists()
-    if best:
-        if is_checkpoint:
-            raise UsageError(
-                f"--best picks a run's best checkpoint, and {path} is a checkpoint; "
-                "give the run directory, or drop --best"
-            )
-        from forge.runs import RunError, best_checkpoint
-
-        try:
-            return best_checkpoint(path)
-        except RunError as err:
-            raise RuntimeFailure(str(err)) from None
-    if is_checkpoint:
-        problems = validate_checkpoint(path) if (path / "manifest.json").exists() else []
-        if problems:
-            raise RuntimeFailure(f"{path} is not a valid checkpoint:\n  " + "\n  ".join(problems))
-        return path
-    checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    latest = find_latest_checkpoint(checkpoints_dir)
-    if latest is None:
-        raise RuntimeFailure(f"{path}: no valid checkpoint found (looked in {checkpoints_dir})")
-    return latest
 
 
 def generate_text(

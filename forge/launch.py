@@ -81,7 +81,7 @@ def torchrun_command(
     nproc: int,
     *,
     torchrun_args: Sequence[str] = (),
-    resume_from: str | None = None,
+    resume_from: str | os.PathLike | None = None,
     allow: Sequence[str] = (),
     verbose: bool = False,
     max_restarts: int = 0,
@@ -112,12 +112,15 @@ def launch_training(
     nproc: int,
     *,
     torchrun_args: Sequence[str] = (),
-    resume_from: str | None = None,
+    resume_from: str | os.PathLike | None = None,
     allow: Sequence[str] = (),
     verbose: bool = False,
     max_restarts: int = 0,
 ) -> int:
     """Train ``run_dir`` here (one process) or under torchrun, forwarding Ctrl-C/SIGTERM.
+
+    ``resume_from`` is a checkpoint resolved (and hashed) by forge.checkpoint.resolve: this
+    process's trainer takes it as it is, torchrun's workers get its path and check its sizes.
 
     With ``max_restarts`` the job always runs under torchrun, whose elastic agent starts the
     workers again (up to that many times) when one dies; they continue from the run's newest

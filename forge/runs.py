@@ -275,7 +275,10 @@ def best_checkpoint(run_dir: Path) -> Path:
         )
     path = (Path(run_dir) / best["checkpoint"]).resolve()
     if not path.is_dir():
-        raise RunError(f"{run_dir}: the best checkpoint {path} is missing")
+        raise RunError(
+            f"{run_dir}: its best checkpoint {path} is missing (deleted by hand?); give another "
+            "checkpoint of the run, or the run without --best for its newest"
+        )
     return path
 
 
@@ -551,26 +554,6 @@ def resume_command(run_dir: Path, project_root: Path) -> str:
         return shlex.quote(str(path) if relative.startswith("..") else relative)
 
     return f"forge resume -p {shown(Path(project_root))} --run-dir {shown(Path(run_dir))}"
-
-
-def find_resume_checkpoint(run_dir: Path, from_checkpoint: Path | None = None) -> Path:
-    """The checkpoint a resume starts from: ``from_checkpoint`` if valid, else the run's newest
-    valid one. Raises RunError (nothing changed) when there is none."""
-    from forge.checkpoint.layout import find_latest_checkpoint, validate_checkpoint
-
-    if from_checkpoint is not None:
-        checkpoint = Path(from_checkpoint).resolve()
-        problems = validate_checkpoint(checkpoint)
-        if problems:
-            raise RunError(f"cannot resume from {checkpoint}:\n  " + "\n  ".join(problems))
-        return checkpoint
-    checkpoint = find_latest_checkpoint(run_dir / "checkpoints")
-    if checkpoint is None:
-        raise RunError(
-            f"{run_dir} has no valid checkpoint to resume from; nothing was changed. "
-            "Start a new run with `forge train`, or pass --from CKPT."
-        )
-    return checkpoint
 
 
 def parse_run_config(

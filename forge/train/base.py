@@ -37,6 +37,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
 from forge.checkpoint import (
+    Checkpoint,
     CheckpointError,
     CheckpointRegistry,
     CheckpointWriter,
@@ -45,8 +46,8 @@ from forge.checkpoint import (
     OptimizerState,
     RngState,
     Scope,
-    find_resume_checkpoint,
     load_model_weights,
+    resume_checkpoint,
     rotate_checkpoints,
     unwrap_model,
 )
@@ -287,12 +288,15 @@ class BaseTrainer:
         return callbacks
 
     # ------------------------------------------------------------------ the loop
-    def train(self, resume_from_checkpoint: bool | str | os.PathLike | None = None) -> TrainOutput:
+    def train(
+        self, resume_from_checkpoint: bool | str | os.PathLike | Checkpoint | None = None
+    ) -> TrainOutput:
         """Train to ``max_steps`` (or ``num_train_epochs``), optionally resuming first.
 
         ``resume_from_checkpoint`` (None: ``args.resume_from_checkpoint``) is False, True (the
         newest valid checkpoint of this run, else of its sibling ``run_*`` directories; a
-        warning and a fresh start when there is none) or a checkpoint path. SIGINT / SIGTERM
+        warning and a fresh start when there is none), a checkpoint or run path, or a
+        ``Checkpoint`` resolved (and hashed) already by forge.checkpoint.resolve. SIGINT / SIGTERM
         stop at the next step boundary with a checkpoint and raise ``TrainingInterrupted``.
         """
         if resume_from_checkpoint is None:
@@ -303,7 +307,7 @@ class BaseTrainer:
                 self._setup_training()
                 checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
                 if checkpoint is not None:
-                    self._load_checkpoint(checkpoint)
+                    self._load_checkpoint(checkpoint.path)
                 with self._signals:
                     return self._train_loop()
             finally:
@@ -1080,14 +1084,17 @@ class BaseTrainer:
             self.model = self.build_model()
         load_model_weights(self.model, Path(checkpoint), strict=True)
 
-    def _resolve_checkpoint(self, resume: bool | str | os.PathLike) -> Path | None:
-        """The checkpoint to resume from, found on rank 0 and shared with every rank."""
+    def _resolve_checkpoint(
+        self, resume: bool | str | os.PathLike | Checkpoint | None
+    ) -> Checkpoint | None:
+        """The checkpoint to resume from, found (and validated, once) on rank 0 and shared
+        with every rank."""
         if resume is False or resume is None:
             return None
         found, error = None, None
         if self.is_main_process:
             try:
-                found = find_resume_checkpoint(resume, self.args.output_dir)
+                found = resume_checkpoint(resume, self.args.output_dir)
             except CheckpointError as exc:
                 error = str(exc)
         found, error = dist.broadcast_object((found, error))
