@@ -1,7 +1,8 @@
 """Sampling text from a checkpoint (``forge generate``; forge.checkpoint.resolve finds it).
 
-A forge checkpoint of a transformers model is a Hugging Face model directory, so this is plain
-transformers: ``AutoModelForCausalLM.from_pretrained`` and ``generate``. Any other model is
+A forge checkpoint of a transformers model is a Hugging Face model directory: its model is
+built from its config and filled by forge's weights reader (forge.checkpoint.weights), then
+transformers' ``generate`` samples. Any other model is
 built through its run's config (forge.predict). A checkpoint of a model that does not generate
 (a classifier) is refused with a pointer to ``forge predict``.
 """
@@ -43,7 +44,7 @@ def generate_text(
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from forge.checkpoint.weights import hf_directory_problem
+    from forge.checkpoint.weights import hf_directory_problem, load_pretrained
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -56,8 +57,7 @@ def generate_text(
             allow,
         )  # fmt: skip
     check_generative(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    model.eval()
+    model = load_pretrained(checkpoint, AutoModelForCausalLM)
     torch.manual_seed(seed)
     encoded = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")
     with torch.no_grad():

@@ -429,7 +429,9 @@ def _classify(
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(checkpoint).eval()
+    from forge.checkpoint.weights import load_pretrained
+
+    model = load_pretrained(checkpoint, AutoModelForSequenceClassification)
     config = model.config
     id2label = {int(k): v for k, v in (config.id2label or {}).items()}
     results = []
@@ -472,7 +474,9 @@ def _continue(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    from forge.checkpoint.weights import load_pretrained
+
+    model = load_pretrained(checkpoint, AutoModelForCausalLM)
     tokenizer.padding_side = "left"  # generation continues from the right end of each row
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if tokenizer.pad_token_id is None:

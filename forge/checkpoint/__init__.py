@@ -5,8 +5,10 @@ complete, with ``manifest.json`` (sizes and sha256 of every file, the job's topo
 components with their scopes) written last. ``registry`` says what a trainer's checkpoints
 hold and who writes each file; ``layout`` names, discovers, validates and rotates them (and
 imports torch only to read state-file headers when hashes are verified, so ``forge
-checkpoints`` starts fast); ``writer`` commits them atomically; ``hf`` knows which weight names
-a transformers architecture has, so a ``config.json`` stands only beside weights it describes.
+checkpoints`` starts fast); ``writer`` commits them atomically; ``resolve`` turns what a user
+types (a checkpoint, a run, ``--best``, a project) into a checkpoint validated once;
+``weights`` is the one reader of model weights; ``hf`` knows which weight names a transformers
+architecture has, so a ``config.json`` stands only beside weights it describes.
 
 Names are imported lazily: ``import forge.checkpoint.layout`` does not load torch.
 """

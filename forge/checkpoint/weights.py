@@ -5,7 +5,8 @@ A checkpoint's weights are Hugging Face's safetensors layout: ``model.safetensor
 named in ``model.safetensors.index.json`` (``save_pretrained``'s shards, or the pipeline
 trainer's one file per stage, all keyed by the unsplit model's names). :func:`weight_files`
 finds them, :func:`read_weights` reads their tensors, :func:`load_model_weights` puts them into
-a model by name (bit-exact; a pipeline stage reads only its own names), and
+a model by name (bit-exact; a pipeline stage reads only its own names),
+:func:`load_pretrained` builds a Hugging Face directory's model and fills it that way, and
 :func:`hf_directory_problem` says whether ``from_pretrained`` of the directory's config would
 load them in full (forge.checkpoint.hf knows which names an architecture has).
 """
@@ -17,10 +18,11 @@ import os
 import re
 from collections.abc import Iterable, Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from forge.checkpoint.hf import (
     CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
     ArchitectureError,
     Unverifiable,
     expected_for_config_text,
@@ -251,3 +253,27 @@ def hf_directory_problem(directory: Path) -> str | None:
     except CheckpointError as exc:
         return str(exc)
     return directory_mismatch(Path(directory), files)
+
+
+def load_pretrained(directory: str | os.PathLike, auto_class: Any) -> nn.Module:
+    """The transformers model a Hugging Face directory (a checkpoint's, an export) holds, for
+    generate and predict: built from its ``config.json`` with ``auto_class``
+    (``AutoModelForCausalLM``, ...), in the dtype the config records, and filled by
+    :func:`load_model_weights`, the reader the trainers use (every name checked, bit-exact),
+    not by ``from_pretrained``'s own loader. Its generation config comes with it."""
+    import torch
+    from transformers import AutoConfig, GenerationConfig
+
+    directory = Path(directory)
+    config = AutoConfig.from_pretrained(directory)
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    with no_hf_progress_bars():
+        model = auto_class.from_config(
+            config, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32
+        )
+    load_model_weights(model, directory, strict=True)
+    if model.can_generate() and (directory / GENERATION_CONFIG_NAME).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    return model.eval()
