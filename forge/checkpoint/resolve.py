@@ -156,8 +156,9 @@ def resume_checkpoint(
 
     False / None: none. True: the newest valid checkpoint of this run, else of its sibling
     ``run_*`` directories (a warning and None when there is none). A :class:`Checkpoint`: as
-    it is (validated already). A :class:`Restart`: the run's newest, else its first. A path: as :func:`resolve_checkpoint` reads it; a path that
-    is not a valid checkpoint, or a run without one, raises CheckpointNotFound.
+    it is (validated already). A :class:`Restart`: the run's newest, else its first. A path:
+    as :func:`resolve_checkpoint` reads it (no model directories: a resume needs a forge
+    checkpoint); one that names no valid checkpoint raises CheckpointNotFound.
     """
     if resume is None or resume is False:
         return None
@@ -177,11 +178,8 @@ def resume_checkpoint(
             )
         return found
     path = Path(resume)
-    if path.is_dir() and not _is_checkpoint(path):
-        found = newest_checkpoint(path)
-        if found is None:
-            raise CheckpointNotFound(f"{path}: no valid checkpoint to resume from")
-        return found
+    if not _is_checkpoint(path):
+        return resolve_checkpoint(path)  # a run, checkpoints or project directory
     try:
         return check_checkpoint(path)
     except CheckpointNotFound as exc:

@@ -138,7 +138,7 @@ def test_a_checkpoint_without_its_manifest_is_refused_and_a_model_directory_name
     assert found.path == exported and found.manifest is None and not found.hashes_verified
     with pytest.raises(CheckpointNotFound, match=f"{exported}: no valid checkpoint"):
         resolve_checkpoint(exported)  # evaluate, resume: a run's checkpoint only
-    with pytest.raises(CheckpointNotFound, match="no valid checkpoint to resume from"):
+    with pytest.raises(CheckpointNotFound, match=f"{exported}: no valid checkpoint"):
         resume_checkpoint(exported, tmp_path)
 
 
