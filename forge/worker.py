@@ -105,7 +105,7 @@ def restart_count() -> int:
         return 0
 
 
-def record_restart(record: RunRecord, restart: int, checkpoint: Any) -> None:
+def record_restart(record: RunRecord, restart: int, checkpoint: str | None) -> None:
     restarts = record.data.get("restarts", [])
     restarts.append(
         {"at": now_iso(), "restart": restart, "from": str(checkpoint) if checkpoint else None}

@@ -1,6 +1,8 @@
-"""Low-level checkpoint I/O: durable writes, hashing, directory commit, model weights.
+"""Low-level checkpoint I/O: durable writes, hashing, directory commit, writing model weights,
+and safe reading of torch files and safetensors headers.
 
-Everything here is independent of the checkpoint layout; ``layout`` and ``writer`` build on it.
+Everything here is independent of the checkpoint layout; ``layout``, ``writer`` and ``weights``
+(the one reader of model weights) build on it.
 """
 
 from __future__ import annotations
