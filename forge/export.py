@@ -23,15 +23,14 @@ import uuid
 from pathlib import Path
 from typing import Any
 
+from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
+from forge.checkpoint.io import WEIGHTS_INDEX_NAME
+from forge.checkpoint.layout import MANIFEST_NAME
 from forge.errors import RuntimeFailure, UsageError
 
 logger = logging.getLogger(__name__)
 
 _STATE_SUFFIXES = (".pt",)
-_MANIFEST = "manifest.json"
-_INDEX = "model.safetensors.index.json"
-_CONFIG = "config.json"
-_GENERATION_CONFIG = "generation_config.json"
 
 
 def export_model(
@@ -44,14 +43,14 @@ def export_model(
 ) -> Path:
     """Write ``checkpoint``'s model to ``output``; returns the checkpoint exported.
 
-    ``checkpoint`` is a checkpoint directory or a run directory (its newest valid
-    checkpoint). A non-empty ``output`` is refused unless ``force``; then it is replaced only
+    ``checkpoint`` is what forge.checkpoint.resolve takes: a checkpoint, a run directory (its
+    newest valid checkpoint), a project, or a Hugging Face model directory. A non-empty ``output`` is refused unless ``force``; then it is replaced only
     once the export is complete. ``submodule`` names the transformers model inside the
     checkpoint's model to export alone (``lm`` for a wrapper's ``self.lm``).
     """
-    from forge.generate import resolve_checkpoint
+    from forge.checkpoint.resolve import resolve_checkpoint
 
-    source = resolve_checkpoint(Path(checkpoint))
+    source = resolve_checkpoint(checkpoint, models=True).path
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
         raise UsageError(
@@ -64,10 +63,10 @@ def export_model(
     staging = output.parent / f".{output.name}.export-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        count = _write_weights(weight_files, staging, max_shard_size, plan.prefix)
+        count = _write_weights(source, staging, max_shard_size, plan.prefix)
         plan.write_configs(source, staging)
         for name in extras:
-            if name not in (_CONFIG, _GENERATION_CONFIG):
+            if name not in (CONFIG_NAME, GENERATION_CONFIG_NAME):
                 shutil.copy2(source / name, staging / name)
         _replace(staging, output)
     except BaseException:
@@ -94,20 +93,20 @@ class _Plan:
         from forge.checkpoint.hf import architecture_class
 
         if self.config is None:  # not checked (custom code, quantized): the files as they are
-            for name in (_CONFIG, _GENERATION_CONFIG):
+            for name in (CONFIG_NAME, GENERATION_CONFIG_NAME):
                 if (source / name).is_file():
                     shutil.copy2(source / name, directory / name)
             return
         verbatim = self.from_file and not self.prefix and self.config.architectures
         if verbatim:
-            shutil.copy2(source / _CONFIG, directory / _CONFIG)
+            shutil.copy2(source / CONFIG_NAME, directory / CONFIG_NAME)
         else:
             self.config.architectures = [self.architecture]
             self.config.save_pretrained(directory)
         if not architecture_class(self.config).can_generate():
             return
-        if verbatim and (source / _GENERATION_CONFIG).is_file():
-            shutil.copy2(source / _GENERATION_CONFIG, directory / _GENERATION_CONFIG)
+        if verbatim and (source / GENERATION_CONFIG_NAME).is_file():
+            shutil.copy2(source / GENERATION_CONFIG_NAME, directory / GENERATION_CONFIG_NAME)
         else:
             from transformers import GenerationConfig
 
@@ -123,15 +122,15 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
         expected_weights,
         few,
         read_config,
-        weight_shapes,
     )
+    from forge.checkpoint.weights import weight_shapes
 
     record = _model_record(source)
     try:
-        if (source / _CONFIG).is_file():
-            config, hint, from_file = read_config(source / _CONFIG), None, True
+        if (source / CONFIG_NAME).is_file():
+            config, hint, from_file = read_config(source / CONFIG_NAME), None, True
         elif record.get("hf_config"):
-            config = config_from_dict(record["hf_config"], f"{source / _MANIFEST} (model)")
+            config = config_from_dict(record["hf_config"], f"{source / MANIFEST_NAME} (model)")
             hint, from_file = record.get("hf_submodule"), False
         else:
             what = f"{record['class']}, which" if record.get("class") else "one that"
@@ -144,7 +143,7 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
         expected = expected_weights(config)
         found = weight_shapes(weight_files)
     except Unverifiable as exc:
-        if not (source / _CONFIG).is_file() or submodule is not None:
+        if not (source / CONFIG_NAME).is_file() or submodule is not None:
             raise RuntimeFailure(f"{source}: cannot export its model: {exc}") from None
         logger.warning(
             "%s: the weights' names are not checked against config.json: %s", source, exc
@@ -195,7 +194,7 @@ def pretrained_loader(directory: Path) -> str:
     )
 
     try:
-        data = json.loads((Path(directory) / _CONFIG).read_text())
+        data = json.loads((Path(directory) / CONFIG_NAME).read_text())
         architecture = (data.get("architectures") or [""])[0]
         model_type = data.get("model_type")
     except (OSError, ValueError, AttributeError, IndexError):
@@ -218,7 +217,7 @@ def _model_record(source: Path) -> dict[str, Any]:
     from forge.checkpoint.hf import MODEL_RECORD
 
     try:
-        record = json.loads((source / _MANIFEST).read_text()).get(MODEL_RECORD)
+        record = json.loads((source / MANIFEST_NAME).read_text()).get(MODEL_RECORD)
     except (OSError, ValueError, AttributeError):
         return {}
     return record if isinstance(record, dict) else {}
@@ -234,49 +233,27 @@ def _strip(names: dict[str, Any], prefix: str) -> dict[str, Any]:
 def _classify(source: Path) -> tuple[list[Path], list[str]]:
     """The checkpoint's weight files, and the other files a model directory keeps (config,
     generation config, tokenizer); training state and the manifest stay behind."""
-    index = source / _INDEX
-    if index.is_file():
-        try:
-            names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as exc:
-            raise RuntimeFailure(f"{index}: unreadable weight index ({exc})") from exc
-    else:
-        names = sorted(p.name for p in source.glob("model*.safetensors"))
-    if not names:
-        raise RuntimeFailure(f"{source}: no model weights (model*.safetensors) to export")
-    skip = {*names, _INDEX, _MANIFEST}
+    from forge.checkpoint.weights import weight_files
+
+    files, _ = weight_files(source)
+    skip = {*(file.name for file in files), WEIGHTS_INDEX_NAME, MANIFEST_NAME}
     extras = sorted(
         p.name
         for p in source.iterdir()
         if p.is_file() and p.name not in skip and not p.name.endswith(_STATE_SUFFIXES)
     )
-    return [source / n for n in names], extras
+    return files, extras
 
 
-def _write_weights(
-    files: list[Path], directory: Path, max_shard_size: str | int, prefix: str
-) -> int:
-    """Every tensor of ``files`` (those under ``prefix``, without it) into ``directory`` as
-    ``save_pretrained`` lays them out."""
+def _write_weights(source: Path, directory: Path, max_shard_size: str | int, prefix: str) -> int:
+    """Every tensor of the checkpoint's weights (those under ``prefix``, without it) into
+    ``directory`` as ``save_pretrained`` lays them out."""
     from huggingface_hub import save_torch_state_dict
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
 
     from forge.checkpoint.io import quiet_hub_saves
+    from forge.checkpoint.weights import read_weights
 
-    tensors = {}
-    for file in files:
-        try:
-            loaded = load_file(file)
-        except (SafetensorError, OSError) as exc:
-            raise RuntimeFailure(f"{file}: unreadable safetensors file ({exc})") from exc
-        clashes = set(tensors) & set(loaded)
-        if clashes:
-            raise RuntimeFailure(
-                f"{file}: holds {sorted(clashes)[:3]} again (another file has them)"
-            )
-        tensors.update(loaded)
-    tensors = _strip(tensors, prefix)
+    tensors = _strip(read_weights(source), prefix)
     with quiet_hub_saves():  # its "successfully saved" names the staging directory
         save_torch_state_dict(
             tensors, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}

@@ -1,8 +1,8 @@
-"""Sampling text from a checkpoint (``forge generate``), and finding the checkpoint a command
-names (a checkpoint, a run's newest, or its best).
+"""Sampling text from a checkpoint (``forge generate``; forge.checkpoint.resolve finds it).
 
-A forge checkpoint of a transformers model is a Hugging Face model directory, so this is plain
-transformers: ``AutoModelForCausalLM.from_pretrained`` and ``generate``. Any other model is
+A forge checkpoint of a transformers model is a Hugging Face model directory: its model is
+built from its config and filled by forge's weights reader (forge.checkpoint.weights), then
+transformers' ``generate`` samples. Any other model is
 built through its run's config (forge.predict). A checkpoint of a model that does not generate
 (a classifier) is refused with a pointer to ``forge predict``.
 """
@@ -13,42 +13,16 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from forge.errors import RuntimeFailure, UsageError
+from forge.errors import UsageError
+from forge.predict import (
+    checkpoint_tokenizer,
+    continue_with_module,
+    model_kind,
+    model_through_run,
+    module_logits,
+)
 
 logger = logging.getLogger(__name__)
-
-
-def resolve_checkpoint(path: Path, best: bool = False) -> Path:
-    """A checkpoint directory as given (``RUN/best`` too), or a run directory's newest valid
-    checkpoint (its best with ``best``)."""
-    from forge.checkpoint.layout import find_latest_checkpoint, validate_checkpoint
-
-    path = Path(path)
-    if not path.exists():
-        raise RuntimeFailure(f"{path}: no such checkpoint or run directory")
-    is_checkpoint = (path / "manifest.json").exists() or (path / "config.json").exists()
-    if best:
-        if is_checkpoint:
-            raise UsageError(
-                f"--best picks a run's best checkpoint, and {path} is a checkpoint; "
-                "give the run directory, or drop --best"
-            )
-        from forge.runs import RunError, best_checkpoint
-
-        try:
-            return best_checkpoint(path)
-        except RunError as err:
-            raise RuntimeFailure(str(err)) from None
-    if is_checkpoint:
-        problems = validate_checkpoint(path) if (path / "manifest.json").exists() else []
-        if problems:
-            raise RuntimeFailure(f"{path} is not a valid checkpoint:\n  " + "\n  ".join(problems))
-        return path
-    checkpoints_dir = path / "checkpoints" if (path / "checkpoints").is_dir() else path
-    latest = find_latest_checkpoint(checkpoints_dir)
-    if latest is None:
-        raise RuntimeFailure(f"{path}: no valid checkpoint found (looked in {checkpoints_dir})")
-    return latest
 
 
 def generate_text(
@@ -70,8 +44,7 @@ def generate_text(
     import transformers
     from transformers import AutoModelForCausalLM
 
-    from forge.checkpoint.hf import hf_directory_problem
-    from forge.predict import checkpoint_tokenizer
+    from forge.checkpoint.weights import hf_directory_problem, load_pretrained
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -84,8 +57,7 @@ def generate_text(
             allow,
         )  # fmt: skip
     check_generative(checkpoint)
-    model = AutoModelForCausalLM.from_pretrained(checkpoint)
-    model.eval()
+    model = load_pretrained(checkpoint, AutoModelForCausalLM)
     torch.manual_seed(seed)
     encoded = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")
     with torch.no_grad():
@@ -118,8 +90,6 @@ def _generate_with_module(
 ) -> list[str]:
     import torch
 
-    from forge.predict import continue_with_module, model_through_run, module_logits
-
     model = model_through_run(checkpoint, problem, allow)
     ids = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
     if module_logits(model, ids[:, -1:]).dim() != 3:
@@ -134,29 +104,6 @@ def _generate_with_module(
         new = continue_with_module(model, tokenizer, ids, max_new_tokens, temperature, top_k=top_k)
         texts.append(tokenizer.decode(ids[0].tolist() + new, skip_special_tokens=True))
     return texts
-
-
-def model_kind(checkpoint: Path) -> tuple[str, str]:
-    """(kind, architecture) of a checkpoint's model: kind is "causal_lm", "classifier" or
-    "other", from its ``config.json``."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
-    )
-
-    if not (checkpoint / "config.json").is_file():
-        raise RuntimeFailure(
-            f"{checkpoint} has no config.json: it is not a Hugging Face model directory "
-            "(a model without a transformers config is used through its project's config)"
-        )
-    config = AutoConfig.from_pretrained(checkpoint)
-    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
-    if architecture == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):
-        return "causal_lm", architecture
-    if architecture == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type):
-        return "classifier", architecture
-    return "other", architecture
 
 
 def check_generative(checkpoint: Path) -> None:

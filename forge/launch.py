@@ -26,7 +26,6 @@ import contextlib
 import ctypes
 import logging
 import os
-import shlex
 import signal
 import subprocess
 import sys
@@ -37,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.errors import EXIT_FAILURE, EXIT_USAGE, UsageError
+from forge.runs import resume_command
 from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ def torchrun_command(
     nproc: int,
     *,
     torchrun_args: Sequence[str] = (),
-    resume_from: str | None = None,
+    resume_from: str | os.PathLike | None = None,
     allow: Sequence[str] = (),
     verbose: bool = False,
     max_restarts: int = 0,
@@ -112,12 +112,15 @@ def launch_training(
     nproc: int,
     *,
     torchrun_args: Sequence[str] = (),
-    resume_from: str | None = None,
+    resume_from: str | os.PathLike | None = None,
     allow: Sequence[str] = (),
     verbose: bool = False,
     max_restarts: int = 0,
 ) -> int:
     """Train ``run_dir`` here (one process) or under torchrun, forwarding Ctrl-C/SIGTERM.
+
+    ``resume_from`` is a checkpoint resolved (and hashed) by forge.checkpoint.resolve: this
+    process's trainer takes it as it is, torchrun's workers get its path and check its sizes.
 
     With ``max_restarts`` the job always runs under torchrun, whose elastic agent starts the
     workers again (up to that many times) when one dies; they continue from the run's newest
@@ -260,16 +263,6 @@ def exit_text(code: int) -> str:
         except ValueError:
             return f"was killed by signal {-code}"
     return f"exited with code {code}"
-
-
-def resume_command(run_dir: Path, project_root: Path) -> str:
-    """The command that continues ``run_dir``, with paths as short as the working directory allows."""
-
-    def shown(path: Path) -> str:
-        relative = os.path.relpath(path)
-        return shlex.quote(str(path) if relative.startswith("..") else relative)
-
-    return f"forge resume -p {shown(Path(project_root))} --run-dir {shown(Path(run_dir))}"
 
 
 def failed_note(run_dir: Path, project_root: Path) -> str:

@@ -22,7 +22,6 @@ from pathlib import Path
 from typing import Any
 
 from forge.errors import RuntimeFailure, UsageError
-from forge.generate import model_kind
 
 logger = logging.getLogger(__name__)
 
@@ -36,6 +35,29 @@ __all__ = [
     "predict_file",
     "run_of_checkpoint",
 ]
+
+
+def model_kind(checkpoint: Path) -> tuple[str, str]:
+    """(kind, architecture) of a checkpoint's model: kind is "causal_lm", "classifier" or
+    "other", from its ``config.json``."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
+    )
+
+    if not (checkpoint / "config.json").is_file():
+        raise RuntimeFailure(
+            f"{checkpoint} has no config.json: it is not a Hugging Face model directory "
+            "(a model without a transformers config is used through its project's config)"
+        )
+    config = AutoConfig.from_pretrained(checkpoint)
+    architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
+    if architecture == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):
+        return "causal_lm", architecture
+    if architecture == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type):
+        return "classifier", architecture
+    return "other", architecture
 
 
 def run_of_checkpoint(checkpoint: Path) -> Path:
@@ -216,7 +238,7 @@ def predict_file(
     import transformers
     from transformers import AutoTokenizer
 
-    from forge.checkpoint.hf import hf_directory_problem
+    from forge.checkpoint.weights import hf_directory_problem
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -407,7 +429,9 @@ def _classify(
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    model = AutoModelForSequenceClassification.from_pretrained(checkpoint).eval()
+    from forge.checkpoint.weights import load_pretrained
+
+    model = load_pretrained(checkpoint, AutoModelForSequenceClassification)
     config = model.config
     id2label = {int(k): v for k, v in (config.id2label or {}).items()}
     results = []
@@ -450,7 +474,9 @@ def _continue(
     import torch
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(checkpoint).eval()
+    from forge.checkpoint.weights import load_pretrained
+
+    model = load_pretrained(checkpoint, AutoModelForCausalLM)
     tokenizer.padding_side = "left"  # generation continues from the right end of each row
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if tokenizer.pad_token_id is None:

@@ -14,6 +14,7 @@ import datetime as _dt
 import json
 import os
 import re
+import shlex
 import socket
 import subprocess
 import sys
@@ -274,7 +275,10 @@ def best_checkpoint(run_dir: Path) -> Path:
         )
     path = (Path(run_dir) / best["checkpoint"]).resolve()
     if not path.is_dir():
-        raise RunError(f"{run_dir}: the best checkpoint {path} is missing")
+        raise RunError(
+            f"{run_dir}: its best checkpoint {path} is missing (deleted by hand?); give another "
+            "checkpoint of the run, or the run without --best for its newest"
+        )
     return path
 
 
@@ -542,24 +546,14 @@ def stale_running_note(run_dir: Path) -> str | None:
 # --------------------------------------------------------------------------- resume
 
 
-def find_resume_checkpoint(run_dir: Path, from_checkpoint: Path | None = None) -> Path:
-    """The checkpoint a resume starts from: ``from_checkpoint`` if valid, else the run's newest
-    valid one. Raises RunError (nothing changed) when there is none."""
-    from forge.checkpoint.layout import find_latest_checkpoint, validate_checkpoint
+def resume_command(run_dir: Path, project_root: Path) -> str:
+    """The command that continues ``run_dir``, with paths as short as the working directory allows."""
 
-    if from_checkpoint is not None:
-        checkpoint = Path(from_checkpoint).resolve()
-        problems = validate_checkpoint(checkpoint)
-        if problems:
-            raise RunError(f"cannot resume from {checkpoint}:\n  " + "\n  ".join(problems))
-        return checkpoint
-    checkpoint = find_latest_checkpoint(run_dir / "checkpoints")
-    if checkpoint is None:
-        raise RunError(
-            f"{run_dir} has no valid checkpoint to resume from; nothing was changed. "
-            "Start a new run with `forge train`, or pass --from CKPT."
-        )
-    return checkpoint
+    def shown(path: Path) -> str:
+        relative = os.path.relpath(path)
+        return shlex.quote(str(path) if relative.startswith("..") else relative)
+
+    return f"forge resume -p {shown(Path(project_root))} --run-dir {shown(Path(run_dir))}"
 
 
 def parse_run_config(

@@ -19,10 +19,11 @@ from typing import TYPE_CHECKING, Any
 
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.errors import EXIT_USAGE, exit_code_for
-from forge.runs import RunRecord, hold_training_lock, now_iso
+from forge.runs import RunRecord, hold_training_lock, now_iso, resume_command
 from forge.train.topology import Topology
 
 if TYPE_CHECKING:
+    from forge.checkpoint.resolve import Checkpoint
     from forge.train import TrainingInterrupted
 
 logger = logging.getLogger(__name__)
@@ -60,16 +61,21 @@ def load_run_config(run_dir: Path, project: Project, allow: list[str] = ()):
     return cfg
 
 
-def make_run_record_callback(record: RunRecord):
-    """A trainer callback that keeps ``run.json`` current at every checkpoint, and records the
+def make_run_record_callback(record: RunRecord, restart: int = 0):
+    """A trainer callback that keeps ``run.json`` current at every checkpoint, records the
     end-of-training summary (``train_runtime``, ``train_samples_per_second``, ...) as
-    ``train_summary``."""
+    ``train_summary``, and, in a worker torchrun restarted, the restart and the checkpoint
+    it continued from (known once the trainer has resolved it)."""
     import math
 
     from forge.train import TrainerCallback
     from forge.train.callbacks import is_train_summary
 
     class RunRecordCallback(TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):
+            if restart:
+                record_restart(record, restart, state.resumed_from)
+
         def on_log(self, args, state, control, logs=None, **kwargs):
             if logs and is_train_summary(logs):
                 summary = {
@@ -99,19 +105,10 @@ def restart_count() -> int:
         return 0
 
 
-def restart_checkpoint(run_dir: Path, resume_from: str | bool | None) -> str | bool | None:
-    """Where a restarted worker continues: the run's newest valid checkpoint, else where the
-    first attempt started (``resume_from``: a checkpoint, or None for the beginning)."""
-    from forge.checkpoint import find_latest_checkpoint
-
-    newest = find_latest_checkpoint(run_dir / "checkpoints")
-    return str(newest) if newest is not None else resume_from
-
-
-def record_restart(record: RunRecord, restart: int, checkpoint: str | bool | None) -> None:
+def record_restart(record: RunRecord, restart: int, checkpoint: str | None) -> None:
     restarts = record.data.get("restarts", [])
     restarts.append(
-        {"at": now_iso(), "restart": restart, "from": checkpoint if checkpoint else None}
+        {"at": now_iso(), "restart": restart, "from": str(checkpoint) if checkpoint else None}
     )
     record.update(restarts=restarts)
     where = f"from {checkpoint}" if checkpoint else "from the beginning (no checkpoint yet)"
@@ -127,8 +124,6 @@ def reached_step(trainer: Any) -> int:
 
 def stopped_message(stop: TrainingInterrupted, run_dir: Path, project: Project) -> str:
     """What a job stopped by a signal tells the user: where it stopped and how to go on."""
-    from forge.launch import resume_command
-
     name = signal.Signals(stop.signum).name
     return (
         f"stopped by {name} at step {stop.step}; checkpoint {stop.checkpoint} holds it. "
@@ -140,19 +135,27 @@ def run_worker(
     run_dir: Path,
     project: Project,
     *,
-    resume_from: str | bool | None = None,
+    resume_from: Checkpoint | str | None = None,
     allow: list[str] = (),
 ) -> int:
-    """Build the trainer from ``run_dir/config.yaml`` and train; returns the exit code."""
+    """Build the trainer from ``run_dir/config.yaml`` and train; returns the exit code.
+
+    ``resume_from`` is the checkpoint the launching command resolved (forge.checkpoint.resolve),
+    as a ``Checkpoint`` in this process, or its path in a process torchrun started (checked
+    again, not hashed again), or None for the start.
+    """
+    from forge.checkpoint.resolve import Checkpoint, Restart, checked_by_launcher
     from forge.train import TrainingInterrupted
 
     run_dir = Path(run_dir)
     topology = Topology.from_env()
     rank, world_size = topology.rank, topology.world_size
     record = RunRecord.load(run_dir)
+    if resume_from is not None and not isinstance(resume_from, Checkpoint):
+        resume_from = checked_by_launcher(resume_from)
     restart = restart_count()
     if restart:
-        resume_from = restart_checkpoint(run_dir, resume_from)
+        resume_from = Restart(run_dir, resume_from)
     lock = hold_training_lock(run_dir) if rank == 0 else None
     trainer = None
     try:
@@ -160,9 +163,7 @@ def run_worker(
         variables = build_variables(run_dir, project, record.data.get("config", "config"))
         trainer = cfg.build(TRAINER_TARGET, variables)
         if rank == 0:
-            trainer.add_callback(make_run_record_callback(record))
-            if restart:
-                record_restart(record, restart, resume_from)
+            trainer.add_callback(make_run_record_callback(record, restart))
             record.set_status("running", world_size=world_size, started=now_iso())
         trainer.train(resume_from_checkpoint=resume_from)
         if rank == 0:

@@ -5,8 +5,10 @@ complete, with ``manifest.json`` (sizes and sha256 of every file, the job's topo
 components with their scopes) written last. ``registry`` says what a trainer's checkpoints
 hold and who writes each file; ``layout`` names, discovers, validates and rotates them (and
 imports torch only to read state-file headers when hashes are verified, so ``forge
-checkpoints`` starts fast); ``writer`` commits them atomically; ``hf`` knows which weight names
-a transformers architecture has, so a ``config.json`` stands only beside weights it describes.
+checkpoints`` starts fast); ``writer`` commits them atomically; ``resolve`` turns what a user
+types (a checkpoint, a run, ``--best``, a project) into a checkpoint validated once;
+``weights`` is the one reader of model weights; ``hf`` knows which weight names a transformers
+architecture has, so a ``config.json`` stands only beside weights it describes.
 
 Names are imported lazily: ``import forge.checkpoint.layout`` does not load torch.
 """
@@ -18,8 +20,11 @@ from typing import Any
 
 _EXPORTS = {
     "CheckpointError": "io",
-    "load_model_weights": "io",
-    "unwrap_model": "io",
+    "load_torch_state": "io",
+    "load_model_weights": "weights",
+    "read_weights": "weights",
+    "weight_files": "weights",
+    "unwrap_model": "wrappers",
     "FORMAT_VERSION": "layout",
     "MANIFEST_NAME": "layout",
     "CheckpointInfo": "layout",
@@ -29,7 +34,12 @@ _EXPORTS = {
     "find_checkpoints": "layout",
     "find_latest_checkpoint": "layout",
     "find_leftovers": "layout",
-    "find_resume_checkpoint": "layout",
+    "inspect_checkpoint": "layout",
+    "latest_valid_checkpoint": "layout",
+    "Checkpoint": "resolve",
+    "CheckpointNotFound": "resolve",
+    "resolve_checkpoint": "resolve",
+    "resume_checkpoint": "resolve",
     "parse_checkpoint_step": "layout",
     "read_manifest": "layout",
     "rotate_checkpoints": "layout",
@@ -43,7 +53,6 @@ _EXPORTS = {
     "OptimizerState": "state",
     "RngState": "state",
     "capture_rng_state": "state",
-    "load_torch_state": "state",
     "restore_rng_state": "state",
     "CheckpointWriter": "writer",
 }
@@ -55,7 +64,8 @@ def __getattr__(name: str) -> Any:
     module = _EXPORTS.get(name)
     if module is None:
         raise AttributeError(f"module 'forge.checkpoint' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"forge.checkpoint.{module}"), name)
+    package = "forge" if module == "wrappers" else "forge.checkpoint"
+    value = getattr(importlib.import_module(f"{package}.{module}"), name)
     globals()[name] = value
     return value
 

@@ -272,7 +272,7 @@ def config_from_dict(data: Any, where: str) -> Any:
 
 
 @functools.lru_cache(maxsize=4)
-def _expected_for_config_text(text: str) -> ExpectedWeights:
+def expected_for_config_text(text: str) -> ExpectedWeights:
     """expected_weights of a config.json's text; a training run writes the same one at every
     save, so its class is built once."""
     try:
@@ -280,45 +280,3 @@ def _expected_for_config_text(text: str) -> ExpectedWeights:
     except ValueError as exc:
         raise ArchitectureError(f"{CONFIG_NAME} is not JSON ({exc})") from exc
     return expected_weights(config_from_dict(data, CONFIG_NAME))
-
-
-def weight_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
-    """Every tensor name in safetensors ``files`` with its shape, read from their headers."""
-    from forge.checkpoint.io import read_safetensors_header
-
-    shapes: dict[str, tuple[int, ...]] = {}
-    for file in files:
-        for name, info in read_safetensors_header(file).items():
-            if name != "__metadata__":
-                shapes[name] = tuple(info["shape"])
-    return shapes
-
-
-def directory_mismatch(directory: Path, weight_files: Iterable[Path]) -> str | None:
-    """Why ``directory``'s ``config.json`` does not describe its weights, or None (also when
-    that cannot be checked here: custom model code, quantized weights)."""
-    path = directory / CONFIG_NAME
-    try:
-        expected = _expected_for_config_text(path.read_text())
-    except OSError as exc:
-        return f"{path}: unreadable ({exc})"
-    except Unverifiable:
-        return None
-    except ArchitectureError as exc:
-        return str(exc)
-    problem = expected.mismatch(weight_shapes(weight_files))
-    return f"its weights are not {expected.architecture}'s ({problem})" if problem else None
-
-
-def hf_directory_problem(directory: Path) -> str | None:
-    """Why ``from_pretrained`` would not load ``directory``'s weights in full (no config.json,
-    or weights that are not its architecture's), or None when it would."""
-    from forge.checkpoint.io import CheckpointError, weight_files
-
-    if not (Path(directory) / CONFIG_NAME).is_file():
-        return f"it has no {CONFIG_NAME}"
-    try:
-        files, _ = weight_files(Path(directory))
-    except CheckpointError as exc:
-        return str(exc)
-    return directory_mismatch(Path(directory), files)

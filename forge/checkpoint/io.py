@@ -1,6 +1,8 @@
-"""Low-level checkpoint I/O: durable writes, hashing, directory commit, model weights.
+"""Low-level checkpoint I/O: durable writes, hashing, directory commit, writing model weights,
+and safe reading of torch files and safetensors headers.
 
-Everything here is independent of the checkpoint layout; ``layout`` and ``writer`` build on it.
+Everything here is independent of the checkpoint layout; ``layout``, ``writer`` and ``weights``
+(the one reader of model weights) build on it.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import inspect
 import json
 import logging
 import os
+import pickle
 import re
 import shutil
 import struct
@@ -22,6 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge.checkpoint.hf import is_hf_model
+from forge.wrappers import unwrap_model
 
 if TYPE_CHECKING:  # torch is imported where used, so discovery and validation load without it
     import torch
@@ -34,8 +38,14 @@ TEMP_PREFIX = ".tmp-"
 OLD_PREFIX = TEMP_PREFIX + "old-"
 DELETE_PREFIX = TEMP_PREFIX + "delete-"
 
-SAFE_WEIGHTS_NAME = "model.safetensors"
-SAFE_WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+# The weights of a checkpoint as Hugging Face lays them out: one file, or shards with an index
+# (the pipeline trainer writes one shard per stage, all named in the index).
+WEIGHTS_NAME = "model.safetensors"
+WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+
+# Every component .pt file is {HEADER_KEY: {name, scope, step, rank, stage, ...}, "state": ...}
+# (registry.py), so validation can tell a file of another checkpoint, rank or stage.
+HEADER_KEY = "forge_component"
 
 _CHUNK_BYTES = 4 * 1024 * 1024
 
@@ -348,19 +358,6 @@ def disk_full_guard(
 # model weights
 
 
-def unwrap_model(model: nn.Module) -> nn.Module:
-    """The user's model inside DDP / DataParallel / Accelerate / torch.compile wrappers."""
-    from torch import nn
-
-    while True:
-        inner = getattr(model, "_orig_mod", None)
-        if not isinstance(inner, nn.Module):
-            inner = getattr(model, "module", None)
-        if not isinstance(inner, nn.Module):
-            return model
-        model = inner
-
-
 @contextmanager
 def quiet_hub_saves() -> Iterator[None]:
     """No "Model weights successfully saved to <temporary directory>" from huggingface_hub."""
@@ -379,7 +376,7 @@ def quiet_hub_saves() -> Iterator[None]:
 
 
 @contextmanager
-def _no_hf_progress_bars() -> Iterator[None]:
+def no_hf_progress_bars() -> Iterator[None]:
     """No "Writing model shards" bars in the middle of the training progress output."""
     from transformers.utils import logging as hf_logging
 
@@ -414,7 +411,7 @@ def save_model_weights(
             kwargs["state_dict"] = dict(state_dict)
         if "safe_serialization" in inspect.signature(model.save_pretrained).parameters:
             kwargs["safe_serialization"] = True  # transformers 4.x; 5.x only writes safetensors
-        with _no_hf_progress_bars():
+        with no_hf_progress_bars():
             model.save_pretrained(directory, **kwargs)
         return
     from huggingface_hub import save_torch_state_dict
@@ -465,164 +462,55 @@ def write_weights_index(directory: Path, weight_files: Iterable[str]) -> None:
             start, end = info["data_offsets"]
             total += end - start
     index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
-    write_file_durably(directory / SAFE_WEIGHTS_INDEX_NAME, json.dumps(index, indent=2).encode())
+    write_file_durably(directory / WEIGHTS_INDEX_NAME, json.dumps(index, indent=2).encode())
 
 
-def weight_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
-    """The safetensors files holding a checkpoint's weights, and aliases of shared tensors."""
-    index_path = directory / SAFE_WEIGHTS_INDEX_NAME
-    if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-            names = sorted(set(index["weight_map"].values()))
-            metadata = index.get("metadata") or {}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{index_path}: unreadable weight index ({exc})") from exc
-        if any(Path(name).name != name for name in names):
-            raise CheckpointError(f"{index_path}: weight files must be plain names in {directory}")
-        files = [directory / name for name in names]
-        for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"{file}: listed in {index_path.name} but missing")
-        return files, {k: v for k, v in metadata.items() if isinstance(v, str)}
-    if (directory / SAFE_WEIGHTS_NAME).is_file():
-        return [directory / SAFE_WEIGHTS_NAME], {}
-    files = sorted(directory.glob("model*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"{directory}: no model weights ({SAFE_WEIGHTS_NAME}, {SAFE_WEIGHTS_INDEX_NAME} "
-            "or model-*.safetensors)"
-        )
-    return files, {}
+# ---------------------------------------------------------------------------------------------
+# safe reading of torch files
 
 
-def _tied_groups(state: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
-    """For each tied state-dict key, every key (itself included) naming the same tensor."""
-    by_identity: dict[tuple, list[str]] = {}
-    for name, tensor in state.items():
-        if tensor.numel() == 0 or tensor.device.type == "meta":
-            continue
-        identity = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tensor.dtype,
-        )
-        by_identity.setdefault(identity, []).append(name)
-    return {name: group for group in by_identity.values() for name in group if len(group) > 1}
+_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
+_OPERAND_RE = re.compile(r"Unsupported operand (\d+)")
 
 
-def _few(keys: Iterable[str], n: int = 5) -> str:
-    keys = sorted(keys)
-    shown = ", ".join(keys[:n])
-    return shown + (f" and {len(keys) - n} more" if len(keys) > n else "")
+def _refusal_reason(message: str) -> str:
+    if match := _GLOBAL_RE.search(message):
+        return f"unsupported global {match.group(1)}"
+    if match := _OPERAND_RE.search(message):
+        return f"unsupported pickle opcode {match.group(1)}"
+    return message.strip().splitlines()[0][:200] if message.strip() else "rejected by weights_only"
 
 
-def load_model_weights(
-    model: nn.Module,
-    checkpoint_dir: str | os.PathLike,
-    *,
-    strict: bool = True,
-    subset: bool = False,
-) -> None:
-    """Load a checkpoint's safetensors weights into ``model`` (unwrapped first), bit-exact.
+def load_torch_state(path: str | os.PathLike, *, mmap: bool = False) -> Any:
+    """``torch.load`` a checkpoint file to CPU with ``weights_only=True``.
 
-    Reads ``model.safetensors``, a sharded ``model.safetensors.index.json`` (any file names, so
-    per-stage files of the pipeline trainer load too) or, failing both, every
-    ``model*.safetensors``. Tied weights stored once count as present. With ``strict``, any
-    other missing or unexpected key is a CheckpointError.
-
-    ``subset``: the model holds part of the checkpoint's model (a pipeline stage, whose
-    parameters keep the full model's names). Only its own names are read, from whichever files
-    hold them; the checkpoint's other names are not unexpected, and with ``strict`` every name
-    of the model must be there.
+    A file holding anything besides tensors and plain data (a pickled function or class) is
+    refused with a CheckpointError, as is a missing or corrupt file. ``mmap`` maps the tensors
+    instead of reading them (for a look at the plain data around them).
     """
-    directory = Path(checkpoint_dir)
-    model = unwrap_model(model)
-    files, aliases = weight_files(directory)
-    expected = model.state_dict()
-    tied = _tied_groups(expected)
-    loaded = _read_weights(files, set(expected) if subset else None)
-
-    missing = set()
-    for name in expected:
-        if name in loaded:
-            continue
-        if aliases.get(name) in loaded or any(other in loaded for other in tied.get(name, ())):
-            continue
-        missing.add(name)
-    unexpected = set() if subset else set(loaded) - set(expected)
-    if is_hf_model(model):
-        for attr, keys in (
-            ("_keys_to_ignore_on_load_missing", missing),
-            ("_keys_to_ignore_on_load_unexpected", unexpected),
-        ):
-            for pattern in getattr(model, attr, None) or ():
-                keys.difference_update({k for k in keys if re.search(pattern, k)})
-    if (missing or unexpected) and is_hf_model(model) and not subset:
-        # transformers may keep weights in memory under other names than on disk (fused MoE
-        # experts); its own loader knows the conversion.
-        _load_hf_converted(model, directory, strict=strict)
-        return
-    if strict and (missing or unexpected):
-        parts = []
-        if missing:
-            parts.append(f"missing keys: {_few(missing)}")
-        if unexpected:
-            parts.append(f"unexpected keys: {_few(unexpected)}")
-        raise CheckpointError(
-            f"{directory}: weights do not match {type(model).__name__} ({'; '.join(parts)})"
-        )
+    path = Path(path)
+    if not path.is_file():
+        raise CheckpointError(f"{path}: missing")
     try:
-        model.load_state_dict({k: v for k, v in loaded.items() if k in expected}, strict=False)
-    except RuntimeError as exc:  # shape mismatches
+        import torch
+
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except pickle.UnpicklingError as exc:
         raise CheckpointError(
-            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
-        ) from exc
+            f"{path}: refusing to load: it holds Python objects other than tensors and plain "
+            f"data ({_refusal_reason(str(exc))}); a checkpoint can never run code. "
+            "Was it written by forge?"
+        ) from None
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        first = str(exc).strip().split(". ")[0] or type(exc).__name__
+        raise CheckpointError(f"{path}: unreadable, corrupt or truncated ({first})") from exc
 
 
-def _read_weights(files: list[Path], names: set[str] | None) -> dict[str, torch.Tensor]:
-    """The tensors of ``files`` (only those in ``names``, when given), on the CPU."""
-    from safetensors import SafetensorError, safe_open
-
-    loaded: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            with safe_open(file, framework="pt", device="cpu") as handle:
-                for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
-                    if names is None or key in names:
-                        loaded[key] = handle.get_tensor(key)
-        except (SafetensorError, OSError, ValueError) as exc:
-            raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from exc
-    return loaded
-
-
-def _load_hf_converted(model: nn.Module, directory: Path, *, strict: bool) -> None:
-    """Load through ``from_pretrained`` (which converts saved names), then copy exactly."""
-    dtype = next(model.parameters()).dtype
-    try:
-        with _no_hf_progress_bars():
-            loaded, info = type(model).from_pretrained(
-                directory, config=model.config, dtype=dtype, output_loading_info=True
-            )
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(
-            f"{directory}: cannot load weights into {type(model).__name__}: {exc}"
-        ) from exc
-    problems = {
-        k: v
-        for k, v in info.items()
-        if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")
-    }
-    if strict and problems:
-        parts = "; ".join(
-            f"{k.replace('_', ' ')}: {_few(map(str, v))}" for k, v in problems.items()
-        )
-        raise CheckpointError(f"{directory}: weights do not match {type(model).__name__} ({parts})")
-    state = loaded.state_dict()
-    try:
-        model.load_state_dict(state, strict=strict)
-    except RuntimeError as exc:
-        raise CheckpointError(
-            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
-        ) from exc
+def read_component_header(path: str | os.PathLike) -> dict[str, Any]:
+    """The header a component file carries (component, step, rank, stage), its tensors mapped
+    rather than read; CheckpointError for a file that is not a safe forge component file."""
+    payload = load_torch_state(path, mmap=True)
+    header = payload.get(HEADER_KEY) if isinstance(payload, dict) else None
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{path}: not a forge component file (no {HEADER_KEY} header)")
+    return header

@@ -17,10 +17,13 @@ from forge.checkpoint.io import (
     DELETE_PREFIX,
     OLD_PREFIX,
     TEMP_PREFIX,
+    WEIGHTS_INDEX_NAME,
     CheckpointError,
     hash_file,
     list_files,
     map_files,
+    read_component_header,
+    read_safetensors_header,
     remove_tree,
 )
 
@@ -31,11 +34,8 @@ logger = logging.getLogger(__name__)
 FORMAT_VERSION = 2
 MANIFEST_NAME = "manifest.json"
 CHECKPOINT_PREFIX = "checkpoint-"
-# Every component .pt file is {HEADER_KEY: {name, scope, step, rank, stage, ...}, "state": ...}
-# (registry.py); safetensors written by the CheckpointWriter carry the step in their metadata.
-HEADER_KEY = "forge_component"
+# Safetensors written by the CheckpointWriter carry the step in their metadata.
 STEP_METADATA = "forge_step"
-WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
 SCOPES = ("shared", "stage", "rank")
 _NAME_RE = re.compile(r"checkpoint-(\d+)")
 _RUN_DIR_RE = re.compile(r"run_(\d+)")
@@ -241,6 +241,14 @@ def validate_checkpoint(path: str | os.PathLike, *, verify_hashes: bool = True) 
     return _inspect(Path(path), verify_hashes)[1]
 
 
+def inspect_checkpoint(path: str | os.PathLike, *, verify_hashes: bool = True) -> CheckpointInfo:
+    """One checkpoint directory, its manifest and its problems (``validate_checkpoint``'s)."""
+    path = Path(path)
+    manifest, problems = _inspect(path, verify_hashes)
+    step = manifest.step if manifest is not None else parse_checkpoint_step(path)
+    return CheckpointInfo(path, -1 if step is None else step, not problems, problems, manifest)
+
+
 def _inspect(path: Path, verify_hashes: bool) -> tuple[CheckpointManifest | None, list[str]]:
     """A checkpoint's manifest (None if unusable) and its problems."""
     if not path.is_dir():
@@ -333,9 +341,6 @@ def _header_problems(path: Path, manifest: CheckpointManifest) -> list[str]:
                 problems.append(f"{name}: {problem}")
     if not manifest.components or _component_problems(manifest):
         return problems  # format 1, or a manifest whose components are already wrong
-    from forge.checkpoint.io import CheckpointError
-    from forge.checkpoint.state import read_component_header
-
     for component, entry in sorted(manifest.components.items()):
         if entry.get("weights"):
             continue
@@ -373,8 +378,6 @@ def _expected_headers(
 
 
 def _safetensors_step_problem(file: Path, step: int) -> str | None:
-    from forge.checkpoint.io import read_safetensors_header
-
     try:
         metadata = read_safetensors_header(file).get("__metadata__") or {}
     except (OSError, ValueError, AttributeError, struct.error) as exc:
@@ -463,10 +466,10 @@ def _summary(problems: list[str], limit: int = 3) -> str:
     return shown + (f"; and {len(problems) - limit} more" if len(problems) > limit else "")
 
 
-def find_latest_checkpoint(
+def latest_valid_checkpoint(
     dirs: str | os.PathLike | Sequence[str | os.PathLike], *, verify_hashes: bool = True
-) -> Path | None:
-    """The valid checkpoint with the highest step, or None.
+) -> CheckpointInfo | None:
+    """The valid checkpoint with the highest step (validated once, manifest read), or None.
 
     ``dirs`` is a checkpoints (or run) directory, or several of them oldest first (the runs of
     one config): the last one holding a valid checkpoint wins. Newer invalid checkpoints are
@@ -476,11 +479,21 @@ def find_latest_checkpoint(
         dirs = [dirs]
     for directory in reversed(list(dirs)):
         for _, path in reversed(_checkpoint_dirs(directory)):
-            problems = validate_checkpoint(path, verify_hashes=verify_hashes)
-            if not problems:
-                return path
-            logger.warning("skipping %s: %s (in %s)", path.name, _summary(problems), path.parent)
+            info = inspect_checkpoint(path, verify_hashes=verify_hashes)
+            if info.valid:
+                return info
+            logger.warning(
+                "skipping %s: %s (in %s)", path.name, _summary(info.problems), path.parent
+            )
     return None
+
+
+def find_latest_checkpoint(
+    dirs: str | os.PathLike | Sequence[str | os.PathLike], *, verify_hashes: bool = True
+) -> Path | None:
+    """The path of :func:`latest_valid_checkpoint`, or None."""
+    info = latest_valid_checkpoint(dirs, verify_hashes=verify_hashes)
+    return info.path if info is not None else None
 
 
 def resume_search_dirs(output_dir: str | os.PathLike) -> list[Path]:
@@ -495,38 +508,6 @@ def resume_search_dirs(output_dir: str | os.PathLike) -> list[Path]:
         key=lambda p: int(_RUN_DIR_RE.fullmatch(p.name).group(1)),
     )
     return [run / "checkpoints" for run in runs if run.name != out.name] + [own]
-
-
-def find_resume_checkpoint(
-    resume: bool | str | os.PathLike, output_dir: str | os.PathLike
-) -> Path | None:
-    """The checkpoint ``resume`` names: True, a checkpoint, or a run / checkpoints directory.
-
-    True with nothing found warns and returns None (train from scratch); a path that is not
-    a valid checkpoint raises CheckpointError listing its problems.
-    """
-    if resume is True:
-        dirs = resume_search_dirs(output_dir)
-        found = find_latest_checkpoint(dirs)
-        if found is None:
-            logger.warning(
-                "resume_from_checkpoint is set but there is no valid checkpoint in %s; "
-                "training from scratch",
-                ", ".join(str(d) for d in dirs),
-            )
-        return found
-    path = Path(resume)
-    if path.is_dir() and not (path / MANIFEST_NAME).exists():
-        if parse_checkpoint_step(path) is None:  # a run or checkpoints directory
-            found = find_latest_checkpoint(path)
-            if found is None:
-                raise CheckpointError(f"{path}: no valid checkpoint to resume from")
-            return found
-    problems = validate_checkpoint(path)
-    if problems:
-        listed = "\n".join(f"  - {p}" for p in problems)
-        raise CheckpointError(f"cannot resume from {path}:\n{listed}")
-    return path
 
 
 # ---------------------------------------------------------------------------------------------

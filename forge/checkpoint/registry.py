@@ -37,16 +37,14 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from forge.checkpoint.io import CheckpointError, list_files
+from forge.checkpoint.io import HEADER_KEY, CheckpointError, list_files, load_torch_state
 from forge.checkpoint.layout import (
     FORMAT_VERSION,
-    HEADER_KEY,
     CheckpointManifest,
     component_file_names,
     read_manifest,
     stage_weights_name,
 )
-from forge.checkpoint.state import load_torch_state
 
 logger = logging.getLogger(__name__)
 

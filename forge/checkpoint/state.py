@@ -3,10 +3,7 @@ random generators) and safe loading of torch files."""
 
 from __future__ import annotations
 
-import os
-import pickle
 import random
-import re
 from pathlib import Path
 from typing import Any
 
@@ -14,12 +11,9 @@ import numpy as np
 import torch
 
 from forge.checkpoint.hf import MODEL_RECORD, describe_model, is_hf_model, prepare_config
-from forge.checkpoint.io import (
-    CheckpointError,
-    load_model_weights,
-    unwrap_model,
-)
-from forge.checkpoint.layout import HEADER_KEY
+from forge.checkpoint.io import CheckpointError
+from forge.checkpoint.weights import load_model_weights
+from forge.wrappers import unwrap_model
 
 
 def capture_rng_state(device: torch.device | None = None) -> dict[str, Any]:
@@ -71,51 +65,6 @@ def restore_rng_state(state: dict[str, Any], device: torch.device | None = None)
             torch.cuda.set_rng_state(state["cuda"], device)
         else:
             torch.cuda.set_rng_state(state["cuda"])
-
-
-_GLOBAL_RE = re.compile(r"GLOBAL ([\w.]+)")
-_OPERAND_RE = re.compile(r"Unsupported operand (\d+)")
-
-
-def _refusal_reason(message: str) -> str:
-    if match := _GLOBAL_RE.search(message):
-        return f"unsupported global {match.group(1)}"
-    if match := _OPERAND_RE.search(message):
-        return f"unsupported pickle opcode {match.group(1)}"
-    return message.strip().splitlines()[0][:200] if message.strip() else "rejected by weights_only"
-
-
-def load_torch_state(path: str | os.PathLike, *, mmap: bool = False) -> Any:
-    """``torch.load`` a checkpoint file to CPU with ``weights_only=True``.
-
-    A file holding anything besides tensors and plain data (a pickled function or class) is
-    refused with a CheckpointError, as is a missing or corrupt file. ``mmap`` maps the tensors
-    instead of reading them (for a look at the plain data around them).
-    """
-    path = Path(path)
-    if not path.is_file():
-        raise CheckpointError(f"{path}: missing")
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
-    except pickle.UnpicklingError as exc:
-        raise CheckpointError(
-            f"{path}: refusing to load: it holds Python objects other than tensors and plain "
-            f"data ({_refusal_reason(str(exc))}); a checkpoint can never run code. "
-            "Was it written by forge?"
-        ) from None
-    except (RuntimeError, EOFError, OSError, ValueError) as exc:
-        first = str(exc).strip().split(". ")[0] or type(exc).__name__
-        raise CheckpointError(f"{path}: unreadable, corrupt or truncated ({first})") from exc
-
-
-def read_component_header(path: str | os.PathLike) -> dict[str, Any]:
-    """The header a component file carries (component, step, rank, stage), its tensors mapped
-    rather than read; CheckpointError for a file that is not a safe forge component file."""
-    payload = load_torch_state(path, mmap=True)
-    header = payload.get(HEADER_KEY) if isinstance(payload, dict) else None
-    if not isinstance(header, dict):
-        raise CheckpointError(f"{path}: not a forge component file (no {HEADER_KEY} header)")
-    return header
 
 
 # ---------------------------------------------------------------------------------------------

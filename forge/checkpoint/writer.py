@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from forge.checkpoint.faults import fault_point
-from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME, directory_mismatch
+from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
 from forge.checkpoint.io import (
     TEMP_PREFIX,
     CheckpointError,
@@ -32,7 +32,6 @@ from forge.checkpoint.io import (
     save_model_weights,
     save_tensors,
     sync_and_hash,
-    weight_files,
     write_file_atomically,
     write_file_durably,
     write_weights_index,
@@ -46,6 +45,7 @@ from forge.checkpoint.layout import (
     find_checkpoints,
     sweep_temp_dirs,
 )
+from forge.checkpoint.weights import directory_mismatch, weight_files
 
 logger = logging.getLogger(__name__)
 

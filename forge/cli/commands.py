@@ -318,22 +318,25 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) -> int:
+    from forge.checkpoint.resolve import CheckpointNotFound, resume_checkpoint
     from forge.launch import launch_training, resolve_nproc
     from forge.preflight import check_training_contract
-    from forge.runs import (
-        RunRecord,
-        find_resume_checkpoint,
-        nothing_to_resume,
-        parse_run_config,
-        record_resume,
-    )
+    from forge.runs import RunRecord, nothing_to_resume, parse_run_config, record_resume
     from forge.worker import build_variables
 
-    from_checkpoint = Path(args.from_checkpoint) if args.from_checkpoint else None
-    checkpoint = find_resume_checkpoint(run_dir, from_checkpoint)
+    from_checkpoint = Path(args.from_checkpoint).resolve() if args.from_checkpoint else None
+    try:  # validated (hashed) here, once: the training processes take it as it is
+        checkpoint = resume_checkpoint(from_checkpoint or run_dir, run_dir)
+    except CheckpointNotFound as err:
+        hint = (
+            "" if from_checkpoint else " Start a new run with `forge train`, or pass --from CKPT."
+        )
+        raise CheckpointNotFound(f"{err}; nothing was changed.{hint}") from None
     overrides = args.set or []
     cfg = parse_run_config(run_dir, project, overrides, args.allow or [])
-    done = nothing_to_resume(run_dir, checkpoint, cfg, changed=bool(overrides or from_checkpoint))
+    done = nothing_to_resume(
+        run_dir, checkpoint.path, cfg, changed=bool(overrides or from_checkpoint)
+    )
     if done:
         logger.info("%s", done)
         return EXIT_OK
@@ -350,7 +353,7 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) ->
     )
     if overrides:
         (run_dir / "config.yaml").write_text(cfg.text)
-    record_resume(run_dir, checkpoint, overrides=overrides, world_size=nproc)
+    record_resume(run_dir, checkpoint.path, overrides=overrides, world_size=nproc)
     print(run_dir, flush=True)
     logger.info("resuming %s from %s", run_dir, checkpoint)
     return launch_training(
@@ -358,7 +361,7 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) ->
         run_dir,
         nproc,
         torchrun_args=args.torchrun_args,
-        resume_from=str(checkpoint),
+        resume_from=checkpoint,
         allow=args.allow or [],
         verbose=args.verbose,
         max_restarts=max_restarts,
@@ -482,9 +485,10 @@ def _tree_bytes(path: Path) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from forge.generate import generate_text, resolve_checkpoint
+    from forge.checkpoint.resolve import resolve_checkpoint
+    from forge.generate import generate_text
 
-    checkpoint = resolve_checkpoint(Path(args.checkpoint), best=args.best)
+    checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, models=True).path
     logger.info("generating from %s", checkpoint)
     texts = generate_text(
         checkpoint,
@@ -522,10 +526,10 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from forge.generate import resolve_checkpoint
+    from forge.checkpoint.resolve import resolve_checkpoint
     from forge.predict import evaluate_checkpoint
 
-    checkpoint = resolve_checkpoint(Path(args.checkpoint), best=args.best)
+    checkpoint = resolve_checkpoint(args.checkpoint, best=args.best).path
     logger.info("evaluating %s on the %s split", checkpoint, args.split)
     metrics = evaluate_checkpoint(checkpoint, args.split, args.allow or [])
     if args.json:
@@ -542,12 +546,12 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from forge.generate import resolve_checkpoint
+    from forge.checkpoint.resolve import resolve_checkpoint
     from forge.predict import predict_file
 
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--batch-size and --max-new-tokens must be positive integers")
-    checkpoint = resolve_checkpoint(Path(args.checkpoint), best=args.best)
+    checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, models=True).path
     logger.info("predicting with %s", checkpoint)
     count = predict_file(
         checkpoint,

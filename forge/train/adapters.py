@@ -134,10 +134,10 @@ def bare_tensor_message(tensor: torch.Tensor, label: str) -> str:
 def forward_names(model: Any) -> list[str]:
     """The named parameters of the forward a batch is given to (through wrappers such as
     DDP and LossAdapter); ``model`` is a module or a module class."""
-    from forge.train.evaluation import unwrap
+    from forge.wrappers import unwrap_model
 
     if isinstance(model, nn.Module):
-        model = unwrap(model)
+        model = unwrap_model(model, through_adapters=True)
     forward = getattr(model, "forward", None)
     if forward is None:
         return []

@@ -37,6 +37,7 @@ from torch.optim.lr_scheduler import LRScheduler
 from torch.utils.data import Dataset
 
 from forge.checkpoint import (
+    Checkpoint,
     CheckpointError,
     CheckpointRegistry,
     CheckpointWriter,
@@ -45,8 +46,8 @@ from forge.checkpoint import (
     OptimizerState,
     RngState,
     Scope,
-    find_resume_checkpoint,
     load_model_weights,
+    resume_checkpoint,
     rotate_checkpoints,
     unwrap_model,
 )
@@ -79,7 +80,6 @@ from forge.train.evaluation import (
     is_causal_lm,
     loss_shifts_labels,
     resolve_label_names,
-    unwrap,
 )
 from forge.train.evaluator import Evaluator
 from forge.train.integrations import integration_callback
@@ -288,12 +288,15 @@ class BaseTrainer:
         return callbacks
 
     # ------------------------------------------------------------------ the loop
-    def train(self, resume_from_checkpoint: bool | str | os.PathLike | None = None) -> TrainOutput:
+    def train(
+        self, resume_from_checkpoint: bool | str | os.PathLike | Checkpoint | None = None
+    ) -> TrainOutput:
         """Train to ``max_steps`` (or ``num_train_epochs``), optionally resuming first.
 
         ``resume_from_checkpoint`` (None: ``args.resume_from_checkpoint``) is False, True (the
         newest valid checkpoint of this run, else of its sibling ``run_*`` directories; a
-        warning and a fresh start when there is none) or a checkpoint path. SIGINT / SIGTERM
+        warning and a fresh start when there is none), a checkpoint or run path, or a
+        ``Checkpoint`` resolved (and hashed) already by forge.checkpoint.resolve. SIGINT / SIGTERM
         stop at the next step boundary with a checkpoint and raise ``TrainingInterrupted``.
         """
         if resume_from_checkpoint is None:
@@ -304,7 +307,7 @@ class BaseTrainer:
                 self._setup_training()
                 checkpoint = self._resolve_checkpoint(resume_from_checkpoint)
                 if checkpoint is not None:
-                    self._load_checkpoint(checkpoint)
+                    self._load_checkpoint(checkpoint.path)
                 with self._signals:
                     return self._train_loop()
             finally:
@@ -676,7 +679,7 @@ class BaseTrainer:
         (a ``PreTrainedModel``) 6 x the main input's tokens x the parameters outside the
         embeddings. None otherwise: ``total_flos`` is then left out of the summary. Override
         to count another way."""
-        model = unwrap(self.model)
+        model = unwrap_model(self.model, through_adapters=True)
         estimate = getattr(model, "floating_point_ops", None)
         if callable(estimate):
             return float(estimate(batch))
@@ -914,7 +917,7 @@ class BaseTrainer:
         """What ``remove_unused_columns`` keeps (None: keep every column)."""
         if not self.args.remove_unused_columns:
             return None
-        return ModelInputs.of(unwrap(self.model), self.label_names)
+        return ModelInputs.of(unwrap_model(self.model, through_adapters=True), self.label_names)
 
     @property
     def label_names(self) -> list[str]:
@@ -1081,14 +1084,17 @@ class BaseTrainer:
             self.model = self.build_model()
         load_model_weights(self.model, Path(checkpoint), strict=True)
 
-    def _resolve_checkpoint(self, resume: bool | str | os.PathLike) -> Path | None:
-        """The checkpoint to resume from, found on rank 0 and shared with every rank."""
+    def _resolve_checkpoint(
+        self, resume: bool | str | os.PathLike | Checkpoint | None
+    ) -> Checkpoint | None:
+        """The checkpoint to resume from, found (and validated, once) on rank 0 and shared
+        with every rank."""
         if resume is False or resume is None:
             return None
         found, error = None, None
         if self.is_main_process:
             try:
-                found = find_resume_checkpoint(resume, self.args.output_dir)
+                found = resume_checkpoint(resume, self.args.output_dir)
             except CheckpointError as exc:
                 error = str(exc)
         found, error = dist.broadcast_object((found, error))

@@ -20,6 +20,7 @@ from torch import nn
 
 from forge.suggest import suggestion
 from forge.train import dist
+from forge.wrappers import unwrap_model
 
 IGNORE_INDEX = -100  # label value the loss skips; also the padding of gathered arrays
 
@@ -30,7 +31,9 @@ def default_label_names(model: Any) -> list[str]:
     module (looked at through its wrappers) or a module class."""
     from transformers.utils import find_labels
 
-    return find_labels(model if isinstance(model, type) else type(unwrap(model)))
+    return find_labels(
+        model if isinstance(model, type) else type(unwrap_model(model, through_adapters=True))
+    )
 
 
 def resolve_label_names(given: Sequence[str] | None, model: Any, has_loss_func: bool) -> list[str]:
@@ -45,22 +48,9 @@ def resolve_label_names(given: Sequence[str] | None, model: Any, has_loss_func: 
     return names
 
 
-def unwrap(model: nn.Module) -> nn.Module:
-    """The model inside DDP / compile / PEFT wrappers (whose ``forward`` names the inputs)."""
-    while True:
-        if hasattr(model, "get_base_model"):
-            model = model.get_base_model()
-        elif isinstance(getattr(model, "module", None), nn.Module):
-            model = model.module
-        elif isinstance(getattr(model, "_orig_mod", None), nn.Module):
-            model = model._orig_mod
-        else:
-            return model
-
-
 def is_causal_lm(model: nn.Module) -> bool:
     """A decoder-only generative model (its loss shifts the labels by one token)."""
-    model = unwrap(model)
+    model = unwrap_model(model, through_adapters=True)
     config = getattr(model, "config", None)
     can_generate = getattr(model, "can_generate", None)
     if config is None or not callable(can_generate):
@@ -72,7 +62,7 @@ def loss_shifts_labels(model: nn.Module) -> bool:
     """Whether the model's loss predicts label i+1 at position i (a causal LM's), so the first
     label of each row is no target: Hugging Face's Trainer asks the loss its ``loss_type``
     names, and leaves encoder-decoders out."""
-    model = unwrap(model)
+    model = unwrap_model(model, through_adapters=True)
     try:
         from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
     except ImportError:  # transformers before its loss mapping
@@ -88,7 +78,7 @@ def accepts_loss_kwargs(model: nn.Module) -> bool:
     Hugging Face's Trainer decides)."""
     import inspect
 
-    model = unwrap(model)
+    model = unwrap_model(model, through_adapters=True)
     said = getattr(model, "accepts_loss_kwargs", None)
     if said is not None:
         return bool(said)

@@ -71,9 +71,10 @@ def name_causal_lm_loss(model: nn.Module) -> None:
     (``loss_type``, transformers' own switch) keeps the loss and drops the warning. Any other
     model keeps its None, and the warning, which then says something.
     """
-    from forge.train.evaluation import is_causal_lm, unwrap
+    from forge.train.evaluation import is_causal_lm
+    from forge.wrappers import unwrap_model
 
-    model = unwrap(model)
+    model = unwrap_model(model, through_adapters=True)
     if getattr(model, "loss_type", "") is not None or not is_causal_lm(model):
         return
     try:

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from forge.checkpoint.io import sync_and_hash
-from forge.runs import find_resume_checkpoint
+from forge.checkpoint.resolve import resume_checkpoint
 from tests.helpers import run_forge
 
 pytestmark = pytest.mark.integration
@@ -125,7 +125,7 @@ def test_damage_is_named_skipped_and_reported_before_loading(trained, case):
     assert rows["train/run_001/checkpoints/checkpoint-000030"].endswith("valid")
 
     # discovery (what `forge resume` runs first) passes it over
-    assert find_resume_checkpoint(run_dir) == checkpoints / f"checkpoint-{resumes_at:06d}"
+    assert resume_checkpoint(run_dir, run_dir).path == checkpoints / f"checkpoint-{resumes_at:06d}"
 
 
 @pytest.mark.slow

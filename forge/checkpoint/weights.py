@@ -1,0 +1,279 @@
+"""Reading a checkpoint's model weights: the one reader the trainers, ``forge export``,
+``forge generate``, ``forge evaluate`` and ``forge predict`` use.
+
+A checkpoint's weights are Hugging Face's safetensors layout: ``model.safetensors``, or shards
+named in ``model.safetensors.index.json`` (``save_pretrained``'s shards, or the pipeline
+trainer's one file per stage, all keyed by the unsplit model's names). :func:`weight_files`
+finds them, :func:`read_weights` reads their tensors, :func:`load_model_weights` puts them into
+a model by name (bit-exact; a pipeline stage reads only its own names),
+:func:`load_pretrained` builds a Hugging Face directory's model and fills it that way, and
+:func:`hf_directory_problem` says whether ``from_pretrained`` of the directory's config would
+load them in full (forge.checkpoint.hf knows which names an architecture has).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forge.checkpoint.hf import (
+    CONFIG_NAME,
+    GENERATION_CONFIG_NAME,
+    ArchitectureError,
+    Unverifiable,
+    expected_for_config_text,
+    few,
+    is_hf_model,
+)
+from forge.checkpoint.io import (
+    WEIGHTS_INDEX_NAME,
+    WEIGHTS_NAME,
+    CheckpointError,
+    no_hf_progress_bars,
+    read_safetensors_header,
+)
+from forge.wrappers import unwrap_model
+
+if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
+    import torch
+    from torch import nn
+
+
+def weight_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
+    """The safetensors files holding a checkpoint's weights, and aliases of shared tensors."""
+    index_path = directory / WEIGHTS_INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            names = sorted(set(index["weight_map"].values()))
+            metadata = index.get("metadata") or {}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index_path}: unreadable weight index ({exc})") from exc
+        if any(Path(name).name != name for name in names):
+            raise CheckpointError(f"{index_path}: weight files must be plain names in {directory}")
+        files = [directory / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: listed in {index_path.name} but missing")
+        return files, {k: v for k, v in metadata.items() if isinstance(v, str)}
+    if (directory / WEIGHTS_NAME).is_file():
+        return [directory / WEIGHTS_NAME], {}
+    files = sorted(directory.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{directory}: no model weights ({WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME} "
+            "or model-*.safetensors)"
+        )
+    return files, {}
+
+
+def _tied_groups(state: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
+    """For each tied state-dict key, every key (itself included) naming the same tensor."""
+    by_identity: dict[tuple, list[str]] = {}
+    for name, tensor in state.items():
+        if tensor.numel() == 0 or tensor.device.type == "meta":
+            continue
+        identity = (
+            tensor.untyped_storage().data_ptr(),
+            tensor.storage_offset(),
+            tuple(tensor.shape),
+            tensor.dtype,
+        )
+        by_identity.setdefault(identity, []).append(name)
+    return {name: group for group in by_identity.values() for name in group if len(group) > 1}
+
+
+def load_model_weights(
+    model: nn.Module,
+    checkpoint_dir: str | os.PathLike,
+    *,
+    strict: bool = True,
+    subset: bool = False,
+) -> None:
+    """Load a checkpoint's safetensors weights into ``model`` (unwrapped first), bit-exact.
+
+    Reads ``model.safetensors``, a sharded ``model.safetensors.index.json`` (any file names, so
+    per-stage files of the pipeline trainer load too) or, failing both, every
+    ``model*.safetensors``. Tied weights stored once count as present. With ``strict``, any
+    other missing or unexpected key is a CheckpointError.
+
+    ``subset``: the model holds part of the checkpoint's model (a pipeline stage, whose
+    parameters keep the full model's names). Only its own names are read, from whichever files
+    hold them; the checkpoint's other names are not unexpected, and with ``strict`` every name
+    of the model must be there.
+    """
+    directory = Path(checkpoint_dir)
+    model = unwrap_model(model)
+    files, aliases = weight_files(directory)
+    expected = model.state_dict()
+    tied = _tied_groups(expected)
+    loaded = _read_files(files, set(expected) if subset else None)
+
+    missing = set()
+    for name in expected:
+        if name in loaded:
+            continue
+        if aliases.get(name) in loaded or any(other in loaded for other in tied.get(name, ())):
+            continue
+        missing.add(name)
+    unexpected = set() if subset else set(loaded) - set(expected)
+    if is_hf_model(model):
+        for attr, keys in (
+            ("_keys_to_ignore_on_load_missing", missing),
+            ("_keys_to_ignore_on_load_unexpected", unexpected),
+        ):
+            for pattern in getattr(model, attr, None) or ():
+                keys.difference_update({k for k in keys if re.search(pattern, k)})
+    if (missing or unexpected) and is_hf_model(model) and not subset:
+        # transformers may keep weights in memory under other names than on disk (fused MoE
+        # experts); its own loader knows the conversion.
+        _load_hf_converted(model, directory, strict=strict)
+        return
+    if strict and (missing or unexpected):
+        parts = []
+        if missing:
+            parts.append(f"missing keys: {few(missing)}")
+        if unexpected:
+            parts.append(f"unexpected keys: {few(unexpected)}")
+        raise CheckpointError(
+            f"{directory}: weights do not match {type(model).__name__} ({'; '.join(parts)})"
+        )
+    try:
+        model.load_state_dict({k: v for k, v in loaded.items() if k in expected}, strict=False)
+    except RuntimeError as exc:  # shape mismatches
+        raise CheckpointError(
+            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+        ) from exc
+
+
+def read_weights(
+    directory: str | os.PathLike, names: set[str] | None = None
+) -> dict[str, torch.Tensor]:
+    """The tensors of a directory's weight files (only those in ``names``, when given), on the
+    CPU, under the names they are saved with. A name stored in two files with other values is
+    a CheckpointError (which one is the model's?); tied copies stored twice are one tensor."""
+    files, _ = weight_files(Path(directory))
+    return _read_files(files, names)
+
+
+def _read_files(files: list[Path], names: set[str] | None) -> dict[str, torch.Tensor]:
+    import torch
+    from safetensors import SafetensorError, safe_open
+
+    loaded: dict[str, torch.Tensor] = {}
+    where: dict[str, Path] = {}
+    for file in files:
+        try:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                    if names is not None and key not in names:
+                        continue
+                    tensor = handle.get_tensor(key)
+                    if key in loaded and not torch.equal(loaded[key], tensor):
+                        raise CheckpointError(
+                            f"{file}: holds {key} again, with other values than "
+                            f"{where[key].name}: which one is the model's?"
+                        )
+                    loaded[key], where[key] = tensor, file
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from exc
+    return loaded
+
+
+def _load_hf_converted(model: nn.Module, directory: Path, *, strict: bool) -> None:
+    """Load through ``from_pretrained`` (which converts saved names), then copy exactly."""
+    dtype = next(model.parameters()).dtype
+    try:
+        with no_hf_progress_bars():
+            loaded, info = type(model).from_pretrained(
+                directory, config=model.config, dtype=dtype, output_loading_info=True
+            )
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise CheckpointError(
+            f"{directory}: cannot load weights into {type(model).__name__}: {exc}"
+        ) from exc
+    problems = {
+        k: v
+        for k, v in info.items()
+        if v and k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+    }
+    if strict and problems:
+        parts = "; ".join(f"{k.replace('_', ' ')}: {few(map(str, v))}" for k, v in problems.items())
+        raise CheckpointError(f"{directory}: weights do not match {type(model).__name__} ({parts})")
+    state = loaded.state_dict()
+    try:
+        model.load_state_dict(state, strict=strict)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+        ) from exc
+
+
+# ---------------------------------------------------------------------------------------------
+# whether from_pretrained would load them
+
+
+def weight_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
+    """Every tensor name in safetensors ``files`` with its shape, read from their headers."""
+    shapes: dict[str, tuple[int, ...]] = {}
+    for file in files:
+        for name, info in read_safetensors_header(file).items():
+            if name != "__metadata__":
+                shapes[name] = tuple(info["shape"])
+    return shapes
+
+
+def directory_mismatch(directory: Path, weight_files: Iterable[Path]) -> str | None:
+    """Why ``directory``'s ``config.json`` does not describe its weights, or None (also when
+    that cannot be checked here: custom model code, quantized weights)."""
+    path = directory / CONFIG_NAME
+    try:
+        expected = expected_for_config_text(path.read_text())
+    except OSError as exc:
+        return f"{path}: unreadable ({exc})"
+    except Unverifiable:
+        return None
+    except ArchitectureError as exc:
+        return str(exc)
+    problem = expected.mismatch(weight_shapes(weight_files))
+    return f"its weights are not {expected.architecture}'s ({problem})" if problem else None
+
+
+def hf_directory_problem(directory: Path) -> str | None:
+    """Why ``from_pretrained`` would not load ``directory``'s weights in full (no config.json,
+    or weights that are not its architecture's), or None when it would."""
+    if not (Path(directory) / CONFIG_NAME).is_file():
+        return f"it has no {CONFIG_NAME}"
+    try:
+        files, _ = weight_files(Path(directory))
+    except CheckpointError as exc:
+        return str(exc)
+    return directory_mismatch(Path(directory), files)
+
+
+def load_pretrained(directory: str | os.PathLike, auto_class: Any) -> nn.Module:
+    """The transformers model a Hugging Face directory (a checkpoint's, an export) holds, for
+    generate and predict: built from its ``config.json`` with ``auto_class``
+    (``AutoModelForCausalLM``, ...), in the dtype the config records, and filled by
+    :func:`load_model_weights`, the reader the trainers use (every name checked, bit-exact),
+    not by ``from_pretrained``'s own loader. Its generation config comes with it."""
+    import torch
+    from transformers import AutoConfig, GenerationConfig
+
+    directory = Path(directory)
+    config = AutoConfig.from_pretrained(directory)
+    dtype = getattr(config, "dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype, None)
+    with no_hf_progress_bars():
+        model = auto_class.from_config(
+            config, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32
+        )
+    load_model_weights(model, directory, strict=True)
+    if model.can_generate() and (directory / GENERATION_CONFIG_NAME).is_file():
+        model.generation_config = GenerationConfig.from_pretrained(directory)
+    return model.eval()

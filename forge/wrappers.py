@@ -1,0 +1,63 @@
+"""The user's model inside the wrappers that training puts around it.
+
+One function for every place that needs "the model itself": the checkpoint layer (whose weights
+to save and load, which class to describe) and the trainers (whose ``forward`` names the
+inputs, whose config says how the loss shifts labels).
+
+Peeled always: ``DistributedDataParallel`` / ``DataParallel`` / FSDP(1) / DeepSpeed's engine
+and forge's ``LossAdapter`` (all keep the model as ``.module``), and ``torch.compile``
+(``._orig_mod``); Accelerate's ``prepare`` uses exactly these.
+
+A peft ``PeftModel`` is *kept* by default: with adapters the PEFT model is the model being
+trained. Its state-dict names (``base_model.model....lora_A.default.weight``) are what a
+checkpoint holds and a resume loads, and its own ``save_pretrained`` writes the adapter; peeling
+it would save the base model with the adapter layers injected under names no one loads.
+``through_adapters=True`` goes on to the PEFT model's base transformers model, for what only
+the base model knows: its ``forward``'s parameter names, its config, its label names, its
+FLOP estimate.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import nn
+
+__all__ = ["is_peft_model", "unwrap_model"]
+
+
+def is_peft_model(model: object) -> bool:
+    """Whether ``model`` is a peft ``PeftModel`` (or a mixed-adapter model) around a base."""
+    if "peft" not in sys.modules:  # peft never imported: no model can be one of its classes
+        return False
+    peft = sys.modules["peft"]
+    kinds = tuple(
+        kind
+        for kind in (getattr(peft, "PeftModel", None), getattr(peft, "PeftMixedModel", None))
+        if isinstance(kind, type)
+    )
+    return bool(kinds) and isinstance(model, kinds)
+
+
+def unwrap_model(model: nn.Module, *, through_adapters: bool = False) -> nn.Module:
+    """The model inside DDP / DataParallel / FSDP / Accelerate / torch.compile / LossAdapter.
+
+    A PEFT model is returned as it is (it is the trained model: its names are the
+    checkpoint's), or, with ``through_adapters``, unwrapped to its base transformers model.
+    """
+    from torch import nn
+
+    while True:
+        if is_peft_model(model):
+            if not through_adapters:
+                return model
+            model = model.get_base_model()
+            continue
+        inner = getattr(model, "_orig_mod", None)
+        if not isinstance(inner, nn.Module):
+            inner = getattr(model, "module", None)
+        if not isinstance(inner, nn.Module):
+            return model
+        model = inner
