@@ -328,8 +328,7 @@ class CheckpointRegistry:
             if component.on_reshape is None:
                 raise CheckpointError(
                     f"{path}: component '{component.name}' is per rank and {description}; "
-                    f"resume with {resume}"
-                    + (f", or {component.fix}" if component.fix else "")
+                    f"resume with {resume}" + (f", or {component.fix}" if component.fix else "")
                 )
             component.on_reshape(description)
             return _SKIPPED

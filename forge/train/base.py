@@ -985,10 +985,13 @@ class BaseTrainer:
         the model, optimizer and scheduler, before a checkpoint is loaded)."""
         self.checkpoint_registry = CheckpointRegistry(self.topology)
         self.register_components()
+        registered = [c.obj for c in self.checkpoint_registry.components.values()]
+        self.callback_handler.keep_apart(registered)
         listeners = [
             obj.on_optimizer_step
-            for obj in (c.obj for c in self.checkpoint_registry.components.values())
+            for obj in registered
             if callable(getattr(obj, "on_optimizer_step", None))
+            and not any(obj is cb for cb in self.callback_handler.callbacks)  # called as one
         ]
         if self.callback_handler.listens("on_optimizer_step"):
             listeners.append(functools.partial(self._call, "on_optimizer_step"))

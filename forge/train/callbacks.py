@@ -185,6 +185,12 @@ class CallbackHandler:
 
     def __init__(self, callbacks: list[TrainerCallback]) -> None:
         self.callbacks = list(callbacks)
+        self.apart: list[TrainerCallback] = []  # checkpoint components of their own
+
+    def keep_apart(self, components: list[Any]) -> None:
+        """Callbacks that registered themselves as checkpoint components (of any scope): their
+        state is theirs to save, not part of the callbacks' shared state."""
+        self.apart = [cb for cb in self.callbacks if any(cb is obj for obj in components)]
 
     def add(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
@@ -213,6 +219,8 @@ class CallbackHandler:
     def _stateful(self) -> dict[str, TrainerCallback]:
         named: dict[str, TrainerCallback] = {}
         for callback in self.callbacks:
+            if any(callback is apart for apart in self.apart):
+                continue
             if hasattr(callback, "state_dict") and hasattr(callback, "load_state_dict"):
                 name, n = type(callback).__name__, 1
                 while name in named:
