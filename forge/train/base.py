@@ -231,6 +231,7 @@ class BaseTrainer:
         self.data_position = DataPosition()  # where the loop is in the data
         self.checkpoint_registry: CheckpointRegistry | None = None  # built by train()
         self._step_listeners: list[Callable[..., None]] = []  # their on_optimizer_step
+        self._early_components: list[Component] = []  # registered by the transform stage
         # several ranks agree on a signal only at steps that sync anyway (see _should_stop)
         self._signals = StopSignals(
             "the next step that logs, evaluates or saves"
@@ -768,6 +769,7 @@ class BaseTrainer:
         args = self.args
         apply_runtime_settings(args, self.topology.is_main)
         set_seed(args.seed)
+        self.checkpoint_registry, self._early_components = None, []
         self.wrapped_model = self.transform_model()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
@@ -972,13 +974,14 @@ class BaseTrainer:
     def register(self, component: Component) -> None:
         """Add a checkpoint component: the one way trainers (``register_components``),
         callbacks (``on_register``) and model transforms add state to every checkpoint. It is
-        saved and restored in registration order, random generators last."""
+        saved and restored in registration order, random generators last.
+
+        The model-transform stage runs before the optimizer exists: what it registers joins
+        the registry when ``train()`` builds it, after the model and optimizer."""
         if self.checkpoint_registry is None:
-            raise RuntimeError(
-                "checkpoint components are registered while train() sets up (override "
-                "register_components, or a callback's on_register)"
-            )
-        self.checkpoint_registry.register(component)
+            self._early_components.append(component)
+        else:
+            self.checkpoint_registry.register(component)
 
     def build_checkpoint_registry(self) -> CheckpointRegistry:
         """A fresh registry of this trainer's components (``train()`` builds it once, after
@@ -1000,8 +1003,9 @@ class BaseTrainer:
 
     def register_components(self) -> None:
         """Register what a checkpoint of this trainer holds: model, optimizer, scheduler,
-        scaler, the loop's counters, the callbacks' shared state, what callbacks register
-        in ``on_register``, data position and random generators.
+        scaler, the loop's counters, the callbacks' shared state, what the model-transform
+        stage and the callbacks (``on_register``) register, data position and random
+        generators.
 
         Override ``model_component`` / ``optimizer_component`` to change how the weights or
         the optimizer are saved; override this (call super(), then ``self.register``) to add a
@@ -1023,6 +1027,9 @@ class BaseTrainer:
             self.register(Component("scaler", self.scaler, required=False))
         self.register(Component("trainer", self))
         self.register(Component("callbacks", self.callback_handler))
+        early, self._early_components = self._early_components, []
+        for component in early:  # the model-transform stage's
+            self.register(component)
         self._call("on_register", register=self.register, topology=self.topology)
         data = self.data_position
         self.register(

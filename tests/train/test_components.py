@@ -20,7 +20,13 @@ import torch
 
 from forge.checkpoint import Component, Scope, read_manifest
 from forge.train import Trainer, TrainerCallback
-from tests.train.common import checkpoint_dir, component_state, make_args, make_trainer
+from tests.train.common import (
+    StopAtStep,
+    checkpoint_dir,
+    component_state,
+    make_args,
+    make_trainer,
+)
 from tests.train.components_script import ShadowCallback, ShadowWeights, run
 
 REPO = Path(__file__).resolve().parents[2]
@@ -169,6 +175,43 @@ def test_a_callbacks_stage_component_resumes_under_the_pipeline_trainer_in_one_p
     end, straight = shadow(tmp_path / "run", 0, "end"), shadow(tmp_path / "straight", 0, "end")
     assert end[0] == straight[0] == 6
     assert_equal_states(end[1], straight[1])
+
+
+class Counter:
+    def __init__(self) -> None:
+        self.count = 0
+
+    def state_dict(self) -> dict[str, int]:
+        return {"count": self.count}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.count = state["count"]
+
+
+class TransformRegisters(Trainer):
+    """A model transform (the adapter step) that owns checkpoint state of its own."""
+
+    def apply_adapters(self, model):
+        self.counter = Counter()
+        self.register(Component("adapter_steps", self.counter, Scope.STAGE))
+        return model
+
+    def optimizer_step(self):
+        self.counter.count += 1
+        super().optimizer_step()
+
+
+def test_a_model_transform_registers_through_the_same_api(tmp_path):
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=2)
+    make_trainer(args, trainer_cls=TransformRegisters, callbacks=[StopAtStep(2)]).train()
+    ckpt = checkpoint_dir(tmp_path, 2)
+    names = list(read_manifest(ckpt).components)
+    assert names.index("model") < names.index("adapter_steps") < names.index("data")
+    assert component_state(ckpt, "adapter_steps") == {"count": 2}
+    args = make_args(tmp_path, max_steps=4, resume_from_checkpoint=str(ckpt))
+    resumed = make_trainer(args, trainer_cls=TransformRegisters)
+    resumed.train()
+    assert resumed.counter.count == 4  # 2 restored + 2 more
 
 
 @pytest.mark.integration
