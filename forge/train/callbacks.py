@@ -1,10 +1,12 @@
 """Trainer state, control flags and callbacks (progress, JSON lines, TensorBoard, early stopping).
 
 Hooks follow Hugging Face's ``TrainerCallback``: each receives ``(args, state, control,
-**kwargs)`` and may set flags on ``control``. On rank 0 the trainer always adds the console
-progress and ``metrics.jsonl``, plus the integrations ``args.report_to`` names (TensorBoard,
-and Weights & Biases / MLflow from forge.train.integrations); user callbacks and early
-stopping run on every rank.
+**kwargs)`` and may set flags on ``control``; ``on_optimizer_step`` also gets ``applied``
+(whether the step was applied or skipped), and forge's own ``on_register`` lets a callback add
+checkpoint components of any scope. On rank 0 the trainer always adds the console progress and
+``metrics.jsonl``, plus the integrations ``args.report_to`` names (TensorBoard, and Weights &
+Biases / MLflow from forge.train.integrations); user callbacks and early stopping run on every
+rank.
 """
 
 from __future__ import annotations
