@@ -131,6 +131,22 @@ def test_the_step_hook_knows_whether_the_step_was_applied(tmp_path, optimizer, s
     assert trainer.state.nonfinite_skipped == (1 if skip_nonfinite else 0)
 
 
+class OverflowAtFirst(Trainer):
+    """The first 3 steps' fp16 gradients overflow (finite losses): the grad scaler skips them."""
+
+    def compute_loss(self, model, batch):
+        loss = super().compute_loss(model, batch)
+        return loss * 1e8 if self.state.global_step < 3 else loss
+
+
+def test_the_step_hook_sees_the_steps_a_grad_scaler_skipped(tmp_path):
+    seen = AppliedSteps()
+    args = make_args(tmp_path, max_steps=4, fp16=True)
+    make_trainer(args, trainer_cls=OverflowAtFirst, callbacks=[seen]).train()
+    assert seen.applied == {1: False, 2: False, 3: False, 4: True}
+    assert seen.weights.updates == 1
+
+
 # ------------------------------------------------------------------------- callbacks' components
 
 
