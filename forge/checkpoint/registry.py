@@ -23,8 +23,10 @@ component with its scope and files.
 
 Loading runs in registration order, components marked ``restore_last`` (random generators) at
 the end. A stage-scoped component saved with another number of stages is resharded (its shards
-are keyed by parameter name and merged); a rank-scoped one saved by another number of ranks goes
-to the component's ``on_reshape`` handler, or fails naming the component and what to do.
+are keyed by parameter name and merged). A rank-scoped one follows the data-parallel replica:
+it maps when the saved job had the same data-parallel size, whatever its pipeline split (see
+``saved_rank_for``); saved by another data-parallel size it goes to the component's
+``on_reshape`` handler, or fails naming the component and what to do.
 """
 
 from __future__ import annotations
@@ -150,6 +152,29 @@ def own_file(component: Component, topology: TopologyView) -> str:
     return f"{component.name}-rank-{topology.rank:05d}.pt"
 
 
+def saved_dp_size(saved: dict[str, Any]) -> int:
+    """The data-parallel size of a manifest's topology (older manifests: world / stages)."""
+    world, stages = int(saved.get("world_size", 1)), int(saved.get("num_stages", 1))
+    return int(saved.get("dp_size", world // max(stages, 1)))
+
+
+def saved_rank_for(topology: TopologyView, saved: dict[str, Any]) -> int | None:
+    """The rank of a saved job whose per-rank state this rank takes over, or None when it
+    does not map.
+
+    Per-rank state (data position, random generators) follows the data-parallel replica, not
+    the process: it maps when both jobs have the same data-parallel size, whatever their
+    pipeline split. With the same split a rank takes its own file; with another, the file of
+    its replica's rank at its own stage, or at stage 0 where the saved job had fewer stages
+    (every stage of a replica reads the same batches).
+    """
+    if saved_dp_size(saved) != topology.dp_size:
+        return None
+    saved_stages = int(saved.get("num_stages", 1))
+    stage = topology.stage if topology.stage < saved_stages else 0
+    return topology.dp_rank * saved_stages + stage
+
+
 class CheckpointRegistry:
     """The components of one trainer's checkpoints; knows no trainer."""
 
@@ -269,7 +294,6 @@ class CheckpointRegistry:
     def _read_state(self, path: Path, manifest: CheckpointManifest, component: Component) -> Any:
         topo, saved = self.topology, manifest.topology
         saved_stages = int(saved.get("num_stages", 1))
-        saved_world = int(saved.get("world_size", 1))
         if component.scope is Scope.SHARED:
             return self._read_file(path / f"{component.name}.pt", manifest, component, {})
         if component.scope is Scope.STAGE:
@@ -289,20 +313,25 @@ class CheckpointRegistry:
                 shards.append(self._read_file(path / name, manifest, component, {}))
             return component.reshard(shards)
         # rank scope
-        if saved_world != topo.world_size:
+        saved_rank = saved_rank_for(topo, saved)
+        if saved_rank is None:
+            saved_world, saved_dp = int(saved.get("world_size", 1)), saved_dp_size(saved)
             description = (
                 f"{path.name} was written by {saved_world} rank(s), this job has {topo.world_size}"
             )
+            resume = f"{saved_world} process(es)"
+            if saved_stages > 1 or topo.num_stages > 1:
+                description += f" ({saved_dp} and {topo.dp_size} data-parallel replica(s))"
+                resume = f"{saved_dp} data-parallel replica(s)"
             if component.on_reshape is None:
                 raise CheckpointError(
                     f"{path}: component '{component.name}' is per rank and {description}; "
-                    f"resume with {saved_world} process(es)"
-                    + (f", or {component.fix}" if component.fix else "")
+                    f"resume with {resume}" + (f", or {component.fix}" if component.fix else "")
                 )
             component.on_reshape(description)
             return _SKIPPED
-        expect = {"rank": topo.rank}
-        return self._read_file(path / own_file(component, topo), manifest, component, expect)
+        file = path / f"{component.name}-rank-{saved_rank:05d}.pt"
+        return self._read_file(file, manifest, component, {"rank": saved_rank})
 
     def _read_file(
         self,

@@ -23,7 +23,7 @@ import math
 import os
 from collections.abc import Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, ClassVar
 
 import torch
@@ -271,18 +271,16 @@ class AccelTrainer(BaseTrainer):
         return self.accelerator.autocast() if self.accelerator is not None else nullcontext()
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_components(self) -> list[Component]:
-        components = super().checkpoint_components()
+    def model_component(self) -> Component:
+        """The weights as ``accelerator.get_state_dict`` gathers them."""
         accel, model = self.accelerator, self.model
-        for index, component in enumerate(components):
-            if component.name == "model":
-                components[index].obj = ModelWeights(
-                    self.model, self.tokenizer, state_fn=lambda: accel.get_state_dict(model)
-                )
-            elif component.name == "optimizer":
-                inner = getattr(self.optimizer, "optimizer", self.optimizer)
-                components[index].obj = OptimizerState(self.model, inner)
-        return components
+        weights = ModelWeights(model, self.tokenizer, state_fn=lambda: accel.get_state_dict(model))
+        return replace(super().model_component(), obj=weights)
+
+    def optimizer_component(self) -> Component:
+        """The state of the optimizer inside Accelerate's wrapper."""
+        inner = getattr(self.optimizer, "optimizer", self.optimizer)
+        return replace(super().optimizer_component(), obj=OptimizerState(self.model, inner))
 
     def release_wrappers(self) -> None:
         if self.accelerator is not None:

@@ -8,7 +8,9 @@ checkpointing, compile, then DDP / Accelerate's prepare / the pipeline's stages)
 methods they use (``backward``, ``no_sync``, ``autocast``, ``clip_gradients``,
 ``optimizer_step``, ``reduce_step``, ``distributed``), ``forward_eval`` (one evaluation
 batch; the ``Evaluator`` of forge/train/evaluator.py runs the rest of evaluation for every
-trainer) and what it registers as checkpoint state (``checkpoint_components``). The loaders
+trainer) and what it registers as checkpoint state (``register_components``, with
+``model_component`` / ``optimizer_component`` for how the weights and optimizer are saved;
+callbacks add theirs in ``on_register``). The loaders
 are built by forge/data/trainer_loaders.py from plain arguments.
 
 Resume is exact: every piece of state a step reads (weights, optimizer, scheduler, grad
@@ -19,6 +21,7 @@ first resumed step in registration order, random generators last.
 
 from __future__ import annotations
 
+import functools
 import gc
 import itertools
 import logging
@@ -83,7 +86,7 @@ from forge.train.evaluation import (
 )
 from forge.train.evaluator import Evaluator
 from forge.train.integrations import integration_callback
-from forge.train.loop_state import Batch, Position, StepResult, Tally, TrainOutput, count_tokens
+from forge.train.loop_state import Batch, StepResult, Tally, TrainOutput, count_tokens
 from forge.train.optim import (
     MetricSchedule,
     build_optimizer,
@@ -225,8 +228,10 @@ class BaseTrainer:
         self.train_loader: Any = None
         self.max_steps = 0
         self.num_epochs = 0
-        self._position = Position()
-        self._resumed_batches: Iterator[Batch] | None = None
+        self.data_position = DataPosition()  # where the loop is in the data
+        self.checkpoint_registry: CheckpointRegistry | None = None  # built by train()
+        self._step_listeners: list[Callable[..., None]] = []  # their on_optimizer_step
+        self._early_components: list[Component] = []  # registered by the transform stage
         # several ranks agree on a signal only at steps that sync anyway (see _should_stop)
         self._signals = StopSignals(
             "the next step that logs, evaluates or saves"
@@ -236,7 +241,6 @@ class BaseTrainer:
         self._tally = Tally()
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})
         self._last_save_step: int | None = None
-        self._data_position: DataPosition | None = None
         self._eval_model: nn.Module | None = None
         self._in_train = False
         self._counts_flops = False  # the model estimates its floating-point operations
@@ -323,13 +327,14 @@ class BaseTrainer:
         self.wrapped_model.train()
         start_step, run_tally = state.global_step, Tally()
         self._tally.started = run_tally.started  # tokens/s counts training time only
-        for epoch in itertools.count(self._position.epoch):  # until max_steps (or a stop)
+        for epoch in itertools.count(self.data_position.epoch):  # until max_steps (or a stop)
             for micro_batches in self._accumulation_windows(epoch):
                 loss, tokens = self.forward_backward(micro_batches)
                 grad_norm = self.clip_gradients()
                 samples, flops = self._count_work(micro_batches)  # host numbers: no sync
                 step = self.reduce_step(loss, tokens, grad_norm, samples, flops)  # every rank's
-                self._step_unless_nonfinite(step)
+                applied = self._step_unless_nonfinite(step)
+                self._optimizer_stepped(applied)
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self._advance(step, run_tally)
@@ -337,7 +342,7 @@ class BaseTrainer:
                 synced = self._log_evaluate_save(epoch_end=False)
                 if self._should_stop(synced):
                     break
-            synced = self._position.epoch > epoch  # the epoch ran to its end
+            synced = self.data_position.epoch > epoch  # the epoch ran to its end
             if synced:
                 synced = self._log_evaluate_save(epoch_end=True)
             if self._should_stop(synced):
@@ -347,31 +352,25 @@ class BaseTrainer:
     def _accumulation_windows(self, epoch: int) -> Iterator[list[Batch]]:
         """The epoch's micro-batches, ``gradient_accumulation_steps`` at a time.
 
-        A short last window steps with what it has. ``self._position`` always says how many
-        micro-batches were taken, so a checkpoint between two windows resumes exactly.
+        A short last window steps with what it has. ``self.data_position`` always says how
+        many micro-batches were taken, so a checkpoint between two windows resumes exactly.
         """
-        batches, self._resumed_batches = self._resumed_batches, None
-        if batches is None:  # not `or`: a loader iterator's truth is its length
-            batches = self._epoch_batches(epoch)
+        position = self.data_position
+        batches = position.epoch_batches(epoch)
         accumulation = self.args.gradient_accumulation_steps
         while self.state.global_step < self.max_steps and (
             window := list(itertools.islice(batches, accumulation))
         ):
-            self._position.batch += len(window)
+            position.took(len(window))
             yield window
         if self.state.global_step < self.max_steps:
-            self._position = Position(epoch + 1, 0)
-
-    def _epoch_batches(self, epoch: int) -> Iterator[Batch]:
-        self._position = Position(epoch, 0)
-        self.train_loader.set_epoch(epoch)
-        return iter(self.train_loader)
+            position.end_epoch()
 
     def _advance(self, step: StepResult, run_tally: Tally) -> None:
         """Count the step; its numbers stay on the device until ``_settle``."""
         state = self.state
         state.global_step += 1
-        state.epoch = self._position.epoch + self._position.batch / len(self.train_loader)
+        state.epoch = self.data_position.fraction
         self._tally.add(step)
         run_tally.add(step)
 
@@ -699,16 +698,22 @@ class BaseTrainer:
         else:
             self.optimizer.step()
 
-    def _step_unless_nonfinite(self, step: StepResult) -> None:
+    def _step_unless_nonfinite(self, step: StepResult) -> torch.Tensor | bool:
         """The optimizer step, skipped when ``step`` is non-finite and ``skip_nonfinite`` is on.
 
         An optimizer that takes torch's ``found_inf`` (the fused ones, as the default AdamW,
         which a grad scaler drives the same way) skips on the device. Any other needs the
         decision on the host, which waits for the step's gradients: one host sync per step.
+
+        Returns whether the step was applied: True, or a bool tensor on the device where the
+        decision was taken there (a grad scaler also skips steps whose gradients overflow).
         """
+        applied: torch.Tensor | bool = True
+        if self.scaler is not None:  # its step skips gradients that are not finite
+            applied = torch.isfinite(step.grad_norm)
         if not self.args.skip_nonfinite:
             self.optimizer_step()
-            return
+            return applied
         optimizer = self._device_skippable_optimizer()
         if optimizer is not None:
             optimizer.grad_scale, optimizer.found_inf = None, (~step.finite).float()
@@ -720,6 +725,18 @@ class BaseTrainer:
             self.optimizer_step()
         elif self.scaler is not None:
             self.scaler.update()
+        return step.finite & applied
+
+    def _optimizer_stepped(self, applied: torch.Tensor | bool) -> None:
+        """``on_optimizer_step(applied=...)`` for the callbacks and checkpoint components that
+        listen (an EMA updates only after an applied step). Reading a decision taken on the
+        device waits for the step, so it is read only when something listens."""
+        listeners = self._step_listeners
+        if not listeners:
+            return
+        applied = bool(applied)  # host sync where the skip was decided on the device
+        for listener in listeners:
+            listener(applied=applied)
 
     def _device_skippable_optimizer(self) -> Optimizer | None:
         """The optimizer if it can skip its own step on the device, else None.
@@ -755,6 +772,7 @@ class BaseTrainer:
         args = self.args
         apply_runtime_settings(args, self.topology.is_main)
         set_seed(args.seed)
+        self.checkpoint_registry, self._early_components = None, []
         self.wrapped_model = self.transform_model()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
@@ -777,8 +795,10 @@ class BaseTrainer:
             is_world_process_zero=self.is_main_process,
         )
         self.control = TrainerControl()
-        self._position, self._resumed_batches, self._tally = Position(), None, Tally()
+        self.data_position = DataPosition(self.train_loader, is_main=self.is_main_process)
+        self._tally = Tally()
         self._last_eval, self._last_save_step = (None, {}), None
+        self.build_checkpoint_registry()
 
     def setup_optimizer(self) -> None:
         """The optimizer over the model's parameters, and the grad scaler (fp16); the
@@ -954,37 +974,68 @@ class BaseTrainer:
             )
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_components(self) -> list[Component]:
-        """What a checkpoint of this trainer holds, in restore order (random generators last).
+    def register(self, component: Component) -> None:
+        """Add a checkpoint component: the one way trainers (``register_components``),
+        callbacks (``on_register``) and model transforms add state to every checkpoint. It is
+        saved and restored in registration order, random generators last.
 
-        Override to change how a part is saved or to add one (call super() and extend).
+        The model-transform stage runs before the optimizer exists: what it registers joins
+        the registry when ``train()`` builds it, after the model and optimizer."""
+        if self.checkpoint_registry is None:
+            self._early_components.append(component)
+        else:
+            self.checkpoint_registry.register(component)
+
+    def build_checkpoint_registry(self) -> CheckpointRegistry:
+        """A fresh registry of this trainer's components (``train()`` builds it once, after
+        the model, optimizer and scheduler, before a checkpoint is loaded)."""
+        self.checkpoint_registry = CheckpointRegistry(self.topology)
+        self.register_components()
+        registered = [c.obj for c in self.checkpoint_registry.components.values()]
+        self.callback_handler.keep_apart(registered)
+        listeners = [
+            obj.on_optimizer_step
+            for obj in registered
+            if callable(getattr(obj, "on_optimizer_step", None))
+            and not any(obj is cb for cb in self.callback_handler.callbacks)  # called as one
+        ]
+        if self.callback_handler.listens("on_optimizer_step"):
+            listeners.append(functools.partial(self._call, "on_optimizer_step"))
+        self._step_listeners = listeners
+        return self.checkpoint_registry
+
+    def register_components(self) -> None:
+        """Register what a checkpoint of this trainer holds: model, optimizer, scheduler,
+        scaler, the loop's counters, the callbacks' shared state, what the model-transform
+        stage and the callbacks (``on_register``) register, data position and random
+        generators.
+
+        Override ``model_component`` / ``optimizer_component`` to change how the weights or
+        the optimizer are saved; override this (call super(), then ``self.register``) to add a
+        part.
         """
         args, key = self.args, self.args.config_key
-
-        def fresh(flag: str) -> str:
-            return f"set {key}.{flag}: false to start it fresh"
-
-        data = DataPosition(self)
-        self._data_position = data
-        components = [
-            Component("model", ModelWeights(self.model, self.tokenizer), Scope.STAGE, weights=True),
-            Component(
-                "optimizer",
-                OptimizerState(self.model, self.optimizer),
-                Scope.STAGE,
-                save=args.save_optimizer_state,
-                restore=args.restore_optimizer_state,
-                fix=fresh("restore_optimizer_state"),
-            ),
+        self.register(self.model_component())
+        self.register(self.optimizer_component())
+        self.register(
             Component(
                 "lr_scheduler",
                 self.lr_scheduler,
                 save=args.save_scheduler_state,
                 restore=args.restore_scheduler_state,
-                fix=fresh("restore_scheduler_state"),
-            ),
-            Component("trainer", self),
-            Component("callbacks", self.callback_handler),
+                fix=_start_fresh(key, "restore_scheduler_state"),
+            )
+        )
+        if self.scaler is not None:
+            self.register(Component("scaler", self.scaler, required=False))
+        self.register(Component("trainer", self))
+        self.register(Component("callbacks", self.callback_handler))
+        early, self._early_components = self._early_components, []
+        for component in early:  # the model-transform stage's
+            self.register(component)
+        self._call("on_register", register=self.register, topology=self.topology)
+        data = self.data_position
+        self.register(
             Component(
                 "data",
                 data,
@@ -993,7 +1044,9 @@ class BaseTrainer:
                 restore=args.restore_dataloader_state,
                 fix=f"set {key}.restore_dataloader_state: false to restart the epoch",
                 on_reshape=data.on_reshape,
-            ),
+            )
+        )
+        self.register(
             Component(
                 "rng",
                 RngState(self.device),
@@ -1001,13 +1054,28 @@ class BaseTrainer:
                 save=args.save_rng_state,
                 restore=args.restore_rng_state,
                 restore_last=True,
-                fix=fresh("restore_rng_state"),
+                fix=_start_fresh(key, "restore_rng_state"),
                 on_reshape=lambda _: None,  # data's warning says it
-            ),
-        ]
-        if self.scaler is not None:
-            components.insert(3, Component("scaler", self.scaler, required=False))
-        return components
+            )
+        )
+
+    def model_component(self) -> Component:
+        """The model's weights (stage-scoped, written as safetensors)."""
+        return Component(
+            "model", ModelWeights(self.model, self.tokenizer), Scope.STAGE, weights=True
+        )
+
+    def optimizer_component(self) -> Component:
+        """The optimizer's state, keyed by parameter name (stage-scoped)."""
+        args = self.args
+        return Component(
+            "optimizer",
+            OptimizerState(self.model, self.optimizer),
+            Scope.STAGE,
+            save=args.save_optimizer_state,
+            restore=args.restore_optimizer_state,
+            fix=_start_fresh(args.config_key, "restore_optimizer_state"),
+        )
 
     def state_dict(self) -> dict[str, Any]:
         """The loop's own counters: a checkpoint component like any other."""
@@ -1015,7 +1083,7 @@ class BaseTrainer:
         return {
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
-            "position": {"epoch": self._position.epoch, "batch": self._position.batch},
+            "position": {"epoch": self.data_position.epoch, "batch": self.data_position.batch},
             "trainer_state": self.state.state_dict(),
             "log_tally": self._tally.state_dict(),
         }
@@ -1027,12 +1095,7 @@ class BaseTrainer:
         state.load_state_dict(saved.get("trainer_state", {}))
         self._tally.load_state_dict(saved.get("log_tally", {}))
         position = saved["position"]
-        self._position = Position(int(position["epoch"]), int(position["batch"]))
-
-    def _registry(self) -> CheckpointRegistry:
-        registry = CheckpointRegistry(self.topology)
-        registry.extend(self.checkpoint_components())
-        return registry
+        self.data_position.seek(int(position["epoch"]), int(position["batch"]))
 
     def save_checkpoint(self) -> Path:
         """Write a checkpoint of the current step (every rank calls this); rotate old ones."""
@@ -1053,7 +1116,7 @@ class BaseTrainer:
             final = ckpt.final_path
             self._track_best(final, metrics)
             state.last_checkpoint = str(final)
-            self._registry().save(ckpt)
+            self.checkpoint_registry.save(ckpt)
             ckpt.set_meta(epoch=state.epoch, metrics=metrics)
         self._last_save_step = step
         if self.is_main_process and args.save_total_limit:
@@ -1105,14 +1168,13 @@ class BaseTrainer:
     def _load_checkpoint(self, path: Path) -> None:
         """Restore every component; the random generators go last, so nothing draws from
         them between the restore and the first resumed step."""
-        manifest = self._registry().load(path)
+        manifest = self.checkpoint_registry.load(path)
         state = self.state
         state.resumed_from = str(path)
         if manifest.metrics:
             self._last_eval = (state.global_step, dict(manifest.metrics))
         self._last_save_step = state.global_step
-        if not self._data_position.restored and self._position.batch < len(self.train_loader):
-            self._position.batch = 0  # no data position restored: the epoch restarts
+        self.data_position.restart_epoch_unless_restored()
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(
@@ -1290,3 +1352,7 @@ class BaseTrainer:
             k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
             for k, v in batch.items()
         }
+
+
+def _start_fresh(key: str, flag: str) -> str:
+    return f"set {key}.{flag}: false to start it fresh"

@@ -1,10 +1,12 @@
 """Trainer state, control flags and callbacks (progress, JSON lines, TensorBoard, early stopping).
 
 Hooks follow Hugging Face's ``TrainerCallback``: each receives ``(args, state, control,
-**kwargs)`` and may set flags on ``control``. On rank 0 the trainer always adds the console
-progress and ``metrics.jsonl``, plus the integrations ``args.report_to`` names (TensorBoard,
-and Weights & Biases / MLflow from forge.train.integrations); user callbacks and early
-stopping run on every rank.
+**kwargs)`` and may set flags on ``control``; ``on_optimizer_step`` also gets ``applied``
+(whether the step was applied or skipped), and forge's own ``on_register`` lets a callback add
+checkpoint components of any scope. On rank 0 the trainer always adds the console progress and
+``metrics.jsonl``, plus the integrations ``args.report_to`` names (TensorBoard, and Weights &
+Biases / MLflow from forge.train.integrations); user callbacks and early stopping run on every
+rank.
 """
 
 from __future__ import annotations
@@ -14,11 +16,15 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from forge.train.args import TrainingArguments
+
+if TYPE_CHECKING:
+    from forge.checkpoint import Component
 
 logger = logging.getLogger(__name__)
 
@@ -96,13 +102,43 @@ class TrainerCallback:
     """Base class: override the hooks you need. All hooks are no-ops.
 
     A callback with ``state_dict()`` / ``load_state_dict()`` has its state saved in every
-    checkpoint and restored on resume, keyed by class name.
+    checkpoint and restored on resume, keyed by class name (shared: rank 0 writes it). State
+    of another scope (a stage's, a rank's) goes in through ``on_register``.
     """
+
+    def on_register(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        register: Callable[[Component], None],
+        **kwargs: Any,
+    ) -> None:
+        """Once per ``train()``, after the model, optimizer and scheduler are built and before
+        a checkpoint is restored: ``register(Component(name, obj, scope))`` adds checkpoint
+        state, e.g. ``Scope.STAGE`` for something that follows this stage's weights (an EMA
+        under the pipeline trainer) or ``Scope.RANK`` for something each rank keeps.
+        ``kwargs`` hold ``model`` (this rank's, unwrapped), ``optimizer``, ``lr_scheduler`` and
+        ``topology``."""
 
     def on_train_begin(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
     ) -> None:
         pass
+
+    def on_optimizer_step(
+        self,
+        args: TrainingArguments,
+        state: TrainerState,
+        control: TrainerControl,
+        applied: bool,
+        **kwargs: Any,
+    ) -> None:
+        """After each optimizer step, before the scheduler steps and the gradients are cleared
+        (``state.global_step`` still counts the steps before it). ``applied`` is False when
+        the step was skipped (a non-finite loss or gradient norm with ``skip_nonfinite``, or
+        a grad scaler's overflow). Where the skip is decided on the device, overriding this
+        hook makes every step wait for it on the host."""
 
     def on_step_end(
         self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
@@ -151,6 +187,12 @@ class CallbackHandler:
 
     def __init__(self, callbacks: list[TrainerCallback]) -> None:
         self.callbacks = list(callbacks)
+        self.apart: list[TrainerCallback] = []  # checkpoint components of their own
+
+    def keep_apart(self, components: list[Any]) -> None:
+        """Callbacks that registered themselves as checkpoint components (of any scope): their
+        state is theirs to save, not part of the callbacks' shared state."""
+        self.apart = [cb for cb in self.callbacks if any(cb is obj for obj in components)]
 
     def add(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
@@ -164,11 +206,23 @@ class CallbackHandler:
         **kwargs: Any,
     ) -> None:
         for callback in self.callbacks:
-            getattr(callback, event)(args, state, control, **kwargs)
+            hook = getattr(callback, event, None)
+            if hook is not None:  # an object that is no TrainerCallback may lack newer hooks
+                hook(args, state, control, **kwargs)
+
+    def listens(self, event: str) -> bool:
+        """Whether some callback does something on ``event`` (a hook the base leaves empty
+        costs nothing to skip)."""
+        default = getattr(TrainerCallback, event)
+        return any(
+            getattr(type(callback), event, default) is not default for callback in self.callbacks
+        )
 
     def _stateful(self) -> dict[str, TrainerCallback]:
         named: dict[str, TrainerCallback] = {}
         for callback in self.callbacks:
+            if any(callback is apart for apart in self.apart):
+                continue
             if hasattr(callback, "state_dict") and hasattr(callback, "load_state_dict"):
                 name, n = type(callback).__name__, 1
                 while name in named:

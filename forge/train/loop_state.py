@@ -1,4 +1,5 @@
-"""Small records the loop keeps: one step's agreed numbers, the data position, log tallies."""
+"""Small records the loop keeps: one step's agreed numbers and log tallies (the data position
+is ``forge.train.components.DataPosition``)."""
 
 from __future__ import annotations
 
@@ -34,14 +35,6 @@ class StepResult:
     finite: torch.Tensor  # bool; False: the step must be skipped (when skip_nonfinite)
     samples: torch.Tensor | float = 0.0  # items the step trained on, over ranks (float64)
     flops: torch.Tensor | float = 0.0  # its floating-point operations, over ranks (float64)
-
-
-@dataclass
-class Position:
-    """Where the loop is in the data: the epoch and the micro-batches this rank has taken."""
-
-    epoch: int = 0
-    batch: int = 0
 
 
 class Tally:

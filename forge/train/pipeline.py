@@ -22,7 +22,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -514,16 +514,13 @@ class PipelineTrainer(BaseTrainer):
         return (torch.stack(losses).mean() if self.holds_last else None), None
 
     # ------------------------------------------------------------------ checkpoints
-    def checkpoint_components(self) -> list[Component]:
-        """The model component writes this stage's own weights and loads exactly its names
-        from a checkpoint of any split (or of the plain and Accelerate trainers)."""
-        components = super().checkpoint_components()
-        for component in components:
-            if component.name == "model":
-                component.obj = ModelWeights(
-                    self.model, self.tokenizer, state_fn=self.stage_state_dict, subset=True
-                )
-        return components
+    def model_component(self) -> Component:
+        """This stage's own weights, loading exactly its names from a checkpoint of any split
+        (or of the plain and Accelerate trainers)."""
+        weights = ModelWeights(
+            self.model, self.tokenizer, state_fn=self.stage_state_dict, subset=True
+        )
+        return replace(super().model_component(), obj=weights)
 
     def stage_state_dict(self) -> dict[str, torch.Tensor]:
         """The tensors this stage writes: those it holds that no earlier stage holds."""

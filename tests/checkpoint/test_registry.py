@@ -258,6 +258,29 @@ def test_rank_count_mismatch_is_named_or_handled(tmp_path):
     assert got["progress"].state == {"step": 7}
 
 
+def test_per_rank_state_follows_the_data_parallel_replica_not_the_process(tmp_path):
+    """2 stages x 1 replica -> 1 process (1 replica): rank 0 takes stage 0's position."""
+    path = save(tmp_path, world_size=2, num_stages=2)
+    seen = []
+    got = load(path, Topology(), on_reshape=seen.append, reshard=lambda shards: shards)
+    assert seen == []  # one replica on both sides: nothing to reshape
+    assert got["position"].state == {"rank": 0}
+    # 2 stages x 2 replicas -> 1 stage x 2 replicas: each replica keeps its own position
+    path = save(tmp_path / "dp2", world_size=4, num_stages=2)
+    for rank in range(2):
+        got = load(path, Topology(rank, 2, rank), on_reshape=seen.append, reshard=list)
+        assert got["position"].state == {"rank": rank * 2}  # the replica's stage 0
+    # -> 4 stages x 1 replica, at the same world size: another data-parallel size, so the
+    # per-rank state goes to on_reshape, never to a loader it does not fit
+    got = load(path, Topology(3, 4, 3, 4), on_reshape=seen.append, reshard=list)
+    assert seen == [
+        f"{path.name} was written by 4 rank(s), this job has 4 (2 and 1 data-parallel replica(s))"
+    ]
+    assert got["position"].state == {}
+    with pytest.raises(CheckpointError, match=r"resume with 2 data-parallel replica\(s\)"):
+        load(path, Topology(3, 4, 3, 4), reshard=list)
+
+
 def test_a_component_the_checkpoint_lacks_is_named_with_the_fix(tmp_path):
     path = save(tmp_path, world_size=1)
     registry = CheckpointRegistry(Topology())

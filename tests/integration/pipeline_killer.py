@@ -32,5 +32,6 @@ class DiesDuringSave:
 
 
 class KillableTrainer(PipelineTrainer):
-    def checkpoint_components(self) -> list[Component]:
-        return [*super().checkpoint_components(), Component("dies", DiesDuringSave(self))]
+    def register_components(self) -> None:
+        super().register_components()
+        self.register(Component("dies", DiesDuringSave(self)))

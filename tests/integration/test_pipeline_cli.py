@@ -336,8 +336,9 @@ def resume_in(project: Path, config: str, nproc: str, source: Path) -> Path:
 
 @pytest.mark.slow
 def test_two_stages_reshard_to_four_and_back_to_two(straight, project):
-    """Weights and optimizer state reshard by name; the data epoch restarts (another number of
-    ranks), so the curve continues close to, not exactly on, the straight run's."""
+    """Weights and optimizer state reshard by name; the data position is kept (one
+    data-parallel replica throughout), and the curve continues close to, not exactly on, the
+    straight run's (another split adds in another order)."""
     four = resume_in(project, "pipeline", "4", checkpoint(straight, 20))
     assert final_eval_loss(four) == pytest.approx(final_eval_loss(straight), rel=0.03)
     two = resume_in(project, "pipeline", "2", checkpoint(four, 30))

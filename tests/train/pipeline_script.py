@@ -50,7 +50,13 @@ def gpt2_init() -> functools.partial:
 MODELS = {"llama": llama_init, "gpt2": gpt2_init}
 
 
-def train(output_dir: str | Path, kind: str, model: str = "llama", **overrides: Any) -> Trainer:
+def train(
+    output_dir: str | Path,
+    kind: str,
+    model: str = "llama",
+    callbacks: list | None = None,
+    **overrides: Any,
+) -> Trainer:
     values: dict[str, Any] = {
         "output_dir": str(output_dir),
         "max_steps": STEPS,
@@ -72,6 +78,7 @@ def train(output_dir: str | Path, kind: str, model: str = "llama", **overrides: 
         args,
         TokenDataset(TRAIN_SIZE),
         data_collator=CausalLMCollator(pad_token_id=0),
+        callbacks=callbacks or [],
     )
     trainer.train()
     weights = trainer.stage_state_dict() if pipeline else trainer.model.state_dict()
