@@ -282,3 +282,22 @@ def test_a_pipeline_checkpoint_continued_by_the_plain_trainer_keeps_its_data_pos
     assert sorted(losses) == [4, 5, 6]
     for step in (4, 5, 6):
         assert losses[step] == pytest.approx(expected[step], rel=1e-5, abs=1e-6), step
+
+
+def test_the_docs_callback_with_state_per_stage_counts_skipped_steps_and_resumes(tmp_path):
+    """docs/checkpoints.md's example callback, run as a user would: it counts the skipped
+    step, writes its own file, and a resumed run restores the count."""
+    from tests.docs import block
+
+    namespace: dict = {}
+    exec(block("python", "# a callback with state per pipeline stage"), namespace)
+    counter = namespace["SkippedSteps"]()
+    args = make_args(tmp_path, max_steps=4, save_strategy="steps", save_steps=4)
+    make_trainer(args, trainer_cls=InfLossAtStep, callbacks=[counter]).train()
+    assert counter.skipped == 1
+    ckpt = checkpoint_dir(tmp_path, 4)
+    assert "skipped_steps" in read_manifest(ckpt).components
+    resumed = namespace["SkippedSteps"]()
+    args = make_args(tmp_path, max_steps=6, save_strategy="no", resume_from_checkpoint=str(ckpt))
+    make_trainer(args, trainer_cls=InfLossAtStep, callbacks=[resumed]).train()
+    assert resumed.skipped == 1  # restored from the checkpoint; steps 5 and 6 were applied
