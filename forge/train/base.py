@@ -1050,11 +1050,10 @@ class BaseTrainer:
         if self._last_save_step == step and state.last_checkpoint:
             return Path(state.last_checkpoint)  # already saved at this step
         metrics = self._last_eval[1] if self._last_eval[0] == step else {}
-        final = self.checkpoints_dir / checkpoint_name(step)
-        recorded = self._recorded_by(final, metrics)
+        recorded = self._recorded_by(self.checkpoints_dir / checkpoint_name(step), metrics)
         snapshot = self.snapshot_checkpoint(recorded, metrics)
-        self.commit_checkpoint(snapshot)
-        self._on_commit(final, recorded, metrics)
+        final = self.commit_checkpoint(snapshot)
+        self._on_commit(snapshot, final, recorded)
         return final
 
     def snapshot_checkpoint(
@@ -1074,8 +1073,8 @@ class BaseTrainer:
     def commit_checkpoint(self, snapshot: CheckpointSnapshot) -> Path:
         """Phase 2: write ``snapshot`` as a checkpoint (files, hashes, fsync, manifest, rename).
 
-        It reads nothing of the live trainer or model but the model's config, so it could run
-        outside the training thread. Its only collectives are the writer's three meetings
+        It reads nothing of the live trainer or model but the model's config and the tokenizer
+        (written beside the weights), so it could run outside the training thread. Its only collectives are the writer's three meetings
         (``any_failed``, an all-reduce of "did this rank fail": after rank 0 creates the
         temporary directory, after every rank has written, after rank 0's rename); when it
         returns, every rank knows the checkpoint is in place.
@@ -1092,17 +1091,19 @@ class BaseTrainer:
             snapshot.write(writer)
         return writer.final_path
 
-    def _on_commit(self, final: Path, recorded: dict[str, Any], metrics: dict[str, float]) -> None:
+    def _on_commit(
+        self, snapshot: CheckpointSnapshot, final: Path, recorded: dict[str, Any]
+    ) -> None:
         """Phase 3, every rank, after the checkpoint's rename: the loop's state takes what the
         checkpoint recorded; rank 0 rotates old checkpoints (never the best); ``on_save``."""
         args, state = self.args, self.state
         for name, value in recorded.items():
             setattr(state, name, value)
-        self._last_save_step = state.global_step
+        self._last_save_step = snapshot.step
         if self.is_main_process and args.save_total_limit:
             protect = [state.best_checkpoint] if state.best_checkpoint else []
             rotate_checkpoints(self.checkpoints_dir, args.save_total_limit, protect=protect)
-        self._call("on_save", checkpoint_path=final, metrics=metrics)
+        self._call("on_save", checkpoint_path=final, metrics=snapshot.metrics)
 
     def _any_rank_failed(self, failed: bool) -> bool:
         return bool(self._agree_max(1.0 if failed else 0.0))
