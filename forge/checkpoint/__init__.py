@@ -46,6 +46,7 @@ _EXPORTS = {
     "stage_weights_name": "layout",
     "validate_checkpoint": "layout",
     "CheckpointRegistry": "registry",
+    "CheckpointSnapshot": "registry",
     "Component": "registry",
     "Scope": "registry",
     "Stateful": "registry",

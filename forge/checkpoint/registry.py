@@ -14,9 +14,10 @@ rank   every rank                              ``NAME-rank-RRRRR.pt``
 Model weights are the one component written as Hugging Face safetensors
 (``model.safetensors``, or ``model-stage-K-of-N.safetensors`` with an index).
 
-Saving: every rank calls every component's ``state_dict()`` in registration order (so
-collective state-dict calls under FSDP / DeepSpeed / Accelerate line up across ranks); only
-the owner writes. Each torch file carries a header naming the component, scope, step, rank and
+Saving has two phases. ``snapshot``: every rank calls every component's ``state_dict()`` in
+registration order (so collective state-dict calls under FSDP / DeepSpeed / Accelerate line up
+across ranks) and copies what it owns to host memory, writing nothing. ``CheckpointSnapshot.
+write`` (inside a ``CheckpointWriter``, the commit): each owner writes its files from the copy. Each torch file carries a header naming the component, scope, step, rank and
 stage that wrote it, checked on load, so a file from another rank, stage or step is reported by
 name instead of being restored silently. The manifest records the job's topology and every
 component with its scope and files.
@@ -34,7 +35,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
@@ -47,6 +48,7 @@ from forge.checkpoint.layout import (
     read_manifest,
     stage_weights_name,
 )
+from forge.checkpoint.snapshot import host_copy
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +69,9 @@ class Stateful(Protocol):
 class WeightsStateful(Stateful, Protocol):
     """A model-weights component: written as safetensors, loaded from a checkpoint directory."""
 
-    def write(self, writer: Any, state: Any, stage_file: str | None) -> None: ...
+    def write(self, writer: Any, state: Any, stage_file: str | None) -> None:
+        """Write ``state`` (the host copy ``snapshot`` took of ``state_dict()``) on the owning
+        rank: the whole model (``stage_file`` None) or one stage's safetensors shard."""
 
     def load_checkpoint(self, checkpoint: Path, manifest: CheckpointManifest) -> None: ...
 
@@ -175,6 +179,74 @@ def saved_rank_for(topology: TopologyView, saved: dict[str, Any]) -> int | None:
     return topology.dp_rank * saved_stages + stage
 
 
+@dataclass
+class CheckpointSnapshot:
+    """One rank's part of a checkpoint, in host memory: all that its commit writes.
+
+    ``owned``: (component, host copy of its state) for every component this rank writes, in
+    registration order; ``saved``: every component the checkpoint holds (rank 0 lists them in
+    the manifest). ``epoch`` and ``metrics`` go into the manifest. ``write`` reads nothing of
+    the live components' state, so training may go on while it runs.
+    """
+
+    step: int
+    topology: TopologyView
+    saved: list[Component]
+    owned: list[tuple[Component, Any]]
+    epoch: float | None = None
+    metrics: dict[str, Any] = field(default_factory=dict)
+
+    def write(self, writer: Any) -> None:
+        """Second phase, inside the writer's context: this rank's files from the snapshot.
+
+        Rank 0 records the topology and the components (scope, files) in the manifest.
+        """
+        topo = self.topology
+        weights_files: dict[str, list[str]] = {}
+        for component, state in self.owned:
+            if component.weights:
+                weights_files[component.name] = self._write_weights(writer, component, state)
+            else:
+                header = {
+                    "name": component.name,
+                    "scope": component.scope.value,
+                    "step": self.step,
+                    "rank": topo.rank,
+                    "stage": topo.stage,
+                    "num_stages": topo.num_stages,
+                    "world_size": topo.world_size,
+                }
+                writer.save_torch(own_file(component, topo), {HEADER_KEY: header, "state": state})
+        if topo.rank == 0:
+            writer.set_components(
+                topology=topo.to_dict(),
+                components={
+                    c.name: {
+                        "scope": c.scope.value,
+                        "weights": c.weights,
+                        "files": weights_files.get(c.name)
+                        or component_file_names(c.name, c.scope.value, c.weights, topo.to_dict()),
+                    }
+                    for c in self.saved
+                },
+            )
+        writer.set_meta(epoch=self.epoch, metrics=self.metrics)
+
+    def _write_weights(self, writer: Any, component: Component, state: Any) -> list[str]:
+        """Write a weights component; returns its files when rank 0 wrote all of them."""
+        topo = self.topology
+        if topo.num_stages == 1:
+            before = set(list_files(writer.path))
+            component.obj.write(writer, state, None)
+            return sorted(set(list_files(writer.path)) - before)
+        component.obj.write(writer, state, stage_weights_name(topo.stage, topo.num_stages))
+        if topo.rank == 0:
+            writer.index_weights(
+                [stage_weights_name(k, topo.num_stages) for k in range(topo.num_stages)]
+            )
+        return []
+
+
 class CheckpointRegistry:
     """The components of one trainer's checkpoints; knows no trainer."""
 
@@ -197,58 +269,21 @@ class CheckpointRegistry:
         return [c for c in restored if not c.restore_last] + [c for c in restored if c.restore_last]
 
     # ------------------------------------------------------------------ saving
-    def save(self, writer: Any) -> None:
-        """Every rank: take every component's state; owners write their files.
-
-        Rank 0 records the topology and the components (scope, files) in the manifest.
-        """
-        topo = self.topology
-        weights_files: dict[str, list[str]] = {}
+    def snapshot(self, step: int) -> CheckpointSnapshot:
+        """First phase of a save, on every rank in the training thread: every saved component's
+        state, copied to host memory where this rank writes it; nothing is written."""
         saved = [c for c in self.components.values() if c.save]
+        owned: list[tuple[Component, Any]] = []
         for component in saved:
             state = component.obj.state_dict()  # on every rank: collective-safe
-            if not owns(component, topo):
-                continue
-            if component.weights:
-                weights_files[component.name] = self._write_weights(writer, component, state)
-            else:
-                header = {
-                    "name": component.name,
-                    "scope": component.scope.value,
-                    "step": writer.step,
-                    "rank": topo.rank,
-                    "stage": topo.stage,
-                    "num_stages": topo.num_stages,
-                    "world_size": topo.world_size,
-                }
-                writer.save_torch(own_file(component, topo), {HEADER_KEY: header, "state": state})
-        if topo.rank == 0:
-            writer.set_components(
-                topology=topo.to_dict(),
-                components={
-                    c.name: {
-                        "scope": c.scope.value,
-                        "weights": c.weights,
-                        "files": weights_files.get(c.name)
-                        or component_file_names(c.name, c.scope.value, c.weights, topo.to_dict()),
-                    }
-                    for c in saved
-                },
-            )
+            if owns(component, self.topology):
+                owned.append((component, host_copy(state)))
+        return CheckpointSnapshot(step, self.topology, saved, owned)
 
-    def _write_weights(self, writer: Any, component: Component, state: Any) -> list[str]:
-        """Write a weights component; returns its files when rank 0 wrote all of them."""
-        topo = self.topology
-        if topo.num_stages == 1:
-            before = set(list_files(writer.path))
-            component.obj.write(writer, state, None)
-            return sorted(set(list_files(writer.path)) - before)
-        component.obj.write(writer, state, stage_weights_name(topo.stage, topo.num_stages))
-        if topo.rank == 0:
-            writer.index_weights(
-                [stage_weights_name(k, topo.num_stages) for k in range(topo.num_stages)]
-            )
-        return []
+    def save(self, writer: Any) -> None:
+        """Both phases at once, inside ``writer``'s context (for callers with nothing to do in
+        between): snapshot, then write this rank's files."""
+        self.snapshot(writer.step).write(writer)
 
     # ------------------------------------------------------------------ loading
     def load(self, path: str | os.PathLike) -> CheckpointManifest:

@@ -16,24 +16,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from forge.checkpoint.faults import fault_point
 from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
 from forge.checkpoint.io import (
     TEMP_PREFIX,
     CheckpointError,
-    commit_directory,
     directory_bytes,
     disk_full_guard,
     estimate_checkpoint_bytes,
-    fsync_tree_dirs,
     list_files,
-    map_files,
     os_error_message,
-    save_model_weights,
-    save_tensors,
-    sync_and_hash,
-    write_file_atomically,
-    write_file_durably,
     write_weights_index,
 )
 from forge.checkpoint.layout import (
@@ -43,8 +34,9 @@ from forge.checkpoint.layout import (
     FileEntry,
     checkpoint_name,
     find_checkpoints,
-    sweep_temp_dirs,
 )
+from forge.checkpoint.storage import CheckpointStorage, default_storage
+from forge.wrappers import unwrap_model
 from forge.checkpoint.weights import directory_mismatch, weight_files
 
 logger = logging.getLogger(__name__)
@@ -83,7 +75,12 @@ class CheckpointWriter:
     each passes whether it failed and learns whether any rank did, so a failure on one rank
     ends the save with an error on every rank instead of leaving the others waiting. A bare
     ``barrier`` (``torch.distributed.barrier``) may be given instead, for callers that cannot
-    fail between the meetings.
+    fail between the meetings. The meetings are the writer's only collectives; they are
+    injected, so a writer running outside the training thread can meet over its own process
+    group.
+
+    Every file operation goes through ``storage`` (forge/checkpoint/storage.py; by default the
+    process's, the local filesystem), which tests wrap to fail or die at a chosen operation.
     """
 
     def __init__(
@@ -96,6 +93,7 @@ class CheckpointWriter:
         barrier: Callable[[], None] | None = None,
         any_failed: Callable[[bool], bool] | None = None,
         trainer: str = "plain",
+        storage: CheckpointStorage | None = None,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
@@ -109,6 +107,7 @@ class CheckpointWriter:
         self.rank = rank
         self.world_size = world_size
         self.trainer = trainer
+        self.storage = storage if storage is not None else default_storage()
         self.final_path = self.checkpoints_dir / checkpoint_name(step)
         self.path = self.checkpoints_dir / f"{TEMP_PREFIX}{self.final_path.name}"
         self._barrier_fn = barrier
@@ -171,9 +170,7 @@ class CheckpointWriter:
         if self.is_main:
             try:
                 with self._space_guard("start"):
-                    self.checkpoints_dir.mkdir(parents=True, exist_ok=True)
-                    sweep_temp_dirs(self.checkpoints_dir)
-                    self.path.mkdir()
+                    self.storage.start(self.checkpoints_dir, self.path)
             except Exception as exc:  # re-raised after the others know
                 error = self._fail(exc, "start") if isinstance(exc, OSError) else exc
         if self._any_failed(error is not None):
@@ -243,8 +240,7 @@ class CheckpointWriter:
                     f"checkpoint {self.final_path.name}: component '{component}' is missing "
                     f"{missing} (a rank did not write its file); the checkpoint is not saved"
                 )
-        records = map_files(sync_and_hash, [self.path / n for n in names])
-        self._fault("before-manifest")
+        records = self.storage.hash_files([self.path / n for n in names])
         manifest = CheckpointManifest(
             step=self.step,
             epoch=self._epoch,
@@ -259,10 +255,10 @@ class CheckpointWriter:
             },
             extra=self._extra,
         )
-        write_file_atomically(self.path / MANIFEST_NAME, _dumps(manifest.to_dict(), lenient=True))
-        fsync_tree_dirs(self.path)
-        self._fault("before-rename")
-        commit_directory(self.path, self.final_path)
+        self.storage.write_manifest(
+            self.path / MANIFEST_NAME, _dumps(manifest.to_dict(), lenient=True)
+        )
+        self.storage.rename(self.path, self.final_path)
         logger.info("saved checkpoint %s", self.final_path)
 
     def _check_hf_directory(self) -> None:
@@ -293,9 +289,6 @@ class CheckpointWriter:
 
     # -- writing ---------------------------------------------------------------------------
 
-    def _fault(self, point: str) -> None:
-        fault_point(point, self.step, self.rank)  # tests only (forge/checkpoint/faults.py)
-
     def _target(self, name: str) -> Path:
         pure = PurePosixPath(name)
         if pure.is_absolute() or ".." in pure.parts or name in ("", MANIFEST_NAME):
@@ -314,19 +307,23 @@ class CheckpointWriter:
     ) -> None:
         """Write the model's weights (and config / tokenizer) on rank 0; other ranks return.
 
-        Hugging Face models use ``save_pretrained``; other modules are written as safetensors
-        of their state dict. DDP and ``torch.compile`` wrappers are removed first.
+        ``state_dict`` (default: the model's own) holds the weights written: a save passes its
+        snapshot, so the live model is never read for them. Hugging Face models use
+        ``save_pretrained`` (config from ``model``); other modules are written as safetensors
+        of the state dict. DDP and ``torch.compile`` wrappers are removed first.
         """
         if not self.is_main:
             return
+        weights = state_dict if state_dict is not None else unwrap_model(model).state_dict()
         try:
-            with self._space_guard("write the model of", model):
-                save_model_weights(
-                    model, self.path, state_dict=state_dict, max_shard_size=max_shard_size
+            with self._space_guard("write the model of", weights):
+                self.storage.write_model(
+                    self.path,
+                    model,
+                    weights,
+                    tokenizer=tokenizer,
+                    max_shard_size=max_shard_size,
                 )
-                if tokenizer is not None:
-                    tokenizer.save_pretrained(self.path)
-                self._fault("after:model")
         except OSError as exc:
             raise self._fail(exc, "write the model of") from exc
 
@@ -334,11 +331,8 @@ class CheckpointWriter:
         """``torch.save`` ``obj`` as ``name``, on the calling rank (rank 0 for shared state)."""
         target = self._target(name)
         try:
-            with self._space_guard(f"write {name} of", obj), open(target, "wb") as f:
-                torch.save(obj, f)
-                f.flush()
-                os.fsync(f.fileno())
-                self._fault(f"after:{name}")
+            with self._space_guard(f"write {name} of", obj):
+                self.storage.write_torch(target, obj)
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 
@@ -347,8 +341,7 @@ class CheckpointWriter:
         target = self._target(name)
         try:
             with self._space_guard(f"write {name} of"):
-                write_file_durably(target, _dumps(obj))
-                self._fault(f"after:{name}")
+                self.storage.write_bytes(target, _dumps(obj))
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 
@@ -364,8 +357,7 @@ class CheckpointWriter:
         metadata = {STEP_METADATA: str(self.step), **(metadata or {})}  # checked on validation
         try:
             with self._space_guard(f"write {name} of", tensors):
-                save_tensors(target, tensors, metadata)
-                self._fault(f"after:{name}")
+                self.storage.write_tensors(target, tensors, metadata)
         except OSError as exc:
             raise self._fail(exc, f"write {name} of") from exc
 

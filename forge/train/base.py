@@ -43,12 +43,14 @@ from forge.checkpoint import (
     Checkpoint,
     CheckpointError,
     CheckpointRegistry,
+    CheckpointSnapshot,
     CheckpointWriter,
     Component,
     ModelWeights,
     OptimizerState,
     RngState,
     Scope,
+    checkpoint_name,
     load_model_weights,
     resume_checkpoint,
     rotate_checkpoints,
@@ -241,6 +243,9 @@ class BaseTrainer:
         self._tally = Tally()
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})
         self._last_save_step: int | None = None
+        # what the checkpoint being snapshotted records of the loop's state (itself as the last
+        # checkpoint, and as the best if it is): the live state changes only once it is committed
+        self._saving: dict[str, Any] = {}
         self._eval_model: nn.Module | None = None
         self._in_train = False
         self._counts_flops = False  # the model estimates its floating-point operations
@@ -1084,7 +1089,7 @@ class BaseTrainer:
             "global_step": self.state.global_step,
             "epoch": self.state.epoch,
             "position": {"epoch": self.data_position.epoch, "batch": self.data_position.batch},
-            "trainer_state": self.state.state_dict(),
+            "trainer_state": {**self.state.state_dict(), **self._saving},
             "log_tally": self._tally.state_dict(),
         }
 
@@ -1098,45 +1103,90 @@ class BaseTrainer:
         self.data_position.seek(int(position["epoch"]), int(position["batch"]))
 
     def save_checkpoint(self) -> Path:
-        """Write a checkpoint of the current step (every rank calls this); rotate old ones."""
-        args, state = self.args, self.state
+        """Save the current step (every rank calls this) in two phases, then act on it.
+
+        ``snapshot_checkpoint`` copies every component's state to host memory (training
+        thread), ``commit_checkpoint`` writes the copy and renames it into place, and only
+        then ``_on_commit`` records it as the last (and perhaps best) checkpoint, rotates old
+        ones and calls ``on_save`` (which updates ``run.json``): a save that fails or is killed
+        before its rename changes none of them.
+        """
+        state = self.state
         step = state.global_step
         if self._last_save_step == step and state.last_checkpoint:
             return Path(state.last_checkpoint)  # already saved at this step
         metrics = self._last_eval[1] if self._last_eval[0] == step else {}
+        recorded = self._recorded_by(self.checkpoints_dir / checkpoint_name(step), metrics)
+        snapshot = self.snapshot_checkpoint(recorded, metrics)
+        final = self.commit_checkpoint(snapshot)
+        self._on_commit(snapshot, final, recorded)
+        return final
+
+    def snapshot_checkpoint(
+        self, recorded: dict[str, Any], metrics: dict[str, float]
+    ) -> CheckpointSnapshot:
+        """Phase 1, every rank, in the training thread: every component's state copied to host
+        memory (nothing is written). The trainer's own counters in it carry ``recorded``
+        without the live state taking them."""
+        self._saving = recorded
+        try:
+            snapshot = self.checkpoint_registry.snapshot(self.state.global_step)
+        finally:
+            self._saving = {}
+        snapshot.epoch, snapshot.metrics = self.state.epoch, dict(metrics)
+        return snapshot
+
+    def commit_checkpoint(self, snapshot: CheckpointSnapshot) -> Path:
+        """Phase 2: write ``snapshot`` as a checkpoint (files, hashes, fsync, manifest, rename).
+
+        It reads nothing of the live trainer or model but the model's config and the tokenizer
+        (written beside the weights), so it could run outside the training thread. Its only collectives are the writer's three meetings
+        (``any_failed``, an all-reduce of "did this rank fail": after rank 0 creates the
+        temporary directory, after every rank has written, after rank 0's rename); when it
+        returns, every rank knows the checkpoint is in place.
+        """
         any_failed = self._any_rank_failed if self.topology.distributed else None
         with CheckpointWriter(
             self.checkpoints_dir,
-            step,
+            snapshot.step,
             rank=self.topology.rank,
             world_size=self.topology.world_size,
             any_failed=any_failed,
             trainer=self.trainer_kind,
-        ) as ckpt:
-            final = ckpt.final_path
-            self._track_best(final, metrics)
-            state.last_checkpoint = str(final)
-            self.checkpoint_registry.save(ckpt)
-            ckpt.set_meta(epoch=state.epoch, metrics=metrics)
-        self._last_save_step = step
+        ) as writer:
+            snapshot.write(writer)
+        return writer.final_path
+
+    def _on_commit(
+        self, snapshot: CheckpointSnapshot, final: Path, recorded: dict[str, Any]
+    ) -> None:
+        """Phase 3, every rank, after the checkpoint's rename: the loop's state takes what the
+        checkpoint recorded; rank 0 rotates old checkpoints (never the best); ``on_save``."""
+        args, state = self.args, self.state
+        for name, value in recorded.items():
+            setattr(state, name, value)
+        self._last_save_step = snapshot.step
         if self.is_main_process and args.save_total_limit:
             protect = [state.best_checkpoint] if state.best_checkpoint else []
             rotate_checkpoints(self.checkpoints_dir, args.save_total_limit, protect=protect)
-        self._call("on_save", checkpoint_path=final, metrics=metrics)
-        return final
+        self._call("on_save", checkpoint_path=final, metrics=snapshot.metrics)
 
     def _any_rank_failed(self, failed: bool) -> bool:
         return bool(self._agree_max(1.0 if failed else 0.0))
 
-    def _track_best(self, checkpoint: Path, metrics: dict[str, float]) -> None:
+    def _recorded_by(self, checkpoint: Path, metrics: dict[str, float]) -> dict[str, Any]:
+        """What saving ``checkpoint`` changes in the loop's state: it becomes the last
+        checkpoint, and the best one when ``metrics`` improve ``metric_for_best_model``."""
         args, state = self.args, self.state
+        recorded: dict[str, Any] = {"last_checkpoint": str(checkpoint)}
         value = metrics.get(args.metric_for_best_model or "")
         if value is None or not math.isfinite(value):
-            return
+            return recorded
         best = state.best_metric
         better = best is None or (value > best if args.greater_is_better else value < best)
         if better:
-            state.best_metric, state.best_checkpoint = float(value), str(checkpoint)
+            recorded.update(best_metric=float(value), best_checkpoint=str(checkpoint))
+        return recorded
 
     def load_weights(self, checkpoint: str | os.PathLike) -> None:
         """Load a checkpoint's model weights, building the model first (``model_init``,

@@ -1,6 +1,6 @@
-"""The test-only fault points inside a save (forge/checkpoint/faults.py): where they fire and
-what a failure there leaves behind. The CLI tests (tests/integration/test_save_faults.py)
-drive them through real processes."""
+"""The test-only fault points inside a save (tests/faults, a wrapper of the storage seam in
+forge/checkpoint/storage.py): where they fire and what a failure there leaves behind. The CLI
+tests (tests/integration/test_save_faults.py) drive them through real processes."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from forge.checkpoint import CheckpointError, CheckpointWriter, find_checkpoints
-from forge.checkpoint.faults import FAIL_VAR, KILL_VAR, fault_point
+from tests.faults import FaultyStorage, fault_env, inject
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -32,13 +32,13 @@ def save(checkpoints_dir, step: int) -> None:
 )
 def test_a_failure_at_each_point_leaves_only_the_earlier_checkpoints(tmp_path, monkeypatch, point):
     save(tmp_path, 1)
-    monkeypatch.setenv(FAIL_VAR, f"{point}@2")
+    inject(monkeypatch, fail=f"{point}@2")
     with pytest.raises(CheckpointError, match=f"injected at {point} of step 2 on rank 0"):
         save(tmp_path, 2)
     assert [c.step for c in find_checkpoints(tmp_path)] == [1]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["checkpoint-000001"]
     save(tmp_path, 3)  # another step, or another rank, is untouched
-    monkeypatch.setenv(FAIL_VAR, f"{point}@4:1")
+    inject(monkeypatch, fail=f"{point}@4:1")
     save(tmp_path, 4)
     assert [c.step for c in find_checkpoints(tmp_path)] == [1, 3, 4]
 
@@ -48,7 +48,8 @@ def test_a_kill_point_ends_the_process_mid_save(tmp_path):
         "import sys; from tests.checkpoint.test_faults import save; "
         "save(sys.argv[1], 1); save(sys.argv[1], 2)"
     )
-    env = dict(os.environ, PYTHONPATH=str(REPO), **{KILL_VAR: "after:trainer.pt@2"})
+    env = dict(os.environ, **fault_env(kill="after:trainer.pt@2"))
+    env["PYTHONPATH"] += os.pathsep + str(REPO)
     result = subprocess.run(
         [sys.executable, "-c", code, str(tmp_path)],
         env=env,
@@ -63,7 +64,6 @@ def test_a_kill_point_ends_the_process_mid_save(tmp_path):
     assert not written & {"rng-rank-00000.pt", "manifest.json"}
 
 
-def test_a_bad_spec_is_named(monkeypatch):
-    monkeypatch.setenv(FAIL_VAR, "before-manifest@x")
+def test_a_bad_spec_is_named():
     with pytest.raises(ValueError, match="not POINT@STEP"):
-        fault_point("before-manifest", 1, 0)
+        FaultyStorage(fail="before-manifest@x")

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from forge.checkpoint import CheckpointError, CheckpointWriter, find_checkpoints
-from forge.checkpoint.faults import FAIL_VAR
+from tests.faults import FaultyStorage
 
 
 class Meeting:
@@ -35,15 +35,23 @@ class Meeting:
         return any_failed
 
 
-def run_ranks(checkpoints: Path, body, world_size: int = 2) -> list[BaseException | None]:
-    """Save step 5 on every thread-rank; ``body(writer, rank)`` writes; returns each error."""
+def run_ranks(
+    checkpoints: Path, body, world_size: int = 2, fail: str | None = None
+) -> list[BaseException | None]:
+    """Save step 5 on every thread-rank; ``body(writer, rank)`` writes; returns each error.
+    ``fail``: a fault spec (tests/faults) every rank's storage knows."""
     meeting = Meeting(world_size)
     errors: list[BaseException | None] = [None] * world_size
 
     def rank_main(rank: int) -> None:
         try:
             with CheckpointWriter(
-                checkpoints, 5, rank=rank, world_size=world_size, any_failed=meeting.for_rank(rank)
+                checkpoints,
+                5,
+                rank=rank,
+                world_size=world_size,
+                any_failed=meeting.for_rank(rank),
+                storage=FaultyStorage(fail=fail, rank=rank),
             ) as writer:
                 body(writer, rank)
         except BaseException as exc:  # noqa: BLE001 - handed to the test
@@ -76,9 +84,9 @@ def test_every_rank_saves_when_none_fails(tmp_path):
 
 
 @pytest.mark.parametrize("failing", [0, 1])
-def test_a_failed_write_on_one_rank_fails_the_save_on_every_rank(tmp_path, monkeypatch, failing):
-    monkeypatch.setenv(FAIL_VAR, f"after:rng-rank-{failing:05d}.pt@5:{failing}")
-    errors = run_ranks(tmp_path, write_rank_file)
+def test_a_failed_write_on_one_rank_fails_the_save_on_every_rank(tmp_path, failing):
+    fail = f"after:rng-rank-{failing:05d}.pt@5:{failing}"
+    errors = run_ranks(tmp_path, write_rank_file, fail=fail)
     own, other = errors[failing], errors[1 - failing]
     assert isinstance(own, CheckpointError)
     assert f"could not write rng-rank-{failing:05d}.pt of checkpoint" in str(own)
@@ -99,9 +107,8 @@ def test_an_error_that_is_not_a_write_is_passed_on_unchanged(tmp_path):
     assert_nothing_saved(tmp_path)
 
 
-def test_a_failed_commit_on_rank_0_fails_the_save_on_every_rank(tmp_path, monkeypatch):
-    monkeypatch.setenv(FAIL_VAR, "before-manifest@5:0")
-    errors = run_ranks(tmp_path, write_rank_file)
+def test_a_failed_commit_on_rank_0_fails_the_save_on_every_rank(tmp_path):
+    errors = run_ranks(tmp_path, write_rank_file, fail="before-manifest@5:0")
     assert "could not commit checkpoint" in str(errors[0])
     assert isinstance(errors[1], CheckpointError)
     assert "another rank failed while committing it" in str(errors[1])

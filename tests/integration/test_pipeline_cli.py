@@ -16,6 +16,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from tests.faults import fault_env
 from tests.helpers import REPO, run_forge
 from tests.integration.conftest import SMALL
 from tests.integration.test_train_resume import start_forge, wait_for
@@ -306,11 +307,10 @@ def test_stop_and_resume_is_bit_identical_for_two_stages(straight, project, sig)
 
 @pytest.mark.slow
 def test_a_stage_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(project):
-    shutil.copy(Path(__file__).with_name("pipeline_killer.py"), project / "killer.py")
-    killable = ["-D", "trainer_class=./killer.py:KillableTrainer"]
+    # stage 1 (rank 1) dies in the step-20 save after writing its weight and optimizer shards
     died = run_forge(
-        "train", "pipeline", "-p", str(project), *PIPE, *killable, "--nproc", "2",
-        env={"FORGE_TEST_DIE_AT": "20"},
+        "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2",
+        env=fault_env(kill="after:optimizer-stage-00001-of-00002.pt@20:1"),
     )  # fmt: skip
     assert died.returncode != 0
     run_dir = Path(died.stdout.splitlines()[0])

@@ -1,6 +1,6 @@
 """Crashes and failures inside a checkpoint save, through the real CLI.
 
-A test-only fault point (forge/checkpoint/faults.py) kills a process, or fails a write,
+A test-only fault point (tests/faults, wrapping the checkpoint storage) kills a process, or fails a write,
 at an exact point of the step-20 (or step-10) save. Killed between two file writes or between
 the last file and the manifest, a run continued with `forge resume` ends bit-identical to the
 same run trained straight through, with 1 and with 2 processes. A failure on either rank of a
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.checkpoint.faults import FAIL_VAR, KILL_VAR
+from tests.faults import fault_env
 from tests.helpers import run_forge
 from tests.integration.conftest import SMALL
 from tests.integration.test_train_resume import final_state
@@ -36,7 +36,7 @@ TWO_PROCESS_KILLS = {
 
 
 def killed_then_resumed(project: Path, kill_at: str, *extra: str) -> Path:
-    killed = run_forge("train", "-p", str(project), *SMALL, *extra, env={KILL_VAR: kill_at})
+    killed = run_forge("train", "-p", str(project), *SMALL, *extra, env=fault_env(kill=kill_at))
     assert killed.returncode != 0, killed.stderr
     run_dir = Path(killed.stdout.splitlines()[0])
     checkpoints = run_dir / "checkpoints"
@@ -94,7 +94,14 @@ def test_two_processes_killed_inside_a_save_then_resumed_are_bit_identical(
 def test_a_failed_write_on_one_rank_ends_every_rank(project, fail_at, failing_rank, file):
     """run_forge's timeout would fail the test if any rank waited for the failed one."""
     result = run_forge(
-        "train", "-p", str(project), *SMALL, "--nproc", "2", env={FAIL_VAR: fail_at}, timeout=300
+        "train",
+        "-p",
+        str(project),
+        *SMALL,
+        "--nproc",
+        "2",
+        env=fault_env(fail=fail_at),
+        timeout=300,
     )
     assert result.returncode == 1, result.stderr
     prefix = "[rank 1] " if failing_rank else ""

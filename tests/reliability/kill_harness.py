@@ -6,7 +6,7 @@ straight through once (the reference), then trains it again and kills it ``kills
 
 * ``after-file``: a process kills itself right after writing one file of a save (a shard, the
   optimizer state, a rank's file), chosen in turn from the checkpoint's files, by the rank that
-  writes it (the test-only fault point ``FORGE_TEST_KILL_AT=after:FILE@STEP:RANK``);
+  writes it (the test-only fault point ``after:FILE@STEP:RANK`` of tests/faults);
 * ``before-manifest`` / ``before-rename``: rank 0 kills itself with every file written and
   before the manifest, or with the manifest written and before the directory's rename;
 * ``random``: every process of the job is SIGKILLed at once at a random moment of training
@@ -46,11 +46,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tests.faults import fault_env
 from tests.helpers import REPO, TINY_LM, run_forge
 from tests.integration.conftest import SMALL
 from tests.reliability.procs import alive, descendants, kill_tree, worker_pids
 
-KILL_VAR = "FORGE_TEST_KILL_AT"  # forge/checkpoint/faults.py
 HANG_S = 600  # a job that has not stopped by itself by then is a hang, reported as a failure
 
 
@@ -378,9 +378,11 @@ def run_trainer(
         if kind == "after-file":
             point, rank = points[after_file % len(points)]
             after_file += 1
-            env[KILL_VAR] = kill.detail = f"{point}@{next_save}:{rank}"
+            kill.detail = f"{point}@{next_save}:{rank}"
+            env.update(fault_env(kill=kill.detail))
         elif kind in ("before-manifest", "before-rename"):
-            env[KILL_VAR] = kill.detail = f"{kind}@{next_save}:0"
+            kill.detail = f"{kind}@{next_save}:0"
+            env.update(fault_env(kill=kill.detail))
         args = (
             train if run_dir is None else ["resume", "-p", str(project), "--run-dir", str(run_dir)]
         )

@@ -1,0 +1,168 @@
+"""Deterministic faults inside a checkpoint save, for forge's tests: a wrapper of the storage
+seam (forge/checkpoint/storage.py) that makes a chosen rank fail or die at a chosen operation
+of the save of a chosen step.
+
+A spec reads ``POINT@STEP[:RANK]`` (``RANK``: the global rank; every rank when left out), and
+``POINT`` is one of
+
+``start``
+    rank 0, the state snapshotted and nothing of the commit done yet (the temporary directory
+    not created): between snapshot and commit;
+``after:FILE``
+    right after this rank wrote ``FILE`` into the temporary directory (``trainer.pt``,
+    ``optimizer.pt``, ``rng-rank-00001.pt``, ...; ``model`` for a whole model's weights);
+``before-manifest``
+    rank 0, every file written and hashed, ``manifest.json`` not yet written;
+``before-rename``
+    rank 0, ``manifest.json`` written, the directory not yet renamed into place.
+
+A ``kill`` spec makes the process send itself SIGKILL there (a crash: nothing is cleaned up);
+a ``fail`` spec raises an ``OSError`` (EIO) there, as a failing disk would.
+
+In this process: ``inject(monkeypatch, fail=...)``, or ``CheckpointWriter(storage=
+FaultyStorage(...))``. In processes a test starts (``forge train``, its torchrun workers):
+``fault_env(kill=...)`` gives the environment under which ``site/sitecustomize.py`` installs
+the wrapper at interpreter start, from ``FORGE_TEST_KILL_AT`` / ``FORGE_TEST_FAIL_AT``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from forge.checkpoint.io import TEMP_PREFIX
+from forge.checkpoint.layout import parse_checkpoint_step
+from forge.checkpoint.storage import CheckpointStorage, default_storage
+
+KILL_VAR = "FORGE_TEST_KILL_AT"
+FAIL_VAR = "FORGE_TEST_FAIL_AT"
+SITE_DIR = Path(__file__).resolve().with_name("site")
+
+
+def parse_spec(spec: str) -> tuple[str, int, int | None]:
+    """``POINT@STEP[:RANK]`` as (point, step, rank or None)."""
+    where, _, when = spec.rpartition("@")
+    at_step, _, at_rank = when.partition(":")
+    try:
+        return where, int(at_step), int(at_rank) if at_rank else None
+    except ValueError:
+        raise ValueError(f"{spec!r} is not POINT@STEP[:RANK] (tests/faults)") from None
+
+
+def _step_of(path: Path) -> int | None:
+    """The step of the checkpoint a path is in (its temporary directory, or the directory)."""
+    for part in (path, *path.parents):
+        step = parse_checkpoint_step(part.name.removeprefix(TEMP_PREFIX))
+        if step is not None:
+            return step
+    return None
+
+
+def _in_checkpoint(path: Path) -> str:
+    """``path`` relative to the checkpoint's temporary directory (``trainer.pt``)."""
+    for parent in path.parents:
+        if parent.name.startswith(TEMP_PREFIX):
+            return path.relative_to(parent).as_posix()
+    return path.name
+
+
+class FaultyStorage(CheckpointStorage):
+    """``inner`` (by default the process's storage), killing or failing at ``kill`` / ``fail``
+    on rank ``rank``."""
+
+    def __init__(
+        self,
+        *,
+        kill: str | None = None,
+        fail: str | None = None,
+        rank: int = 0,
+        inner: CheckpointStorage | None = None,
+    ) -> None:
+        self.kill = parse_spec(kill) if kill else None
+        self.fail = parse_spec(fail) if fail else None
+        self.rank = rank
+        self.inner = inner if inner is not None else default_storage()
+
+    def _matches(self, spec: tuple[str, int, int | None] | None, point: str, step: int) -> bool:
+        if spec is None:
+            return False
+        where, at_step, at_rank = spec
+        return where == point and at_step == step and at_rank in (None, self.rank)
+
+    def point(self, point: str, path: Path) -> None:
+        """Kill this process or raise here when asked to; otherwise do nothing."""
+        step = _step_of(path)
+        if step is None:
+            return
+        if self._matches(self.kill, point, step):
+            os.kill(os.getpid(), signal.SIGKILL)
+        if self._matches(self.fail, point, step):
+            raise OSError(
+                errno.EIO, f"injected at {point} of step {step} on rank {self.rank} ({FAIL_VAR})"
+            )
+
+    def start(self, checkpoints_dir: Path, path: Path) -> None:
+        self.point("start", path)
+        self.inner.start(checkpoints_dir, path)
+
+    def write_torch(self, path: Path, obj: Any) -> None:
+        self.inner.write_torch(path, obj)
+        self.point(f"after:{_in_checkpoint(path)}", path)
+
+    def write_bytes(self, path: Path, data: bytes) -> None:
+        self.inner.write_bytes(path, data)
+        self.point(f"after:{_in_checkpoint(path)}", path)
+
+    def write_tensors(self, path: Path, tensors: Mapping[str, Any], metadata: dict | None) -> None:
+        self.inner.write_tensors(path, tensors, metadata)
+        self.point(f"after:{_in_checkpoint(path)}", path)
+
+    def write_model(self, directory: Path, model: Any, state_dict: Any, **kwargs: Any) -> None:
+        self.inner.write_model(directory, model, state_dict, **kwargs)
+        self.point("after:model", directory)
+
+    def hash_files(self, paths: list[Path]) -> list[tuple[int, str]]:
+        return self.inner.hash_files(paths)
+
+    def write_manifest(self, path: Path, data: bytes) -> None:
+        self.point("before-manifest", path)
+        self.inner.write_manifest(path, data)
+
+    def rename(self, path: Path, final_path: Path) -> None:
+        self.point("before-rename", path)
+        self.inner.rename(path, final_path)
+
+
+def inject(monkeypatch: Any, *, kill: str | None = None, fail: str | None = None) -> None:
+    """Make this process's saves fault as asked, for the rest of the test (pytest's
+    ``monkeypatch`` puts the default storage back)."""
+    import forge.checkpoint.storage as storage
+
+    monkeypatch.setattr(storage, "_default", FaultyStorage(kill=kill, fail=fail))
+
+
+def fault_env(*, kill: str | None = None, fail: str | None = None) -> dict[str, str]:
+    """The environment (to add to a child's) under which every Python process the child
+    starts saves with a ``FaultyStorage`` (its rank from ``RANK``)."""
+    env = {
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SITE_DIR), os.environ.get("PYTHONPATH")]))
+    }
+    if kill:
+        env[KILL_VAR] = kill
+    if fail:
+        env[FAIL_VAR] = fail
+    return env
+
+
+def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
+    """Install a ``FaultyStorage`` from ``FORGE_TEST_KILL_AT`` / ``FORGE_TEST_FAIL_AT`` as this
+    process's default (site/sitecustomize.py calls this at interpreter start)."""
+    from forge.checkpoint.storage import use_storage
+
+    kill, fail = environ.get(KILL_VAR), environ.get(FAIL_VAR)
+    if kill or fail:
+        use_storage(FaultyStorage(kill=kill, fail=fail, rank=int(environ.get("RANK", "0"))))

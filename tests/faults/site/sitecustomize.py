@@ -1,0 +1,15 @@
+"""Run at the start of every Python process whose PYTHONPATH holds this directory
+(``tests.faults.fault_env``): installs the fault-injecting checkpoint storage that
+``FORGE_TEST_KILL_AT`` / ``FORGE_TEST_FAIL_AT`` ask for. Nothing happens without them."""
+
+import os
+import sys
+from pathlib import Path
+
+if os.environ.get("FORGE_TEST_KILL_AT") or os.environ.get("FORGE_TEST_FAIL_AT"):
+    repo = str(Path(__file__).resolve().parents[3])
+    if repo not in sys.path:
+        sys.path.append(repo)
+    from tests.faults import install_from_env
+
+    install_from_env()
