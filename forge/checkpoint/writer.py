@@ -36,8 +36,8 @@ from forge.checkpoint.layout import (
     find_checkpoints,
 )
 from forge.checkpoint.storage import CheckpointStorage, default_storage
-from forge.wrappers import unwrap_model
 from forge.checkpoint.weights import directory_mismatch, weight_files
+from forge.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 
