@@ -29,9 +29,7 @@ class RecurrentBlock(nn.Module):
     def __init__(self, hidden_size: int, num_heads: int, ffn_size: int, dropout: float) -> None:
         super().__init__()
         self.attn_norm = nn.LayerNorm(hidden_size)
-        self.attn = nn.MultiheadAttention(
-            hidden_size, num_heads, dropout=dropout, batch_first=True
-        )
+        self.attn = nn.MultiheadAttention(hidden_size, num_heads, dropout=dropout, batch_first=True)
         self.mlp_norm = nn.LayerNorm(hidden_size)
         self.mlp = nn.Sequential(
             nn.Linear(hidden_size, ffn_size),
