@@ -1,5 +1,6 @@
 """Run every forge benchmark in one go, each under a heading: CLI start-up, training
-throughput, checkpoint save speed and the pipeline trainer's throughput and saves. Each runs as a subprocess of this interpreter; the
+throughput, checkpoint save speed, the pipeline trainer's throughput and saves, and peak
+memory and step time with and without activation checkpointing. Each runs as a subprocess of this interpreter; the
 command exits non-zero when any of them fails (the others still run).
 
     .venv/bin/python bench/run.py [--quick] [--only train_speed,startup]   (also: make bench)
@@ -24,6 +25,7 @@ SECTIONS: dict[str, tuple[str, list[str]]] = {
     "train_speed": ("train_speed.py", ["--quick"]),
     "checkpoint_speed": ("checkpoint_speed.py", ["--repeat", "1"]),
     "pipeline_speed": ("pipeline_speed.py", ["--quick"]),
+    "activation_memory": ("activation_memory.py", ["--quick"]),
 }
 
 

@@ -89,6 +89,7 @@ from forge.train.evaluation import (
 from forge.train.evaluator import Evaluator
 from forge.train.integrations import integration_callback
 from forge.train.loop_state import Batch, StepResult, Tally, TrainOutput, count_tokens
+from forge.train.memory import peak_memory
 from forge.train.optim import (
     MetricSchedule,
     build_optimizer,
@@ -526,9 +527,19 @@ class BaseTrainer:
         data-parallel size instead, which DDP's gradient average takes back out (HF's rule).
         """
         if num_items_in_batch is None:
-            return self.compute_loss(self.wrapped_model, batch) / window_size
-        loss = self.compute_loss(self.wrapped_model, batch, num_items_in_batch=num_items_in_batch)
+            return self._training_loss(batch) / window_size
+        loss = self._training_loss(batch, num_items_in_batch=num_items_in_batch)
         return loss * self._items_ranks()
+
+    def _training_loss(self, batch: Batch, **items: Any) -> torch.Tensor:
+        """``compute_loss`` on the training model; the extra loss parts and metrics its outputs
+        hold go to the log tally, on the device (``Tally.add_outputs``). A ``compute_loss``
+        overridden without ``return_outputs`` gives the loss only."""
+        if not takes_keyword(self.compute_loss, "return_outputs"):
+            return self.compute_loss(self.wrapped_model, batch, **items)
+        loss, outputs = self.compute_loss(self.wrapped_model, batch, return_outputs=True, **items)
+        self._tally.add_outputs(outputs)
+        return loss
 
     def _items_ranks(self) -> int:
         """The ranks whose label tokens ``num_items_in_batch`` counts."""
@@ -1333,12 +1344,14 @@ class BaseTrainer:
 
     # ------------------------------------------------------------------ logging
     def log_step(self) -> None:
-        """Report the steps since the last log: mean loss, lr, grad norm, tokens/s (when the
-        batches hold tokens: ``count_tokens``), epoch."""
+        """Report the steps since the last log: mean loss, the model's extra metrics (each
+        float or 0-d tensor field of its outputs: ``model_metrics``), lr, grad norm, tokens/s
+        (when the batches hold tokens: ``count_tokens``), epoch, peak memory (``peak_memory``)."""
         self._settle()
         tally, state = self._tally, self.state
         logs: dict[str, float] = {
             "loss": tally.mean_loss,
+            **tally.metric_means(),  # the model's own (ponder cost, ...): means over the window
             "learning_rate": current_lr(self.lr_scheduler),
             "grad_norm": tally.grad_norm,
         }
@@ -1349,6 +1362,7 @@ class BaseTrainer:
             logs["nonfinite_skipped"] = state.nonfinite_skipped
         if self.args.include_num_input_tokens_seen != "no":
             logs["num_input_tokens_seen"] = state.tokens_seen
+        logs.update(peak_memory(self.device))
         self._tally = Tally()
         self._call("on_log", logs=logs)
 

@@ -113,15 +113,22 @@ def batch_size_of(batch: Mapping[str, Any]) -> int:
 
 def output_logits(outputs: Any, ignore_keys: Sequence[str]) -> Any:
     """The model's predictions: every output but the loss (and ``ignore_keys``, such as
-    ``past_key_values``); one tensor when there is one."""
+    ``past_key_values``, and a mapping's scalars, such as a ponder cost: metrics of the
+    batch, not predictions per item); one tensor when there is one."""
     if isinstance(outputs, Mapping):
-        logits = tuple(v for k, v in outputs.items() if k not in (*ignore_keys, "loss"))
+        logits = tuple(
+            v for k, v in outputs.items() if k not in (*ignore_keys, "loss") and not _is_scalar(v)
+        )
     elif isinstance(outputs, (tuple, list)):
         logits = tuple(outputs[1:])
     else:
         logits = (outputs,)
     logits = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in logits)
     return logits[0] if len(logits) == 1 else logits
+
+
+def _is_scalar(value: Any) -> bool:
+    return isinstance(value, float) or (isinstance(value, torch.Tensor) and value.dim() == 0)
 
 
 class Accumulator:

@@ -4,6 +4,7 @@ is ``forge.train.components.DataPosition``)."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
@@ -53,6 +54,10 @@ class Tally:
         self.started = time.perf_counter()
         self._pending: torch.Tensor | None = None  # sums of _SUMS since the last settle
         self._last_norm: torch.Tensor | None = None
+        # the model's own metrics (``model_metrics``): sums on the device, counts on the host
+        self._metric_sums: dict[str, torch.Tensor | float] = {}
+        self.metric_counts: dict[str, int] = {}
+        self.metric_totals: dict[str, float] = {}
 
     def add(self, step: StepResult) -> None:
         self.steps += 1
@@ -69,6 +74,32 @@ class Tally:
         )
         self._pending = row if self._pending is None else self._pending + row
         self._last_norm = step.grad_norm
+
+    def add_outputs(self, outputs: Any) -> None:
+        """Add one micro-batch's ``model_metrics`` (on the device: no host sync)."""
+        for name, value in model_metrics(outputs).items():
+            value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+            held = self._metric_sums.get(name)
+            self._metric_sums[name] = value if held is None else held + value
+            self.metric_counts[name] = self.metric_counts.get(name, 0) + 1
+
+    def metric_means(self) -> dict[str, float]:
+        """Each model metric's mean over the micro-batches added (reads the device once)."""
+        sums, self._metric_sums = self._metric_sums, {}
+        on_device = {n: v for n, v in sums.items() if isinstance(v, torch.Tensor)}
+        read = dict(sums)
+        if on_device:  # one read of them all, stacked where they live
+            by_device: dict[torch.device, list[str]] = {}
+            for name, value in on_device.items():
+                by_device.setdefault(value.device, []).append(name)
+            for names in by_device.values():
+                values = torch.stack([on_device[n] for n in names]).tolist()  # sync
+                read.update(zip(names, values, strict=True))
+        for name, value in read.items():
+            self.metric_totals[name] = self.metric_totals.get(name, 0.0) + value
+        return {
+            name: total / self.metric_counts[name] for name, total in self.metric_totals.items()
+        }
 
     def settle(self) -> Settled:
         """Fold the device-side sums into the plain numbers; returns what was folded in."""
@@ -87,13 +118,18 @@ class Tally:
         return Settled(int(tokens), int(skipped))
 
     def state_dict(self) -> dict[str, Any]:
-        """The loss part (not tokens or time), so a resumed run logs the same mean losses."""
+        """The loss part (not tokens or time) and the model's metrics, so a resumed run logs the
+        same means."""
         self.settle()
+        self.metric_means()
         keys = ("steps", "finite_steps", "skipped", "loss_sum", "grad_norm")
+        if self.metric_counts:  # a model that returns metrics: their window so far too
+            keys += ("metric_counts", "metric_totals")
         return {key: getattr(self, key) for key in keys}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._pending = self._last_norm = None
+        self._metric_sums = {}
         for key, value in state.items():
             setattr(self, key, value)
 
@@ -111,6 +147,32 @@ class Settled(NamedTuple):
 
     tokens: int
     skipped: int
+
+
+#: model output fields that are no metric to log: the loss (logged as such) and predictions
+_NOT_METRICS = ("loss", "logits")
+
+
+def model_metrics(outputs: Any) -> dict[str, torch.Tensor | float]:
+    """The extra loss parts and metrics a model returns (a ponder cost, the passes taken...):
+    every field of its outputs (a mapping, or an object such as Hugging Face's ``ModelOutput``)
+    besides ``loss`` and ``logits`` that is a float or a 0-d floating-point tensor."""
+    if isinstance(outputs, Mapping):
+        fields = outputs.items()
+    elif hasattr(outputs, "__dict__") and not isinstance(outputs, torch.Tensor):
+        fields = vars(outputs).items()
+    else:
+        return {}
+    return {
+        name: value
+        for name, value in fields
+        if name not in _NOT_METRICS
+        and not name.startswith("_")
+        and (
+            (isinstance(value, float))
+            or (isinstance(value, torch.Tensor) and value.dim() == 0 and value.is_floating_point())
+        )
+    }
 
 
 def count_tokens(batch: Batch) -> torch.Tensor | int:

@@ -37,6 +37,8 @@ logger = logging.getLogger(__name__)
 _BLOCK_LISTS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 #: ``activation_checkpointing_kwargs`` keys that are Hugging Face's, not torch's checkpoint's
 _HF_ONLY = ("offload",)
+#: keywords ``torch.utils.checkpoint.checkpoint`` documents but takes through its ``**kwargs``
+_THROUGH_KWARGS = {"preserve_rng_state"}
 
 
 def apply_model_settings(model: nn.Module, args: TrainingArguments) -> None:
@@ -211,6 +213,7 @@ def _checkpoint_function(args: TrainingArguments) -> Callable[..., Any]:
         )
     kwargs["use_reentrant"] = False
     accepted = set(inspect.signature(torch.utils.checkpoint.checkpoint).parameters)
+    accepted |= _THROUGH_KWARGS
     unknown = sorted(set(kwargs) - accepted)
     if unknown:
         raise TrainingArgumentsError(
