@@ -214,6 +214,10 @@ class TrainingArguments(StepChecks, RunChecks):
     restore_scheduler_state: bool = True
     restore_rng_state: bool = True
     restore_dataloader_state: bool = True
+    ema_decay: float | None = None
+    ema_warmup_steps: int = 0
+    ema_update_every: int = 1
+    eval_with_ema: bool = False
 
     #: prefix of every key named in an error message (where these arguments sit in a config)
     config_key: ClassVar[str] = "trainer.args"
@@ -266,6 +270,7 @@ class TrainingArguments(StepChecks, RunChecks):
         self._check_output(p)
         self._check_length(p)
         self._check_optimizer(p)
+        self._check_ema(p)
         self._check_schedule(p)
         self._check_precision(p)
         self._check_logging(p)
