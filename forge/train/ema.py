@@ -242,18 +242,16 @@ def with_ema_weights(
     }
 
 
-def load_ema_weights(model: nn.Module, checkpoint: str | Path) -> None:
-    """Put a checkpoint's moving average into ``model``'s trainable parameters (the model
-    already holds the checkpoint's weights). Every trainable parameter must be covered."""
-    average = read_ema_state(checkpoint)
-    missing = [
-        names[0] for names, _ in trainable_parameters(model) if not any(n in average for n in names)
-    ]
+def load_ema_weights(model: nn.Module, average: dict[str, torch.Tensor], where: str = "") -> None:
+    """Put a checkpoint's moving average (``read_ema_state``) into ``model``'s trainable
+    parameters, each in its dtype. Every trainable parameter must be covered."""
+    params = trainable_parameters(model)
+    missing = [names[0] for names, _ in params if not any(n in average for n in names)]
     if missing:
         raise CheckpointError(
-            f"{checkpoint}: its moving average of the weights covers none of "
+            f"{where or 'the checkpoint'}: its moving average of the weights has no average of "
             f"{', '.join(missing[:5])}; it was written for another model"
         )
     with torch.no_grad():
-        for names, param in trainable_parameters(model):
+        for names, param in params:
             param.copy_(average[next(n for n in names if n in average)])
