@@ -82,3 +82,37 @@ def test_ema_flags_refuse_a_checkpoint_without_an_average(trained_once, tmp_path
         assert "holds no moving average of the weights" in result.stderr, result.stderr
         assert "Traceback" not in result.stderr
     assert not (tmp_path / "out").exists()
+
+
+def stage_states(checkpoint: Path) -> list:
+    """The average each pipeline stage wrote (its own file, named by the manifest)."""
+    files = json.loads((checkpoint / "manifest.json").read_text())["components"]["ema"]["files"]
+    return [torch.load(checkpoint / name, weights_only=True)["state"] for name in files]
+
+
+@pytest.mark.slow
+def test_the_average_of_two_pipeline_stages_survives_sigkill_and_resume(project):
+    """pipeline.yaml on 2 processes: each stage keeps the average of its own parameters in
+    its own file; the launcher killed with SIGKILL after the step-20 checkpoint (its job dies
+    with it) and `forge resume` end with the straight run's averages, bit for bit."""
+    two = ["pipeline", "-p", str(project), *SMALL, "-D", "num_layers=4", "--nproc", "2", *EMA]
+    straight = run_forge("train", *two)
+    assert straight.returncode == 0, straight.stderr
+    straight_dir = Path(straight.stdout.splitlines()[0])
+
+    proc = start_forge("train", *two, cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc.send_signal(signal.SIGKILL)  # as a user would; the job stops with its launcher
+    proc.wait(timeout=300)
+    assert not final_checkpoint(run_dir).exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+
+    a, b = stage_states(final_checkpoint(straight_dir)), stage_states(final_checkpoint(run_dir))
+    assert len(a) == len(b) == 2
+    first, last = (set(state["weights"]) for state in a)
+    assert "model.embed_tokens.weight" in first and "model.norm.weight" in last
+    assert "model.norm.weight" not in first  # each stage averages its own parameters
+    for index, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert_same_tensors(x, y, f"ema stage {index}")
