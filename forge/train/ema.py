@@ -41,16 +41,12 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from forge.checkpoint import CheckpointError, read_manifest
 from forge.checkpoint.io import load_torch_state
+from forge.checkpoint.state import _plain_name  # DDP's / torch.compile's parts removed
 
 logger = logging.getLogger(__name__)
 
 #: the checkpoint component's name (files ``ema.pt`` or ``ema-stage-K-of-N.pt``)
 EMA_COMPONENT = "ema"
-
-
-def _plain_name(name: str) -> str:
-    """A parameter name without DDP's ``module.`` or torch.compile's ``_orig_mod.`` parts."""
-    return ".".join(p for p in name.split(".") if p not in ("module", "_orig_mod"))
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
