@@ -25,7 +25,7 @@ from tests.train.common import (
     make_trainer,
 )
 from tests.train.components_script import run as run_script
-from tests.train.test_components import InfLossAtStep
+from tests.train.test_components import InfLossAtStep, torchrun
 
 EMA = {"ema_decay": 0.9}
 
@@ -276,3 +276,21 @@ def test_export_ema_writes_the_average_and_refuses_a_checkpoint_without_one(tmp_
     with pytest.raises(UsageError, match="holds no moving average of the weights"):
         export_model(checkpoint_dir(tmp_path / "plain", 2), tmp_path / "none", ema=True)
     assert not (tmp_path / "none").exists()
+
+
+@pytest.mark.integration
+@pytest.mark.slow
+def test_the_average_resumes_exactly_under_ddp(tmp_path):
+    """The plain trainer on 2 processes (DDP, gloo): stopped at step 3 and resumed to 6, the
+    average ends where a straight run's ends, bit for bit; rank 0 writes the one file."""
+    extra = {**EMA, "save_final_checkpoint": True}
+    torchrun(tmp_path / "straight", "plain", **extra)
+    torchrun(tmp_path / "run", "plain", stop_at=3, **extra)
+    ckpt = checkpoint_dir(tmp_path / "run", 3)
+    assert read_manifest(ckpt).components["ema"]["files"] == ["ema.pt"]
+    assert component_state(ckpt, "ema")["steps"] == 3
+    torchrun(tmp_path / "run", "plain", resume=str(ckpt), **extra)
+    straight = component_state(checkpoint_dir(tmp_path / "straight", 6), "ema")
+    resumed = component_state(checkpoint_dir(tmp_path / "run", 6), "ema")
+    assert resumed["steps"] == 6
+    assert_same_tensors(straight, resumed, "ema")
