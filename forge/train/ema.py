@@ -29,7 +29,6 @@ pipeline's stages hold it).
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,8 +41,6 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 from forge.checkpoint import CheckpointError, read_manifest
 from forge.checkpoint.io import load_torch_state
 from forge.checkpoint.state import _plain_name  # DDP's / torch.compile's parts removed
-
-logger = logging.getLogger(__name__)
 
 #: the checkpoint component's name (files ``ema.pt`` or ``ema-stage-K-of-N.pt``)
 EMA_COMPONENT = "ema"

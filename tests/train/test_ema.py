@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from forge.checkpoint import read_manifest
+from forge.checkpoint import CheckpointError, read_manifest
 from forge.errors import UsageError
 from forge.export import export_model
 from forge.train import AccelTrainer, TrainerCallback, TrainingArguments, TrainingArgumentsError
@@ -114,6 +114,26 @@ def test_tied_weights_are_averaged_once_and_saved_under_each_name():
     assert len(ema.shadow) == 1
     weights = ema.state_dict()["weights"]
     assert set(weights) == {"0.weight", "1.weight"} and weights["0.weight"] is weights["1.weight"]
+
+
+def test_stage_shards_merge_by_name_into_another_split():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    whole = WeightsEMA(model, 0.5)
+    for _ in range(3):
+        with torch.no_grad():
+            model[1].weight.mul_(2)
+        whole.on_optimizer_step(applied=True)
+    state = whole.state_dict()
+    first = {**state, "weights": {k: v for k, v in state["weights"].items() if k < "1"}}
+    last = {**state, "weights": {k: v for k, v in state["weights"].items() if k >= "1"}}
+    again = WeightsEMA(nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)), 0.5)
+    again.load_state_dict(WeightsEMA.reshard([first, last]))
+    assert_same_tensors(again.state_dict(), state, "ema")
+    with pytest.raises(CheckpointError, match="has no average of 1.weight, 1.bias"):
+        again.load_state_dict(first)
+    with pytest.raises(CheckpointError, match="counted other steps"):
+        WeightsEMA.reshard([first, {**last, "steps": 2}])
 
 
 # ------------------------------------------------------------------------- in training
