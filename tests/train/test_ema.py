@@ -13,7 +13,13 @@ from torch import nn
 from forge.checkpoint import CheckpointError, read_manifest
 from forge.errors import UsageError
 from forge.export import export_model
-from forge.train import AccelTrainer, TrainerCallback, TrainingArguments, TrainingArgumentsError
+from forge.train import (
+    AccelTrainer,
+    PipelineTrainer,
+    TrainerCallback,
+    TrainingArguments,
+    TrainingArgumentsError,
+)
 from forge.train.ema import WeightsEMA, read_ema_state
 from tests.train.common import (
     StopAtStep,
@@ -26,6 +32,7 @@ from tests.train.common import (
 )
 from tests.train.components_script import run as run_script
 from tests.train.test_components import InfLossAtStep, torchrun
+from tests.train.test_pipeline import pipeline_args
 
 EMA = {"ema_decay": 0.9}
 
@@ -314,3 +321,17 @@ def test_the_average_resumes_exactly_under_ddp(tmp_path):
     resumed = component_state(checkpoint_dir(tmp_path / "run", 6), "ema")
     assert resumed["steps"] == 6
     assert_same_tensors(straight, resumed, "ema")
+
+
+def test_eval_with_ema_under_the_pipeline_trainer_swaps_the_stages_weights(tmp_path):
+    """The pipeline's stages run on the model's own parameters: the average is swapped into
+    them for evaluation and out again, so training is the same and the loss is another."""
+    common = dict(max_steps=4, eval_strategy="steps", eval_steps=2, ema_decay=0.5)
+    runs = {}
+    for with_ema in (False, True):
+        args = pipeline_args(tmp_path / str(with_ema), eval_with_ema=with_ema, **common)
+        trainer = make_trainer(args, eval_size=16, trainer_cls=PipelineTrainer)
+        runs[with_ema] = (trainer, trainer.train())
+    (plain, plain_out), (averaged, averaged_out) = runs[False], runs[True]
+    assert_same_tensors(plain.stage_state_dict(), averaged.stage_state_dict(), "weights")
+    assert averaged_out.metrics["eval_loss"] != plain_out.metrics["eval_loss"]
