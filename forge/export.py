@@ -40,13 +40,16 @@ def export_model(
     force: bool = False,
     max_shard_size: str | int = "5GB",
     submodule: str | None = None,
+    ema: bool = False,
 ) -> Path:
     """Write ``checkpoint``'s model to ``output``; returns the checkpoint exported.
 
     ``checkpoint`` is what forge.checkpoint.resolve takes: a checkpoint, a run directory (its
     newest valid checkpoint), a project, or a Hugging Face model directory. A non-empty ``output`` is refused unless ``force``; then it is replaced only
     once the export is complete. ``submodule`` names the transformers model inside the
-    checkpoint's model to export alone (``lm`` for a wrapper's ``self.lm``).
+    checkpoint's model to export alone (``lm`` for a wrapper's ``self.lm``). ``ema`` exports
+    the moving average of the weights the checkpoint holds (``ema_decay``) in place of the
+    trainable weights, each in its saved dtype; a checkpoint without one is refused.
     """
     from forge.checkpoint.resolve import resolve_checkpoint
 
@@ -57,13 +60,14 @@ def export_model(
             f"{output} exists and is not empty; choose a new directory or pass --force to "
             "replace its contents"
         )
+    average = _read_average(source) if ema else None
     weight_files, extras = _classify(source)
     plan = _plan(source, weight_files, submodule)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.parent / f".{output.name}.export-{uuid.uuid4().hex[:8]}"
     staging.mkdir()
     try:
-        count = _write_weights(source, staging, max_shard_size, plan.prefix)
+        count = _write_weights(source, staging, max_shard_size, plan.prefix, average)
         plan.write_configs(source, staging)
         for name in extras:
             if name not in (CONFIG_NAME, GENERATION_CONFIG_NAME):
@@ -73,7 +77,10 @@ def export_model(
         shutil.rmtree(staging, ignore_errors=True)
         raise
     where = f" (its {plan.prefix} submodule)" if plan.prefix else ""
-    logger.info("exported %d tensors of a %s%s from %s", count, plan.architecture, where, source)
+    what = "the moving average of " if ema else ""
+    logger.info(
+        "exported %s%d tensors of a %s%s from %s", what, count, plan.architecture, where, source
+    )
     return source
 
 
@@ -245,15 +252,38 @@ def _classify(source: Path) -> tuple[list[Path], list[str]]:
     return files, extras
 
 
-def _write_weights(source: Path, directory: Path, max_shard_size: str | int, prefix: str) -> int:
-    """Every tensor of the checkpoint's weights (those under ``prefix``, without it) into
-    ``directory`` as ``save_pretrained`` lays them out."""
+def _read_average(source: Path) -> dict[str, Any]:
+    """The checkpoint's moving average of the weights, by parameter name."""
+    from forge.checkpoint import CheckpointError
+    from forge.train.ema import read_ema_state
+
+    try:
+        return read_ema_state(source)
+    except CheckpointError as exc:
+        raise UsageError(f"--ema: {exc}") from None
+
+
+def _write_weights(
+    source: Path,
+    directory: Path,
+    max_shard_size: str | int,
+    prefix: str,
+    average: dict[str, Any] | None = None,
+) -> int:
+    """Every tensor of the checkpoint's weights (those under ``prefix``, without it; the
+    moving average in place of those it covers) into ``directory`` as ``save_pretrained``
+    lays them out."""
     from huggingface_hub import save_torch_state_dict
 
     from forge.checkpoint.io import quiet_hub_saves
     from forge.checkpoint.weights import read_weights
 
-    tensors = _strip(read_weights(source), prefix)
+    tensors = read_weights(source)
+    if average is not None:
+        from forge.train.ema import with_ema_weights
+
+        tensors = with_ema_weights(tensors, average)
+    tensors = _strip(tensors, prefix)
     with quiet_hub_saves():  # its "successfully saved" names the staging directory
         save_torch_state_dict(
             tensors, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}

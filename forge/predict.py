@@ -84,16 +84,26 @@ def _load_run(checkpoint: Path, allow: list[str]) -> tuple[Any, Any, Any]:
 
 
 def evaluate_checkpoint(
-    checkpoint: Path, split: str = "eval", allow: list[str] = ()
+    checkpoint: Path, split: str = "eval", allow: list[str] = (), *, ema: bool = False
 ) -> dict[str, float]:
     """The metrics of ``checkpoint`` on the run's ``split``: ``eval`` (the trainer's eval
     dataset), ``train``, or any other NAME whose ``NAME_dataset`` target the config has.
 
     Metrics are prefixed with the split (``eval_loss``, ``test_accuracy``). Nothing is written
     to the run. A pipeline run's model is evaluated whole, by the plain trainer, in this
-    process (its checkpoints load into it).
+    process (its checkpoints load into it). ``ema`` evaluates the moving average of the
+    weights the checkpoint holds (``ema_decay``); a checkpoint without one is refused.
     """
+    from forge.checkpoint import CheckpointError
+    from forge.train.ema import load_ema_weights, read_ema_state
     from forge.worker import build_variables
+
+    average = None
+    if ema:  # before anything is built: a checkpoint without an average is refused at once
+        try:
+            average = read_ema_state(checkpoint)
+        except CheckpointError as exc:
+            raise UsageError(f"--ema: {exc}") from None
 
     record, project, cfg = _load_run(checkpoint, allow)
     # the trainer's own files (metrics.jsonl, ...) go to a scratch directory, not to the run
@@ -102,6 +112,8 @@ def evaluate_checkpoint(
         trainer = _one_process_trainer(cfg.build("trainer", variables))
         dataset = _split_dataset(cfg, trainer, split, variables)
         trainer.load_weights(checkpoint)
+        if average is not None:
+            load_ema_weights(trainer.model, average, str(checkpoint))
         _at_checkpoint_step(trainer, checkpoint)
         return trainer.evaluate(dataset, metric_key_prefix=split)
 

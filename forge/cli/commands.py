@@ -517,6 +517,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         force=args.force,
         max_shard_size=args.max_shard_size,
         submodule=args.submodule,
+        ema=args.ema,
     )
     print(output)
     logger.info("load it with %s.from_pretrained(%r)", pretrained_loader(output), str(output))
@@ -530,8 +531,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from forge.predict import evaluate_checkpoint
 
     checkpoint = resolve_checkpoint(args.checkpoint, best=args.best).path
-    logger.info("evaluating %s on the %s split", checkpoint, args.split)
-    metrics = evaluate_checkpoint(checkpoint, args.split, args.allow or [])
+    what = "the moving average of the weights of " if args.ema else ""
+    logger.info("evaluating %s%s on the %s split", what, checkpoint, args.split)
+    metrics = evaluate_checkpoint(checkpoint, args.split, args.allow or [], ema=args.ema)
     if args.json:
         print(json.dumps({"checkpoint": str(checkpoint), **metrics}))
         return EXIT_OK

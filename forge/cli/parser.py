@@ -323,6 +323,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="export only the transformers model the checkpoint's model holds as NAME "
         "(a wrapper's self.NAME), leaving the wrapper's other weights out",
     )
+    p.add_argument(
+        "--ema",
+        action="store_true",
+        help="export the moving average of the weights (a run trained with ema_decay)",
+    )
 
     p = _sub(subparsers, "evaluate", "print a checkpoint's metrics on a split of its run's data")
     p.add_argument(
@@ -336,6 +341,11 @@ def build_parser() -> argparse.ArgumentParser:
         default="eval",
         metavar="NAME",
         help="eval (default), train, or NAME for the config's NAME_dataset target",
+    )
+    p.add_argument(
+        "--ema",
+        action="store_true",
+        help="evaluate the moving average of the weights (a run trained with ema_decay)",
     )
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")

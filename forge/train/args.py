@@ -2,7 +2,7 @@
 
 Every name of Hugging Face ``transformers.TrainingArguments`` (5.x) is a field here with HF's
 meaning and default, so an HF script's arguments carry over unchanged; forge adds a few of its
-own (``device``, ``early_stopping_*``, ``save_*_state`` / ``restore_*_state``, ...). The few HF
+own (``device``, ``early_stopping_*``, ``save_*_state`` / ``restore_*_state``, ``ema_*``, ...). The few HF
 names that do not apply to forge (pushing to the Hub, DeepSpeed/FSDP plugins, ...) accept only
 their default value and name the reason otherwise (``NOT_APPLICABLE``; docs/hf-names.md has the table).
 
@@ -69,6 +69,9 @@ class TrainingArguments(StepChecks, RunChecks):
     Evaluation needs the trainer's ``eval_dataset``.
     ``tf32`` (null: torch's default) and ``full_determinism`` are applied while ``train()``
     runs (forge/train/precision.py).
+    ``ema_decay`` (null or 0: off) keeps a moving average of the trainable parameters, with
+    ``ema_warmup_steps`` and ``ema_update_every``; ``eval_with_ema`` evaluates with it
+    (forge/train/ema.py has the formula).
     """
 
     output_dir: str | None = None
@@ -214,6 +217,10 @@ class TrainingArguments(StepChecks, RunChecks):
     restore_scheduler_state: bool = True
     restore_rng_state: bool = True
     restore_dataloader_state: bool = True
+    ema_decay: float | None = None
+    ema_warmup_steps: int = 0
+    ema_update_every: int = 1
+    eval_with_ema: bool = False
 
     #: prefix of every key named in an error message (where these arguments sit in a config)
     config_key: ClassVar[str] = "trainer.args"
@@ -266,6 +273,7 @@ class TrainingArguments(StepChecks, RunChecks):
         self._check_output(p)
         self._check_length(p)
         self._check_optimizer(p)
+        self._check_ema(p)
         self._check_schedule(p)
         self._check_precision(p)
         self._check_logging(p)

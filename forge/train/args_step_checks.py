@@ -69,6 +69,30 @@ class StepChecks(ValueChecks):
         if self.optim_args is not None:
             self._check_optim_args(p)
 
+    def _check_ema(self, p: list[str]) -> None:
+        """The moving average of the weights (forge/train/ema.py): ``ema_decay`` null or 0
+        turns it off; ``eval_with_ema`` needs it on."""
+        decay = as_float(self.ema_decay)
+        if self.ema_decay is not None and decay == 0:
+            self.ema_decay = None
+        elif self.ema_decay is not None:
+            if decay is None or not 0 < decay < 1:
+                p.append(
+                    f"{self._key('ema_decay')} must be a number in (0, 1) (got "
+                    f"{self.ema_decay!r}); e.g. 0.999, or null (or 0) to turn the average off"
+                )
+            else:
+                self.ema_decay = decay
+        self._int("ema_warmup_steps", p, minimum=0, fix="0 for no warmup")
+        self._int("ema_update_every", p, minimum=1, fix="1 updates after every optimizer step")
+        self._bool("eval_with_ema", p)
+        if self.eval_with_ema is True and self.ema_decay is None:
+            p.append(
+                f"{self._key('eval_with_ema')} evaluates with the moving average of the weights, "
+                "which is off (ema_decay is null); set ema_decay (e.g. 0.999) or "
+                "eval_with_ema: false"
+            )
+
     def _check_optim_args(self, p: list[str]) -> None:
         key, accepted = self._key("optim_args"), OPTIMIZERS[self.optim]
         if not isinstance(self.optim_args, str):

@@ -78,6 +78,7 @@ from forge.train.callbacks import (
     TrainerState,
 )
 from forge.train.components import DataPosition
+from forge.train.ema import EMA_COMPONENT, WeightsEMA, read_ema_component
 from forge.train.evaluation import (
     IGNORE_INDEX,
     accepts_loss_kwargs,
@@ -233,6 +234,7 @@ class BaseTrainer:
         self.num_epochs = 0
         self.data_position = DataPosition()  # where the loop is in the data
         self.checkpoint_registry: CheckpointRegistry | None = None  # built by train()
+        self.ema: WeightsEMA | None = None  # the weights' moving average (ema_decay)
         self._step_listeners: list[Callable[..., None]] = []  # their on_optimizer_step
         self._early_components: list[Component] = []  # registered by the transform stage
         # several ranks agree on a signal only at steps that sync anyway (see _should_stop)
@@ -468,6 +470,9 @@ class BaseTrainer:
                 state.best_metric,
             )
             self.load_weights(Path(state.best_checkpoint))
+            if self.ema is not None and args.eval_with_ema:  # its metric was the average's
+                self.ema.load_state_dict(read_ema_component(Path(state.best_checkpoint)))
+                self.ema.copy_to_weights()
         self._call("on_train_end")
         metrics = {
             **summary,
@@ -789,6 +794,7 @@ class BaseTrainer:
         apply_runtime_settings(args, self.topology.is_main)
         set_seed(args.seed)
         self.checkpoint_registry, self._early_components = None, []
+        self.ema = None
         self.wrapped_model = self.transform_model()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
@@ -1033,6 +1039,8 @@ class BaseTrainer:
         args, key = self.args, self.args.config_key
         self.register(self.model_component())
         self.register(self.optimizer_component())
+        if args.ema_decay is not None:
+            self.register(self.ema_component())
         self.register(
             Component(
                 "lr_scheduler",
@@ -1092,6 +1100,29 @@ class BaseTrainer:
             restore=args.restore_optimizer_state,
             fix=_start_fresh(args.config_key, "restore_optimizer_state"),
         )
+
+    def ema_component(self) -> Component:
+        """The moving average of the trainable parameters (``ema_decay``; forge/train/ema.py):
+        stage-scoped and keyed by parameter name, so each pipeline stage keeps its own and a
+        checkpoint of one split loads into another. A checkpoint without one (trained without
+        ``ema_decay``) starts it from the restored weights, with a warning."""
+        args = self.args
+        self.ema = WeightsEMA(
+            self.model,
+            args.ema_decay,
+            warmup_steps=args.ema_warmup_steps,
+            update_every=args.ema_update_every,
+        )
+        return Component(
+            EMA_COMPONENT, self.ema, Scope.STAGE, required=False, reshard=WeightsEMA.reshard
+        )
+
+    def evaluation_weights(self) -> AbstractContextManager:
+        """The weights evaluation runs with: with ``eval_with_ema``, the moving average,
+        swapped into the model for the evaluation and out again (bit for bit) after it."""
+        if self.args.eval_with_ema and self.ema is not None:
+            return self.ema.swapped_in()
+        return nullcontext()
 
     def state_dict(self) -> dict[str, Any]:
         """The loop's own counters: a checkpoint component like any other."""
@@ -1236,6 +1267,8 @@ class BaseTrainer:
             self._last_eval = (state.global_step, dict(manifest.metrics))
         self._last_save_step = state.global_step
         self.data_position.restart_epoch_unless_restored()
+        if self.ema is not None:
+            self.ema.reset_unless_restored()
 
     # ------------------------------------------------------------------ evaluation
     def evaluate(

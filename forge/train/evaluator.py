@@ -74,18 +74,19 @@ class Evaluator:
         metrics: dict[str, float] = {}
         with trainer.distributed():
             self._prepare_model()
-            for name, part in parts.items():
-                prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
-                started = time.time()
-                output = trainer.evaluation_loop(
-                    part,
-                    description=prefix,
-                    prediction_loss_only=True if trainer.compute_metrics is None else None,
-                    ignore_keys=ignore_keys,
-                    metric_key_prefix=prefix,
-                )
-                metrics.update(output.metrics)
-                metrics.update(self._speed_metrics(prefix, started, output.num_samples))
+            with trainer.evaluation_weights():  # eval_with_ema: the moving average
+                for name, part in parts.items():
+                    prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+                    started = time.time()
+                    output = trainer.evaluation_loop(
+                        part,
+                        description=prefix,
+                        prediction_loss_only=True if trainer.compute_metrics is None else None,
+                        ignore_keys=ignore_keys,
+                        metric_key_prefix=prefix,
+                    )
+                    metrics.update(output.metrics)
+                    metrics.update(self._speed_metrics(prefix, started, output.num_samples))
         return metrics
 
     def predict(
@@ -101,12 +102,13 @@ class Evaluator:
         with trainer.distributed():
             self._prepare_model()
             started = time.time()
-            output = trainer.evaluation_loop(
-                test_dataset,
-                description=metric_key_prefix,
-                ignore_keys=ignore_keys,
-                metric_key_prefix=metric_key_prefix,
-            )
+            with trainer.evaluation_weights():
+                output = trainer.evaluation_loop(
+                    test_dataset,
+                    description=metric_key_prefix,
+                    ignore_keys=ignore_keys,
+                    metric_key_prefix=metric_key_prefix,
+                )
         metrics = output.metrics
         metrics.update(self._speed_metrics(metric_key_prefix, started, output.num_samples))
         return PredictionOutput(output.predictions, output.label_ids, metrics)

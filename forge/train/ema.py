@@ -1,0 +1,250 @@
+"""An exponential moving average (EMA) of a model's trainable parameters.
+
+``WeightsEMA`` keeps an fp32 copy of every trainable parameter on that parameter's device and
+moves it towards the weights after each applied optimizer step (``on_optimizer_step``; a
+skipped step leaves it as it was), every ``update_every`` applied steps. With ``n`` the applied
+optimizer steps so far (this one included), an update is
+
+    decay_n = decay * min(1, (n - 1) / warmup_steps)      (decay_n = decay when warmup_steps is 0)
+    ema     = decay_n * ema + (1 - decay_n) * weights
+
+so with a warmup the first update takes the weights as they are and the decay reaches
+``decay`` at step ``warmup_steps + 1``; before its first update the average is the weights the
+training started from. The update is ``torch.optim.swa_utils.get_ema_multi_avg_fn`` (one
+``_foreach_lerp_`` over the parameters).
+
+It is a stage-scoped checkpoint component keyed by parameter name, so each pipeline stage
+keeps the average of its own parameters and a checkpoint of one split loads into another, as
+the optimizer's state does. ``swapped_in`` evaluates with the average: it puts the average into
+the parameters and, after, the weights back bit for bit. ``read_ema_state`` reads a
+checkpoint's average for ``forge export --ema`` and ``forge evaluate --ema``.
+
+Why not ``torch.optim.swa_utils.AveragedModel``: it deep-copies the whole module (frozen
+weights and buffers included, and wrappers such as DDP, a compiled module or a pipeline stage's
+hooks), in the module's own dtype, and evaluates that copy rather than the trained module; forge
+needs an fp32 average of the trainable parameters only, a warmup, a state keyed by the
+parameter names every trainer saves, and evaluation through the trainer's own model (a
+pipeline's stages hold it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim.swa_utils import get_ema_multi_avg_fn
+
+from forge.checkpoint import CheckpointError, read_manifest
+from forge.checkpoint.io import load_torch_state
+from forge.checkpoint.state import _plain_name  # DDP's / torch.compile's parts removed
+
+#: the checkpoint component's name (files ``ema.pt`` or ``ema-stage-K-of-N.pt``)
+EMA_COMPONENT = "ema"
+
+
+def trainable_parameters(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
+    """Each trainable parameter once, with every name it has (tied weights have several)."""
+    found: dict[int, tuple[list[str], nn.Parameter]] = {}
+    for name, param in model.named_parameters(remove_duplicate=False):
+        if param.requires_grad:
+            found.setdefault(id(param), ([], param))[0].append(_plain_name(name))
+    return list(found.values())
+
+
+class WeightsEMA:
+    """The moving average of ``model``'s trainable parameters; see the module docstring."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        decay: float,
+        *,
+        warmup_steps: int = 0,
+        update_every: int = 1,
+    ) -> None:
+        if not 0 < decay < 1:
+            raise ValueError(f"EMA decay must be in (0, 1) (got {decay!r})")
+        self.decay = float(decay)
+        self.warmup_steps = int(warmup_steps)
+        self.update_every = int(update_every)
+        self.params = trainable_parameters(model)
+        if not self.params:
+            raise ValueError("the model has no trainable parameters to average")
+        self.shadow = [self._fp32_copy(p) for _, p in self.params]
+        self.steps = 0  # applied optimizer steps
+        self.updates = 0
+        self.restored = False
+
+    @staticmethod
+    def _fp32_copy(param: torch.Tensor) -> torch.Tensor:
+        return torch.empty_like(param, dtype=torch.float32).copy_(param.detach())
+
+    # ------------------------------------------------------------------ updates
+    def decay_at(self, step: int) -> float:
+        """The decay of an update after applied optimizer step ``step`` (1-based)."""
+        if self.warmup_steps <= 0:
+            return self.decay
+        return self.decay * min(1.0, (step - 1) / self.warmup_steps)
+
+    def on_optimizer_step(self, applied: bool) -> None:
+        """After each optimizer step: count it if it was applied, and update every
+        ``update_every`` applied steps. A skipped step changes nothing."""
+        if not applied:
+            return
+        self.steps += 1
+        if self.steps % self.update_every:
+            return
+        weights = [p.detach() for _, p in self.params]
+        weights = [w if w.dtype == torch.float32 else w.float() for w in weights]
+        get_ema_multi_avg_fn(self.decay_at(self.steps))(self.shadow, weights, None)
+        self.updates += 1
+
+    def reset_to_weights(self) -> None:
+        """Start the average afresh from the current weights (no steps counted)."""
+        with torch.no_grad():
+            for (_, param), shadow in zip(self.params, self.shadow, strict=True):
+                shadow.copy_(param.detach())
+        self.steps = self.updates = 0
+
+    def reset_unless_restored(self) -> None:
+        """After a resume from a checkpoint without an average: start it from the restored
+        weights (it was taken from the weights before they were restored)."""
+        if not self.restored:
+            self.reset_to_weights()
+
+    # ------------------------------------------------------------------ evaluation
+    @contextmanager
+    def swapped_in(self) -> Iterator[None]:
+        """The average in the parameters (in their dtype) for the duration; the weights are
+        put back exactly afterwards, whatever happens inside."""
+        with torch.no_grad():
+            kept = [p.detach().clone() for _, p in self.params]
+            for (_, param), shadow in zip(self.params, self.shadow, strict=True):
+                param.copy_(shadow)
+        try:
+            yield
+        finally:
+            with torch.no_grad():
+                for (_, param), weights in zip(self.params, kept, strict=True):
+                    param.copy_(weights)
+
+    def copy_to_weights(self) -> None:
+        """Put the average into the parameters (in their dtype), for good."""
+        with torch.no_grad():
+            for (_, param), shadow in zip(self.params, self.shadow, strict=True):
+                param.copy_(shadow)
+
+    # ------------------------------------------------------------------ checkpoint component
+    def state_dict(self) -> dict[str, Any]:
+        """``{"steps", "updates", "weights": {name: fp32 tensor}}``: each tied parameter under
+        every name it has (one tensor, saved once), so any split finds the names it holds."""
+        weights = {}
+        for (names, _), shadow in zip(self.params, self.shadow, strict=True):
+            for name in names:
+                weights[name] = shadow
+        return {"steps": self.steps, "updates": self.updates, "weights": weights}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """This model's names from a checkpoint of any split (``reshard`` merged them)."""
+        saved = state["weights"]
+        missing = [names[0] for names, _ in self.params if not any(n in saved for n in names)]
+        if missing:
+            shown = ", ".join(missing[:5]) + (
+                f" and {len(missing) - 5} more" if len(missing) > 5 else ""
+            )
+            raise CheckpointError(
+                f"the checkpoint's moving average of the weights (component '{EMA_COMPONENT}') "
+                f"has no average of {shown}; it was written for another model or other "
+                "trainable parameters"
+            )
+        with torch.no_grad():
+            for (names, _), shadow in zip(self.params, self.shadow, strict=True):
+                found = saved[next(n for n in names if n in saved)]
+                if found.shape != shadow.shape:
+                    raise CheckpointError(
+                        f"the checkpoint's moving average of {names[0]} has shape "
+                        f"{tuple(found.shape)}, the parameter {tuple(shadow.shape)}"
+                    )
+                shadow.copy_(found)
+        self.steps, self.updates = int(state["steps"]), int(state["updates"])
+        self.restored = True
+
+    @staticmethod
+    def reshard(shards: list[dict[str, Any]]) -> dict[str, Any]:
+        """The average of another pipeline split: the stages' names merged (every stage
+        counts the same steps)."""
+        steps = {(s["steps"], s["updates"]) for s in shards}
+        if len(steps) != 1:
+            raise CheckpointError(
+                f"the stages' moving averages of the weights counted other steps ({sorted(steps)})"
+            )
+        weights: dict[str, torch.Tensor] = {}
+        for shard in shards:
+            weights.update(shard["weights"])
+        return {**shards[0], "weights": weights}
+
+
+# ---------------------------------------------------------------------------------------------
+# reading a checkpoint's average (forge export --ema, forge evaluate --ema)
+
+
+def read_ema_component(checkpoint: str | Path) -> dict[str, Any]:
+    """A checkpoint's saved average (``WeightsEMA.state_dict``), its pipeline stages merged.
+    A checkpoint without one is a CheckpointError that says so."""
+    checkpoint = Path(checkpoint)
+    try:
+        manifest = read_manifest(checkpoint)
+    except (CheckpointError, OSError, ValueError):
+        manifest = None
+    entry = (manifest.components or {}).get(EMA_COMPONENT) if manifest is not None else None
+    if not entry:
+        raise CheckpointError(
+            f"{checkpoint} holds no moving average of the weights (no '{EMA_COMPONENT}' "
+            "component): it was not trained with trainer.args.ema_decay set; leave out --ema "
+            "to use its weights"
+        )
+    shards = []
+    for name in entry.get("files") or []:
+        payload = load_torch_state(checkpoint / name)
+        if not isinstance(payload, dict) or "state" not in payload:
+            raise CheckpointError(f"{checkpoint / name}: not a forge component file")
+        shards.append(payload["state"])
+    if not shards:
+        raise CheckpointError(f"{checkpoint}: its '{EMA_COMPONENT}' component lists no files")
+    return WeightsEMA.reshard(shards)
+
+
+def read_ema_state(checkpoint: str | Path) -> dict[str, torch.Tensor]:
+    """The moving average a checkpoint holds, by parameter name (fp32, on the CPU)."""
+    weights = read_ema_component(checkpoint)["weights"]
+    return {name: tensor.cpu() for name, tensor in weights.items()}
+
+
+def with_ema_weights(
+    weights: dict[str, torch.Tensor], average: dict[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    """A checkpoint's ``weights`` with the average in place of every tensor it covers, each
+    in the saved tensor's dtype (frozen weights and buffers stay as saved)."""
+    return {
+        name: average[name].to(tensor.dtype) if name in average else tensor
+        for name, tensor in weights.items()
+    }
+
+
+def load_ema_weights(model: nn.Module, average: dict[str, torch.Tensor], where: str = "") -> None:
+    """Put a checkpoint's moving average (``read_ema_state``) into ``model``'s trainable
+    parameters, each in its dtype. Every trainable parameter must be covered."""
+    params = trainable_parameters(model)
+    missing = [names[0] for names, _ in params if not any(n in average for n in names)]
+    if missing:
+        raise CheckpointError(
+            f"{where or 'the checkpoint'}: its moving average of the weights has no average of "
+            f"{', '.join(missing[:5])}; it was written for another model"
+        )
+    with torch.no_grad():
+        for names, param in params:
+            param.copy_(average[next(n for n in names if n in average)])

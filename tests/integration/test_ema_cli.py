@@ -1,0 +1,118 @@
+"""The moving average of the weights through the real entry point: tiny_lm trained with
+``ema_decay`` and ``eval_with_ema``, killed with SIGKILL after its step-20 checkpoint and
+continued with `forge resume`, ends with the average a straight run ends with, bit for bit;
+`forge evaluate --ema` reports the loss the run reported, and `forge export --ema` writes a
+directory `from_pretrained` loads with the average's weights."""
+
+from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.helpers import REPO, run_forge
+from tests.integration.conftest import SMALL
+from tests.integration.test_train_resume import start_forge, wait_for
+from tests.train.common import assert_same_tensors, component_state
+
+pytestmark = pytest.mark.integration
+
+EMA = ["--set", "trainer.args.ema_decay=0.9", "--set", "trainer.args.eval_with_ema=true"]
+
+
+def final_checkpoint(run_dir: Path) -> Path:
+    return run_dir / "checkpoints" / "checkpoint-000040"
+
+
+def test_the_average_survives_sigkill_and_resume_and_exports(project, tmp_path):
+    straight = run_forge("train", "-p", str(project), *SMALL, *EMA)
+    assert straight.returncode == 0, straight.stderr
+    straight_dir = Path(straight.stdout.splitlines()[0])
+
+    proc = start_forge("train", "-p", str(project), *SMALL, *EMA, cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=300)
+    assert proc.returncode == -signal.SIGKILL
+    assert not final_checkpoint(run_dir).exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+
+    a, b = final_checkpoint(straight_dir), final_checkpoint(run_dir)
+    assert_same_tensors(component_state(a, "ema"), component_state(b, "ema"), "ema")
+    assert_same_tensors(component_state(a, "optimizer"), component_state(b, "optimizer"), "opt")
+
+    # forge evaluate --ema gives the loss the run reported at step 40 (evaluated with the
+    # average); without --ema, the trained weights' other loss
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    reported = [r["eval_loss"] for r in records if "eval_loss" in r and r.get("step") == 40]
+    averaged = run_forge("evaluate", str(b), "--ema", "--json")
+    assert averaged.returncode == 0, averaged.stderr
+    raw = run_forge("evaluate", str(b), "--json")
+    assert raw.returncode == 0, raw.stderr
+    ema_loss, raw_loss = (json.loads(r.stdout)["eval_loss"] for r in (averaged, raw))
+    assert ema_loss == pytest.approx(reported[-1], rel=1e-6)
+    assert ema_loss != raw_loss
+
+    # forge export --ema: the average, in a directory from_pretrained loads
+    out = tmp_path / "exported"
+    exported = run_forge("export", str(b), str(out), "--ema")
+    assert exported.returncode == 0, exported.stderr
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    average = component_state(b, "ema")["weights"]
+    for name, param in model.named_parameters():
+        assert torch.equal(param, average[name].to(param.dtype)), name
+
+
+def test_ema_flags_refuse_a_checkpoint_without_an_average(trained_once, tmp_path):
+    _, run_dir, _ = trained_once  # trained without ema_decay
+    checkpoint = final_checkpoint(run_dir)
+    for command in (
+        ("export", str(checkpoint), str(tmp_path / "out"), "--ema"),
+        ("evaluate", str(checkpoint), "--ema"),
+    ):
+        result = run_forge(*command)
+        assert result.returncode == 2, result.stderr
+        assert "holds no moving average of the weights" in result.stderr, result.stderr
+        assert "Traceback" not in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def stage_states(checkpoint: Path) -> list:
+    """The average each pipeline stage wrote (its own file, named by the manifest)."""
+    files = json.loads((checkpoint / "manifest.json").read_text())["components"]["ema"]["files"]
+    return [torch.load(checkpoint / name, weights_only=True)["state"] for name in files]
+
+
+@pytest.mark.slow
+def test_the_average_of_two_pipeline_stages_survives_sigkill_and_resume(project):
+    """pipeline.yaml on 2 processes: each stage keeps the average of its own parameters in
+    its own file; the launcher killed with SIGKILL after the step-20 checkpoint (its job dies
+    with it) and `forge resume` end with the straight run's averages, bit for bit."""
+    two = ["pipeline", "-p", str(project), *SMALL, "-D", "num_layers=4", "--nproc", "2", *EMA]
+    straight = run_forge("train", *two)
+    assert straight.returncode == 0, straight.stderr
+    straight_dir = Path(straight.stdout.splitlines()[0])
+
+    proc = start_forge("train", *two, cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc.send_signal(signal.SIGKILL)  # as a user would; the job stops with its launcher
+    proc.wait(timeout=300)
+    assert not final_checkpoint(run_dir).exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+
+    a, b = stage_states(final_checkpoint(straight_dir)), stage_states(final_checkpoint(run_dir))
+    assert len(a) == len(b) == 2
+    first, last = (set(state["weights"]) for state in a)
+    assert "model.embed_tokens.weight" in first and "model.norm.weight" in last
+    assert "model.norm.weight" not in first  # each stage averages its own parameters
+    for index, (x, y) in enumerate(zip(a, b, strict=True)):
+        assert_same_tensors(x, y, f"ema stage {index}")
