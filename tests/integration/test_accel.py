@@ -16,6 +16,7 @@ import pytest
 from tests.helpers import run_forge
 from tests.integration.conftest import SMALL
 from tests.integration.test_train_resume import final_state, start_forge, wait_for
+from tests.reliability.procs import alive, kill_tree
 from tests.train.common import assert_same_tensors
 
 pytestmark = pytest.mark.integration
@@ -35,12 +36,11 @@ def train(project: Path, config: str, *extra: str) -> Path:
 
 def kill_job(proc: subprocess.Popen, run_dir: Path) -> None:
     """SIGKILL the whole job at once, as a lost machine would: the CLI, and torchrun with its
-    workers (their command lines name the run directory)."""
-    proc.kill()
-    subprocess.run(["pkill", "-KILL", "-f", f"run-dir {run_dir}"], check=False)
+    workers found by descent from the forge process, never by name."""
+    victims = kill_tree(proc.pid)  # found by descent from forge, before any of them dies
     proc.wait(timeout=120)
     deadline = time.monotonic() + 60
-    while subprocess.run(["pgrep", "-f", f"run-dir {run_dir}"], capture_output=True).stdout:
+    while any(alive(pid) for pid in victims):
         assert time.monotonic() < deadline, "the job's processes did not die"
         time.sleep(0.2)
 

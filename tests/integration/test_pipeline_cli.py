@@ -5,10 +5,8 @@ before it trains."""
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -20,6 +18,7 @@ from tests.faults import fault_env
 from tests.helpers import REPO, run_forge
 from tests.integration.conftest import SMALL
 from tests.integration.test_train_resume import start_forge, wait_for
+from tests.reliability.procs import alive, kill_tree
 from tests.train.common import assert_same_tensors
 
 pytestmark = pytest.mark.integration
@@ -269,14 +268,10 @@ def kill_job(proc, run_dir: Path) -> None:
     torchrun and the workers run in a session of their own, the launcher's child; the workers'
     command lines name the run directory. Returns once they are gone (their run lock with
     them)."""
-    children = Path(f"/proc/{proc.pid}/task/{proc.pid}/children").read_text().split()
-    for child in children:
-        os.killpg(int(child), signal.SIGKILL)
-    proc.kill()
-    subprocess.run(["pkill", "-KILL", "-f", f"run-dir {run_dir}"], check=False)
-    proc.wait(timeout=60)
+    victims = kill_tree(proc.pid)  # found by descent from forge, before any of them dies
+    proc.wait(timeout=120)
     deadline = time.monotonic() + 60
-    while subprocess.run(["pgrep", "-f", f"run-dir {run_dir}"], capture_output=True).stdout:
+    while any(alive(pid) for pid in victims):
         assert time.monotonic() < deadline, "the job's processes did not die"
         time.sleep(0.2)
 
