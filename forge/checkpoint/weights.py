@@ -108,6 +108,11 @@ def load_model_weights(
     """
     directory = Path(checkpoint_dir)
     model = unwrap_model(model)
+    from forge.checkpoint.sharded import has_dtensors, load_sharded_weights
+
+    if has_dtensors(model.parameters()):  # sharded (FSDP2): each rank reads its own rows
+        load_sharded_weights(model, directory, strict=strict)
+        return
     files, aliases = weight_files(directory)
     expected = model.state_dict()
     tied = _tied_groups(expected)
@@ -161,6 +166,11 @@ def read_weights(
 
 
 def _read_files(files: list[Path], names: set[str] | None) -> dict[str, torch.Tensor]:
+    from forge.checkpoint.sharded import RowReader, is_sharded
+
+    if files and is_sharded(files[0]):  # every rank's rows of each tensor, put back whole
+        reader = RowReader(files[0].parent)
+        return {n: reader.read(n) for n in sorted(reader.names()) if names is None or n in names}
     import torch
     from safetensors import SafetensorError, safe_open
 
