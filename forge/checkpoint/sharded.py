@@ -249,12 +249,42 @@ class ShardedOptimizerState:
         return split_state(flat, keep_whole=True)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            set_optimizer_state_dict,
-        )
+        """Take the whole state (keyed by parameter name, as ``OptimizerState`` saves it):
+        each DTensor parameter's moments keep this rank's rows."""
+        from torch.distributed.tensor import DTensor
 
         if not state:
             return
-        options = StateDictOptions(flatten_optimizer_state_dict=True, full_state_dict=True)
-        set_optimizer_state_dict(self.model, self.optimizer, state, options=options)
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        found, groups, index = {}, [], 0
+        for group in self.optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            ids = []
+            for param in group["params"]:
+                name = names[id(param)]
+                for key in settings:
+                    settings[key] = state.get(f"param_groups.{name}.{key}", settings[key])
+                prefix = f"state.{name}."
+                own = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+                for key, value in own.items():
+                    if isinstance(param, DTensor) and value.dim() and value.shape == param.shape:
+                        local, offset, _ = local_piece(param)
+                        rows = value[offset : offset + local.shape[0]].to(local.dtype)
+                        own[key] = DTensor.from_local(
+                            rows.contiguous(),
+                            param.device_mesh,
+                            param.placements,
+                            shape=param.shape,
+                            stride=param.stride(),
+                        )
+                if own:
+                    found[index] = own
+                ids.append(index)
+                index += 1
+            groups.append({**settings, "params": ids})
+        if not found:
+            raise CheckpointError(
+                "the saved optimizer state names none of this model's parameters (saved e.g. "
+                f"{sorted(state)[:3]})"
+            )
+        self.optimizer.load_state_dict({"state": found, "param_groups": groups})
