@@ -60,6 +60,10 @@ def stage_weights_name(stage: int, num_stages: int) -> str:
     return f"model-stage-{stage:05d}-of-{num_stages:05d}.safetensors"
 
 
+#: safetensors metadata of a rank's rows of sharded weights: ``{name: [row offset, *shape]}``
+SHARDS_METADATA = "forge_shards"
+
+
 def shard_weights_name(rank: int, world_size: int) -> str:
     """``model-shard-00000-of-00002.safetensors``: one rank's rows of sharded weights."""
     return f"model-shard-{rank:05d}-of-{world_size:05d}.safetensors"

@@ -19,10 +19,8 @@ from typing import Any
 import torch
 
 from forge.checkpoint.io import CheckpointError
+from forge.checkpoint.layout import SHARDS_METADATA
 from forge.checkpoint.weights import weight_files
-
-#: safetensors metadata key: ``{name: [row offset, *whole shape]}`` of the file's pieces
-SHARDS_METADATA = "forge_shards"
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -203,8 +201,9 @@ class ShardedWeights:
     writes its rows of each parameter, rank 0 also the tensors that are whole on every rank
     (buffers). Loads from any checkpoint of the model, sharded or not."""
 
-    def __init__(self, model: torch.nn.Module) -> None:
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None) -> None:
         self.model = model
+        self.tokenizer = tokenizer
 
     def state_dict(self) -> dict[str, Any]:
         import torch.distributed as dist
@@ -217,9 +216,11 @@ class ShardedWeights:
 
     def write(self, writer: Any, state: dict[str, Any], stage_file: str | None) -> None:
         from forge.checkpoint.hf import MODEL_RECORD, describe_model
+        from forge.checkpoint.state import ModelWeights
 
-        if writer.is_main:
+        if writer.is_main:  # the config (forge export builds the directory from it), tokenizer
             writer.set_meta(**{MODEL_RECORD: describe_model(self.model)})
+            ModelWeights(self.model, self.tokenizer).write_extras(writer)
         layout = json.dumps(state["layout"])
         writer.save_safetensors(stage_file, state["tensors"], metadata={SHARDS_METADATA: layout})
 

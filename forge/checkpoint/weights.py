@@ -36,6 +36,7 @@ from forge.checkpoint.io import (
     no_hf_progress_bars,
     read_safetensors_header,
 )
+from forge.checkpoint.layout import SHARDS_METADATA
 from forge.wrappers import unwrap_model
 
 if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
@@ -231,9 +232,12 @@ def weight_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor name in safetensors ``files`` with its shape, read from their headers."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
-        for name, info in read_safetensors_header(file).items():
+        header = read_safetensors_header(file)
+        metadata = header.get("__metadata__") or {}
+        layout = json.loads(metadata.get(SHARDS_METADATA, "{}"))  # a rank's rows: whole shapes
+        for name, info in header.items():
             if name != "__metadata__":
-                shapes[name] = tuple(info["shape"])
+                shapes[name] = tuple(layout[name][1:] if name in layout else info["shape"])
     return shapes
 
 

@@ -78,7 +78,9 @@ class Trainer(BaseTrainer):
         """Sharded weights (every rank its rows) under FSDP2, else as the base saves them."""
         if self._sharded is None:
             return super().model_component()
-        return Component("model", ShardedWeights(self.model), Scope.SHARDED, weights=True)
+        return Component(
+            "model", ShardedWeights(self.model, self.tokenizer), Scope.SHARDED, weights=True
+        )
 
     def optimizer_component(self) -> Component:
         if self._sharded is None:
