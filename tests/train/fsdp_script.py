@@ -2,11 +2,12 @@
 
     python -m torch.distributed.run --nproc_per_node=N fsdp_script.py OUT MODE [STOP]
 
-MODE ``fsdp``, ``ddp`` or ``plain`` (no sharding: one process, or DDP). Gradient accumulation
+MODE ``fsdp``, ``zero2`` (shard_grad_op with activation checkpointing), ``ddp``, ``plain``
+(no sharding: one process, or DDP) or ``pipeline`` (the pipeline trainer). Gradient accumulation
 and clipping are on, and an evaluation every 3 steps over an eval set the ranks split unevenly
 (a sharded forward needs every rank). Saves every 3 steps; with STOP the job is SIGKILLed by
 rank 0 right after the checkpoint of step STOP is committed. MODE ``fsdp-resume`` /
-``plain-resume`` / ``ddp-resume`` continue OUT's newest checkpoint. The last step's checkpoint
+``plain-resume`` / ``pipeline-resume`` continue OUT's newest checkpoint. The last step's checkpoint
 holds the final weights and optimizer state (the test reads them from there).
 """
 
@@ -21,11 +22,18 @@ import torch
 from transformers import LlamaForCausalLM, TrainerCallback
 
 from forge.data import CausalLMCollator
-from forge.train import Trainer
+from forge.train import PipelineTrainer, PipelineTrainingArguments, Trainer
 from tests.train.common import TokenDataset, make_args, tiny_llama_config
 
 STEPS = 9
 ACCUMULATION = 2
+
+
+#: the sharded kinds: FSDP2 (ZeRO-3), and ZeRO-2 with activation checkpointing around it
+SHARDING = {
+    "fsdp": {"fsdp": "full_shard"},
+    "zero2": {"fsdp": "shard_grad_op", "activation_checkpointing": True},
+}
 
 
 class KillAfterSave(TrainerCallback):
@@ -58,11 +66,15 @@ def main(output_dir: str, mode: str, stop: int | None) -> None:
         save_strategy="steps",
         save_steps=3,
         save_final_checkpoint=False,
-        **({"fsdp": "full_shard"} if kind == "fsdp" else {}),
+        **SHARDING.get(kind, {}),
     )
     rank = int(os.environ.get("RANK", "0"))
     callbacks = [KillAfterSave(stop)] if stop and rank == 0 else []
-    trainer = Trainer(
+    trainer_class = Trainer
+    if kind == "pipeline":  # 2 stages of one layer each
+        args = PipelineTrainingArguments(**args.to_dict())
+        trainer_class = PipelineTrainer
+    trainer = trainer_class(
         functools.partial(LlamaForCausalLM, config),
         args,
         TokenDataset(64),

@@ -137,6 +137,13 @@ def test_fsdp_trains_as_ddp_and_each_rank_saves_its_own_shard(straight):
 
 
 @pytest.mark.slow
+def test_shard_grad_op_with_activation_checkpointing_trains_as_ddp(straight, tmp_path):
+    finish(launch(tmp_path / "zero2", "zero2"))
+    found, ddp = losses(tmp_path / "zero2"), losses(straight / "ddp")
+    assert [found[s] for s in sorted(ddp)] == pytest.approx([ddp[s] for s in sorted(ddp)], rel=1e-5)
+
+
+@pytest.mark.slow
 def test_sigkill_after_a_sharded_checkpoint_then_resume_is_bit_identical(straight, tmp_path):
     finish(launch(tmp_path / "run", "fsdp", stop=6), killed=True)
     assert checkpoint_dir(tmp_path / "run", 6).exists()
@@ -156,7 +163,7 @@ def _continue_from(source: Path, target: Path, step: int) -> None:
 
 
 @pytest.mark.slow
-def test_a_sharded_checkpoint_reshards_to_one_process_and_back(straight, tmp_path):
+def test_a_sharded_checkpoint_reshards_to_one_process_back_and_to_a_pipeline(straight, tmp_path):
     # FSDP on 2 ranks -> plain, 1 process (optimizer moments merged from both shards)
     _continue_from(straight / "fsdp", tmp_path / "to_plain", 6)
     finish(launch(tmp_path / "to_plain", "plain-resume", nproc=1))
@@ -164,8 +171,11 @@ def test_a_sharded_checkpoint_reshards_to_one_process_and_back(straight, tmp_pat
     finish(launch(tmp_path / "plain", "plain", nproc=1))
     _continue_from(tmp_path / "plain", tmp_path / "to_fsdp", 6)
     finish(launch(tmp_path / "to_fsdp", "fsdp-resume"))
+    # FSDP on 2 ranks -> the pipeline trainer, 2 stages: each stage reads its own weights
+    _continue_from(straight / "fsdp", tmp_path / "to_pipeline", 6)
+    finish(launch(tmp_path / "to_pipeline", "pipeline-resume"))
     reference = losses(straight / "fsdp")
-    for run in ("to_plain", "to_fsdp"):
+    for run in ("to_plain", "to_fsdp", "to_pipeline"):
         found = losses(tmp_path / run)
         assert sorted(found) == [7, 8, 9], run
         for step in found:
@@ -176,8 +186,9 @@ def test_a_sharded_checkpoint_reshards_to_one_process_and_back(straight, tmp_pat
     )
 
 
-#: written by rank 0 with transformers' save_pretrained, beside the storage seam
-OUTSIDE_SEAM = {"config.json", "generation_config.json"}
+#: written by rank 0 beside the storage seam (transformers' save_pretrained; the stages'
+#: weight index, at commit)
+OUTSIDE_SEAM = {"config.json", "generation_config.json", "model.safetensors.index.json"}
 
 
 def writes(record: Path) -> list[dict]:
