@@ -3,14 +3,14 @@
 A trainer registers components (objects with ``state_dict()`` / ``load_state_dict()``), each
 with a scope (DESIGN.md, "Checkpoint state"):
 
-====== ======================================= =================================
-scope  written by                              file
-====== ======================================= =================================
-shared rank 0                                  ``NAME.pt``
-stage  data-parallel rank 0 of each stage      ``NAME.pt`` (one stage) or ``NAME-stage-K-of-N.pt``
-sharded every rank, its own shard (FSDP2)      ``NAME-shard-RRRRR-of-WWWWW.pt``
-rank   every rank                              ``NAME-rank-RRRRR.pt``
-====== ======================================= =================================
+======= ======================================= =================================
+scope   written by                              file
+======= ======================================= =================================
+shared  rank 0                                  ``NAME.pt``
+stage   data-parallel rank 0 of each stage      ``NAME.pt`` (one stage) or ``NAME-stage-K-of-N.pt``
+sharded every rank, its own shard (FSDP2)       ``NAME-shard-RRRRR-of-WWWWW.pt``
+rank    every rank                              ``NAME-rank-RRRRR.pt``
+======= ======================================= =================================
 
 Model weights are the one component written as Hugging Face safetensors
 (``model.safetensors``, ``model-stage-K-of-N.safetensors`` with an index, or one
