@@ -25,13 +25,12 @@ def sharded_blocks(
         found = repeated_layers(model)
         return checkpointed_blocks(model, args, (found,)) if found else []
     modules = dict(model.named_modules())
-    problems = []
-    for name in names:
-        problem = selection_problem(modules, name, type(model).__name__, args)
-        if problem:
-            problems.append(
-                problem.replace(".activation_checkpointing_modules:", ".fsdp_config modules:")
-            )
+    kind, key = type(model).__name__, "fsdp_config.transformer_layer_cls_to_wrap / modules"
+    problems = [
+        problem
+        for name in names
+        if (problem := selection_problem(modules, name, kind, args, key)) is not None
+    ]
     if problems:
         raise TrainingArgumentsError(problems)
     return checkpointed_blocks(model, args, names)
