@@ -36,7 +36,7 @@ MANIFEST_NAME = "manifest.json"
 CHECKPOINT_PREFIX = "checkpoint-"
 # Safetensors written by the CheckpointWriter carry the step in their metadata.
 STEP_METADATA = "forge_step"
-SCOPES = ("shared", "stage", "rank")
+SCOPES = ("shared", "stage", "sharded", "rank")
 _NAME_RE = re.compile(r"checkpoint-(\d+)")
 _RUN_DIR_RE = re.compile(r"run_(\d+)")
 _SHA256_RE = re.compile(r"[0-9a-f]{64}")
@@ -60,6 +60,20 @@ def stage_weights_name(stage: int, num_stages: int) -> str:
     return f"model-stage-{stage:05d}-of-{num_stages:05d}.safetensors"
 
 
+#: safetensors metadata of a rank's rows of sharded weights: ``{name: [row offset, *shape]}``
+SHARDS_METADATA = "forge_shards"
+
+
+def shard_weights_name(rank: int, world_size: int) -> str:
+    """``model-shard-00000-of-00002.safetensors``: one rank's rows of sharded weights."""
+    return f"model-shard-{rank:05d}-of-{world_size:05d}.safetensors"
+
+
+def shard_file_name(name: str, rank: int, world_size: int) -> str:
+    """``optimizer-shard-00000-of-00002.pt``: one rank's shard of a sharded component."""
+    return f"{name}-shard-{rank:05d}-of-{world_size:05d}.pt"
+
+
 def component_file_names(
     name: str, scope: str, weights: bool, topology: dict[str, Any]
 ) -> list[str]:
@@ -70,6 +84,10 @@ def component_file_names(
     """
     world = int(topology.get("world_size", 1))
     stages = int(topology.get("num_stages", 1))
+    if scope == "sharded":  # every rank its own shard (one stage)
+        if weights:
+            return [shard_weights_name(r, world) for r in range(world)]
+        return [shard_file_name(name, r, world) for r in range(world)]
     if weights:
         if stages == 1:
             return []
@@ -369,7 +387,7 @@ def _expected_headers(
     topology = manifest.topology
     files = component_file_names(component, scope, False, topology)
     base = {"name": component, "step": manifest.step}
-    if scope == "rank":
+    if scope in ("rank", "sharded"):
         return [(f, {**base, "rank": r}) for r, f in enumerate(files)]
     if scope == "stage" and len(files) > 1:
         stages = int(topology.get("num_stages", 1))

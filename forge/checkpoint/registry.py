@@ -3,16 +3,18 @@
 A trainer registers components (objects with ``state_dict()`` / ``load_state_dict()``), each
 with a scope (DESIGN.md, "Checkpoint state"):
 
-====== ======================================= =================================
-scope  written by                              file
-====== ======================================= =================================
-shared rank 0                                  ``NAME.pt``
-stage  data-parallel rank 0 of each stage      ``NAME.pt`` (one stage) or ``NAME-stage-K-of-N.pt``
-rank   every rank                              ``NAME-rank-RRRRR.pt``
-====== ======================================= =================================
+======= ======================================= =================================
+scope   written by                              file
+======= ======================================= =================================
+shared  rank 0                                  ``NAME.pt``
+stage   data-parallel rank 0 of each stage      ``NAME.pt`` (one stage) or ``NAME-stage-K-of-N.pt``
+sharded every rank, its own shard (FSDP2)       ``NAME-shard-RRRRR-of-WWWWW.pt``
+rank    every rank                              ``NAME-rank-RRRRR.pt``
+======= ======================================= =================================
 
 Model weights are the one component written as Hugging Face safetensors
-(``model.safetensors``, or ``model-stage-K-of-N.safetensors`` with an index).
+(``model.safetensors``, ``model-stage-K-of-N.safetensors`` with an index, or one
+``model-shard-RRRRR-of-WWWWW.safetensors`` per rank when sharded).
 
 Saving has two phases. ``snapshot``: every rank calls every component's ``state_dict()`` in
 registration order (so collective state-dict calls under FSDP / DeepSpeed / Accelerate line up
@@ -46,8 +48,11 @@ from forge.checkpoint.layout import (
     CheckpointManifest,
     component_file_names,
     read_manifest,
+    shard_file_name,
+    shard_weights_name,
     stage_weights_name,
 )
+from forge.checkpoint.sharded import merge_sharded
 from forge.checkpoint.snapshot import host_copy
 
 logger = logging.getLogger(__name__)
@@ -56,7 +61,12 @@ logger = logging.getLogger(__name__)
 class Scope(str, Enum):
     SHARED = "shared"
     STAGE = "stage"
+    SHARDED = "sharded"
     RANK = "rank"
+
+
+#: scopes whose state is keyed by parameter name, so either loads what the other saved
+_BY_NAME = {"stage", "sharded"}
 
 
 @runtime_checkable
@@ -142,7 +152,7 @@ def owns(component: Component, topology: TopologyView) -> bool:
         return topology.rank == 0
     if component.scope is Scope.STAGE:
         return topology.dp_rank == 0
-    return True
+    return True  # sharded, rank: every rank writes its own
 
 
 def own_file(component: Component, topology: TopologyView) -> str:
@@ -153,6 +163,8 @@ def own_file(component: Component, topology: TopologyView) -> str:
         if topology.num_stages == 1:
             return f"{component.name}.pt"
         return f"{component.name}-stage-{topology.stage:05d}-of-{topology.num_stages:05d}.pt"
+    if component.scope is Scope.SHARDED:
+        return shard_file_name(component.name, topology.rank, topology.world_size)
     return f"{component.name}-rank-{topology.rank:05d}.pt"
 
 
@@ -235,6 +247,9 @@ class CheckpointSnapshot:
     def _write_weights(self, writer: Any, component: Component, state: Any) -> list[str]:
         """Write a weights component; returns its files when rank 0 wrote all of them."""
         topo = self.topology
+        if component.scope is Scope.SHARDED:
+            component.obj.write(writer, state, shard_weights_name(topo.rank, topo.world_size))
+            return []
         if topo.num_stages == 1:
             before = set(list_files(writer.path))
             component.obj.write(writer, state, None)
@@ -303,7 +318,8 @@ class CheckpointRegistry:
             if entry is None:
                 self._absent(path, component)
                 continue
-            if entry.get("scope") != component.scope.value:
+            scopes = {entry.get("scope"), component.scope.value}
+            if entry.get("scope") != component.scope.value and not scopes <= _BY_NAME:
                 raise CheckpointError(
                     f"{path}: component '{component.name}' was saved with scope "
                     f"{entry.get('scope')!r}, this trainer uses {component.scope.value!r}"
@@ -312,7 +328,7 @@ class CheckpointRegistry:
             if component.weights:
                 component.obj.load_checkpoint(path, manifest)
                 continue
-            state = self._read_state(path, manifest, component)
+            state = self._read_state(path, manifest, component, entry.get("scope"))
             if state is not _SKIPPED:
                 component.obj.load_state_dict(state)
         return manifest
@@ -326,13 +342,23 @@ class CheckpointRegistry:
             )
         logger.warning("%s; it starts fresh", message)
 
-    def _read_state(self, path: Path, manifest: CheckpointManifest, component: Component) -> Any:
+    def _read_state(
+        self, path: Path, manifest: CheckpointManifest, component: Component, scope: str
+    ) -> Any:
         topo, saved = self.topology, manifest.topology
         saved_stages = int(saved.get("num_stages", 1))
+        if scope == Scope.SHARDED.value:
+            # every rank's shard, merged whole: each loader keeps the part it holds
+            names = component_file_names(component.name, scope, False, saved)
+            shards = [
+                self._read_file(path / name, manifest, component, {"rank": rank})
+                for rank, name in enumerate(names)
+            ]
+            return merge_sharded(shards)
         if component.scope is Scope.SHARED:
             return self._read_file(path / f"{component.name}.pt", manifest, component, {})
-        if component.scope is Scope.STAGE:
-            if saved_stages == topo.num_stages:
+        if scope == Scope.STAGE.value:
+            if saved_stages == topo.num_stages and component.scope is Scope.STAGE:
                 expect = {"stage": topo.stage, "num_stages": topo.num_stages}
                 return self._read_file(
                     path / own_file(component, topo), manifest, component, expect

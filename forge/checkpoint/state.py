@@ -181,7 +181,7 @@ class ModelWeights:
         if stage_file is not None:
             writer.save_safetensors(stage_file, state)
             if writer.is_main:
-                self._write_extras(writer)
+                self.write_extras(writer)
             return
         writer.save_model(
             self.model,
@@ -190,7 +190,7 @@ class ModelWeights:
             max_shard_size=self.max_shard_size,
         )
 
-    def _write_extras(self, writer: Any) -> None:
+    def write_extras(self, writer: Any) -> None:
         """What ``save_pretrained`` writes beside the weights: config, generation config (for
         a transformers model only: another module's names are not its config's class's)."""
         model = unwrap_model(self.model)

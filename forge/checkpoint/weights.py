@@ -36,6 +36,7 @@ from forge.checkpoint.io import (
     no_hf_progress_bars,
     read_safetensors_header,
 )
+from forge.checkpoint.layout import SHARDS_METADATA
 from forge.wrappers import unwrap_model
 
 if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
@@ -108,6 +109,11 @@ def load_model_weights(
     """
     directory = Path(checkpoint_dir)
     model = unwrap_model(model)
+    from forge.checkpoint.sharded import has_dtensors, load_sharded_weights
+
+    if has_dtensors(model.parameters()):  # sharded (FSDP2): each rank reads its own rows
+        load_sharded_weights(model, directory, strict=strict)
+        return
     files, aliases = weight_files(directory)
     expected = model.state_dict()
     tied = _tied_groups(expected)
@@ -161,6 +167,11 @@ def read_weights(
 
 
 def _read_files(files: list[Path], names: set[str] | None) -> dict[str, torch.Tensor]:
+    from forge.checkpoint.sharded import RowReader, is_sharded
+
+    if files and is_sharded(files[0]):  # every rank's rows of each tensor, put back whole
+        reader = RowReader(files[0].parent)
+        return {n: reader.read(n) for n in sorted(reader.names()) if names is None or n in names}
     import torch
     from safetensors import SafetensorError, safe_open
 
@@ -221,9 +232,12 @@ def weight_shapes(files: Iterable[Path]) -> dict[str, tuple[int, ...]]:
     """Every tensor name in safetensors ``files`` with its shape, read from their headers."""
     shapes: dict[str, tuple[int, ...]] = {}
     for file in files:
-        for name, info in read_safetensors_header(file).items():
+        header = read_safetensors_header(file)
+        metadata = header.get("__metadata__") or {}
+        layout = json.loads(metadata.get(SHARDS_METADATA, "{}"))  # a rank's rows: whole shapes
+        for name, info in header.items():
             if name != "__metadata__":
-                shapes[name] = tuple(info["shape"])
+                shapes[name] = tuple(layout[name][1:] if name in layout else info["shape"])
     return shapes
 
 

@@ -57,6 +57,11 @@ class AccelTrainingArguments(TrainingArguments):
 
     def validate(self) -> list[str]:
         p = super().validate()
+        for name in ("fsdp", "fsdp_config"):
+            if getattr(self, name) not in (None, "", False, [], {}):
+                p.append(
+                    f"{self._key(name)} does not apply to this trainer: {SHARDING_UNSUPPORTED}"
+                )
         self._bool("split_batches", p)
         if self.mixed_precision is None:
             self.mixed_precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"

@@ -114,9 +114,10 @@ DEVICE_PATTERN = re.compile(r"^(auto|cpu|mps|(cuda|xpu)(:\d+)?)$")
 #: why FSDP, DeepSpeed and other parameter or optimizer-state sharding are refused (here and by
 #: the Accelerate trainer, which reads them from an accelerate config)
 SHARDING_UNSUPPORTED = (
-    "forge does not shard parameters or optimizer state yet: its checkpoints hold the whole "
-    "weights and optimizer state, which a sharded run would hold one shard of; train with DDP "
-    "(the plain or Accelerate trainer with --nproc N) or split the model with the pipeline trainer"
+    "forge does not shard parameters or optimizer state yet with this trainer: its checkpoints "
+    "hold the whole weights and optimizer state, which a sharded run would hold one shard of; "
+    "shard with the plain trainer (fsdp: full_shard, under --nproc N), train with DDP or split "
+    "the model with the pipeline trainer"
 )
 
 NOT_APPLICABLE: dict[str, tuple[tuple[Any, ...], str]] = {
@@ -151,8 +152,6 @@ NOT_APPLICABLE: dict[str, tuple[tuple[Any, ...], str]] = {
         "split_batches)",
     ),
     "parallelism_config": ((None,), "forge's trainers set up their own parallelism"),
-    "fsdp": ((None, "", False), SHARDING_UNSUPPORTED),
-    "fsdp_config": ((None,), SHARDING_UNSUPPORTED),
     "deepspeed": ((None,), SHARDING_UNSUPPORTED),
     "debug": (("", None), "HF's debug options are for its TPU and underflow tools"),
     "skip_memory_metrics": ((True,), "forge does not report memory metrics"),

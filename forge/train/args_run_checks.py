@@ -23,6 +23,7 @@ from forge.train.args_names import (
     TOKEN_COUNTS,
 )
 from forge.train.args_values import ValueChecks, as_float, not_multiple, quoted
+from forge.train.fsdp_args import FsdpSettings, parse_fsdp
 
 
 class RunChecks(ValueChecks):
@@ -274,6 +275,11 @@ class RunChecks(ValueChecks):
             self._optional_bool(name, p)
         self._optional_int("ddp_bucket_cap_mb", p, minimum=1, fix="or null for torch's default")
         self._int("ddp_timeout", p, minimum=1)
+        p.extend(parse_fsdp(self.fsdp, self.fsdp_config, self.config_key)[1])
+
+    def fsdp_settings(self) -> FsdpSettings | None:
+        """What ``fsdp`` / ``fsdp_config`` ask of FSDP2; None when sharding is off."""
+        return parse_fsdp(self.fsdp, self.fsdp_config, self.config_key)[0]
 
     def _check_not_applicable(self, p: list[str]) -> None:
         for name, (accepted, reason) in NOT_APPLICABLE.items():

@@ -778,6 +778,11 @@ class BaseTrainer:
         """Skip gradient synchronisation on all but the last micro-batch (DDP overrides)."""
         return nullcontext()
 
+    def eval_forwards(self, count: int) -> int:
+        """How many evaluation forwards this rank runs when it has ``count`` batches: more
+        where a forward is collective (sharded parameters), so every rank takes part."""
+        return count
+
     def distributed(self) -> AbstractContextManager:
         """The process group for a torchrun job (created here if needed, then destroyed)."""
         args = self.args

@@ -157,6 +157,7 @@ class Evaluator:
         model.eval()
         devices = [trainer.device] if trainer.device.type == "cuda" else []
         batches = list(itertools.islice(range(len(loader)), args.max_eval_batches))
+        rounds = trainer.eval_forwards(len(batches))
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             for step, batch in zip(batches, loader, strict=False):
                 batch = trainer._to_device(batch)
@@ -195,6 +196,11 @@ class Evaluator:
                 if args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
                     for accumulator in kept.values():
                         accumulator.to_host()
+            if batches:  # a sharded model's forward is collective: keep every rank in step
+                for _ in range(rounds - len(batches)):
+                    trainer.prediction_step(
+                        trainer.evaluation_model(), batch, True, ignore_keys, label_names
+                    )
         model.train(was_training)
         world = trainer.topology.dp_size
         found = {

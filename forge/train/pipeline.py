@@ -89,6 +89,12 @@ class PipelineTrainingArguments(TrainingArguments):
         self._names("pipeline_embedding", p, allow_none=True)
         self._names("pipeline_head", p, allow_none=True)
         self._names("pipeline_split", p, allow_none=True)
+        if self.fsdp not in (None, "", False, []):
+            p.append(
+                f"{self._key('fsdp')}: the pipeline trainer does not shard its stages: a stage's "
+                "parameters are whole on each of its data-parallel replicas (DDP). Shard with the "
+                "plain trainer (fsdp: full_shard), or leave fsdp unset"
+            )
         self._check_pipeline_fit(p)
         for flag, fix in (("fp16", "use bf16"), ("torch_compile", "set it to false")):
             if getattr(self, flag) is True:

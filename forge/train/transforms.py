@@ -136,16 +136,21 @@ def checkpointed_blocks(
 
 
 def selection_problem(
-    modules: dict[str, nn.Module], name: str, model_name: str, args: TrainingArguments
+    modules: dict[str, nn.Module],
+    name: str,
+    model_name: str,
+    args: TrainingArguments,
+    key: str = "activation_checkpointing_modules",
 ) -> str | None:
-    """Why ``name`` selects nothing in a model with ``modules``; None when it selects some."""
+    """Why ``name`` (of the argument ``key``) selects nothing in a model with ``modules``;
+    None when it selects some."""
     if name and (name in modules or any(type(m).__name__ == name for m in modules.values())):
         return None
     paths = [n for n in modules if n]
     classes = sorted({type(m).__name__ for m in modules.values()})
     layers = _repeated_layers(modules)
     return (
-        f"{args.config_key}.activation_checkpointing_modules: {model_name} has no module or "
+        f"{args.config_key}.{key}: {model_name} has no module or "
         f"module class {name!r}{suggestion(name, paths + classes)} Name module paths "
         f"(e.g. {short_list(repr(p) for p in (layers, *paths[:2]) if p)}) or classes "
         f"({short_list(classes, 8)})"

@@ -16,6 +16,10 @@ A spec reads ``POINT@STEP[:RANK]`` (``RANK``: the global rank; every rank when l
 ``before-rename``
     rank 0, ``manifest.json`` written, the directory not yet renamed into place.
 
+With ``record`` (``FORGE_TEST_RECORD_WRITES``: a directory) every file a rank writes into a
+checkpoint is recorded as a JSON line ``{"rank", "step", "file", "bytes"}`` in
+``RECORD/writes-rank-R.jsonl``: who writes what, and how much.
+
 A ``kill`` spec makes the process send itself SIGKILL there (a crash: nothing is cleaned up);
 a ``fail`` spec raises an ``OSError`` (EIO) there, as a failing disk would.
 
@@ -28,6 +32,7 @@ the wrapper at interpreter start, from ``FORGE_TEST_KILL_AT`` / ``FORGE_TEST_FAI
 from __future__ import annotations
 
 import errno
+import json
 import os
 import signal
 from collections.abc import Mapping
@@ -40,6 +45,7 @@ from forge.checkpoint.storage import CheckpointStorage, default_storage
 
 KILL_VAR = "FORGE_TEST_KILL_AT"
 FAIL_VAR = "FORGE_TEST_FAIL_AT"
+RECORD_VAR = "FORGE_TEST_RECORD_WRITES"
 SITE_DIR = Path(__file__).resolve().with_name("site")
 
 
@@ -81,7 +87,9 @@ class FaultyStorage(CheckpointStorage):
         fail: str | None = None,
         rank: int = 0,
         inner: CheckpointStorage | None = None,
+        record: str | None = None,
     ) -> None:
+        self.record = Path(record) if record else None
         self.kill = parse_spec(kill) if kill else None
         self.fail = parse_spec(fail) if fail else None
         self.rank = rank
@@ -105,24 +113,42 @@ class FaultyStorage(CheckpointStorage):
                 errno.EIO, f"injected at {point} of step {step} on rank {self.rank} ({FAIL_VAR})"
             )
 
+    def _record(self, path: Path) -> None:
+        if self.record is None or not path.is_file():
+            return
+        line = {
+            "rank": self.rank,
+            "step": _step_of(path),
+            "file": _in_checkpoint(path),
+            "bytes": path.stat().st_size,
+        }
+        with open(self.record / f"writes-rank-{self.rank:05d}.jsonl", "a") as f:
+            f.write(json.dumps(line) + "\n")
+
     def start(self, checkpoints_dir: Path, path: Path) -> None:
         self.point("start", path)
         self.inner.start(checkpoints_dir, path)
 
     def write_torch(self, path: Path, obj: Any) -> None:
         self.inner.write_torch(path, obj)
+        self._record(path)
         self.point(f"after:{_in_checkpoint(path)}", path)
 
     def write_bytes(self, path: Path, data: bytes) -> None:
         self.inner.write_bytes(path, data)
+        self._record(path)
         self.point(f"after:{_in_checkpoint(path)}", path)
 
     def write_tensors(self, path: Path, tensors: Mapping[str, Any], metadata: dict | None) -> None:
         self.inner.write_tensors(path, tensors, metadata)
+        self._record(path)
         self.point(f"after:{_in_checkpoint(path)}", path)
 
     def write_model(self, directory: Path, model: Any, state_dict: Any, **kwargs: Any) -> None:
+        before = set(directory.iterdir())
         self.inner.write_model(directory, model, state_dict, **kwargs)
+        for path in sorted(set(directory.iterdir()) - before):
+            self._record(path)
         self.point("after:model", directory)
 
     def hash_files(self, paths: list[Path]) -> list[tuple[int, str]]:
@@ -145,7 +171,9 @@ def inject(monkeypatch: Any, *, kill: str | None = None, fail: str | None = None
     monkeypatch.setattr(storage, "_default", FaultyStorage(kill=kill, fail=fail))
 
 
-def fault_env(*, kill: str | None = None, fail: str | None = None) -> dict[str, str]:
+def fault_env(
+    *, kill: str | None = None, fail: str | None = None, record: str | os.PathLike | None = None
+) -> dict[str, str]:
     """The environment (to add to a child's) under which every Python process the child
     starts saves with a ``FaultyStorage`` (its rank from ``RANK``)."""
     env = {
@@ -155,6 +183,8 @@ def fault_env(*, kill: str | None = None, fail: str | None = None) -> dict[str, 
         env[KILL_VAR] = kill
     if fail:
         env[FAIL_VAR] = fail
+    if record:
+        env[RECORD_VAR] = str(record)
     return env
 
 
@@ -163,6 +193,7 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     process's default (site/sitecustomize.py calls this at interpreter start)."""
     from forge.checkpoint.storage import use_storage
 
-    kill, fail = environ.get(KILL_VAR), environ.get(FAIL_VAR)
-    if kill or fail:
-        use_storage(FaultyStorage(kill=kill, fail=fail, rank=int(environ.get("RANK", "0"))))
+    kill, fail, record = environ.get(KILL_VAR), environ.get(FAIL_VAR), environ.get(RECORD_VAR)
+    if kill or fail or record:
+        rank = int(environ.get("RANK", "0"))
+        use_storage(FaultyStorage(kill=kill, fail=fail, rank=rank, record=record))

@@ -158,7 +158,6 @@ def test_accelerates_own_compile_is_refused_for_forges(tmp_path, monkeypatch):
 def test_hfs_sharding_arguments_do_not_send_users_to_a_refused_config(tmp_path):
     for name, value in (
         ("fsdp", "full_shard"),
-        ("fsdp_config", {"min_num_params": 1}),
         ("deepspeed", "ds.json"),
     ):
         with pytest.raises(TrainingArgumentsError) as refused:
@@ -166,6 +165,9 @@ def test_hfs_sharding_arguments_do_not_send_users_to_a_refused_config(tmp_path):
         message = str(refused.value)
         assert "forge does not shard parameters or optimizer state yet" in message, name
         assert "accelerate config" not in message
+    # fsdp_config alone: sharding is switched on by fsdp (in the plain trainer)
+    with pytest.raises(TrainingArgumentsError, match="fsdp is not; set fsdp: full_shard"):
+        accel_args(tmp_path, fsdp_config={"min_num_params": 1})
 
 
 @pytest.mark.slow

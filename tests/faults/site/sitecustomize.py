@@ -6,7 +6,10 @@ import os
 import sys
 from pathlib import Path
 
-if os.environ.get("FORGE_TEST_KILL_AT") or os.environ.get("FORGE_TEST_FAIL_AT"):
+if any(
+    os.environ.get(name)
+    for name in ("FORGE_TEST_KILL_AT", "FORGE_TEST_FAIL_AT", "FORGE_TEST_RECORD_WRITES")
+):
     repo = str(Path(__file__).resolve().parents[3])
     if repo not in sys.path:
         sys.path.append(repo)

@@ -1,0 +1,291 @@
+"""State sharded across data-parallel ranks (FSDP2's DTensor parameters and optimizer moments),
+saved by every rank as its own shard and read back by any topology.
+
+Each rank writes only its local rows (FSDP2 shards dimension 0): the weights as
+``model-shard-RRRRR-of-WWWWW.safetensors`` whose metadata gives each tensor's row offset and
+whole shape, the optimizer state as a forge torch file with the same layout. Nothing is
+gathered to one rank to save. A reader takes the rows it needs from whichever files hold them,
+so a checkpoint of 2 shards loads into 2 ranks (each its own file), 3 ranks, one process, or a
+plain checkpoint into a sharded model.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from forge.checkpoint.io import CheckpointError
+from forge.checkpoint.layout import SHARDS_METADATA
+from forge.checkpoint.weights import weight_files
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
+
+
+def local_piece(tensor: Any) -> tuple[torch.Tensor, int, list[int]]:
+    """(this rank's rows, their offset in dimension 0, the whole shape) of a DTensor sharded
+    on dimension 0 (FSDP2's layout), or of a whole tensor (offset 0)."""
+    if not _is_dtensor(tensor):
+        return tensor, 0, list(tensor.shape)
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if any(not isinstance(p, Shard) or p.dim != 0 for p in tensor.placements):
+        if all(not isinstance(p, Shard) for p in tensor.placements):
+            return tensor.to_local(), 0, list(tensor.shape)
+        raise CheckpointError(f"a tensor sharded as {tensor.placements} cannot be saved by rows")
+    _, offset = compute_local_shape_and_global_offset(
+        tensor.shape, tensor.device_mesh, tensor.placements
+    )
+    return tensor.to_local(), int(offset[0]) if tensor.dim() else 0, list(tensor.shape)
+
+
+def split_state(state: dict[str, Any], *, keep_whole: bool) -> dict[str, Any]:
+    """A state dict as one rank's shard: ``tensors`` (its rows of each DTensor, and whole
+    tensors where ``keep_whole``), ``layout`` (``name: [offset, *shape]``) and ``other``
+    (plain values)."""
+    tensors, layout, other = {}, {}, {}
+    for name, value in state.items():
+        if _is_dtensor(value):
+            local, offset, shape = local_piece(value)
+            tensors[name], layout[name] = local, [offset, *shape]
+        elif isinstance(value, torch.Tensor):
+            if keep_whole:
+                tensors[name], layout[name] = value, [0, *value.shape]
+        else:
+            other[name] = value
+    return {"tensors": tensors, "layout": layout, "other": other}
+
+
+def merge_sharded(shards: list[Any]) -> dict[str, Any]:
+    """Every rank's shard (``split_state``) of a saved component put back whole: a state dict
+    keyed by name as the unsharded component has it."""
+    merged: dict[str, Any] = {}
+    pieces: dict[str, list[tuple[int, list[int], torch.Tensor]]] = {}
+    for shard in shards:
+        if not shard:
+            continue
+        for name, value in shard["other"].items():
+            merged.setdefault(name, value)
+        for name, tensor in shard["tensors"].items():
+            offset, *shape = shard["layout"][name]
+            pieces.setdefault(name, []).append((offset, shape, tensor))
+    for name, found in pieces.items():
+        merged[name] = _assemble(name, found)
+    return merged
+
+
+def _assemble(name: str, pieces: list[tuple[int, list[int], torch.Tensor]]) -> torch.Tensor:
+    shape = pieces[0][1]
+    if not shape:
+        return pieces[0][2].clone()
+    whole = torch.empty(shape, dtype=pieces[0][2].dtype)
+    covered = 0
+    for offset, _, rows in sorted(pieces, key=lambda piece: piece[0]):
+        whole[offset : offset + rows.shape[0]] = rows
+        covered = max(covered, offset + rows.shape[0])
+    if covered != shape[0]:
+        raise CheckpointError(f"the shards of {name!r} cover {covered} of its {shape[0]} rows")
+    return whole
+
+
+def is_sharded(file: Path) -> bool:
+    """Whether a safetensors file holds one rank's rows (``SHARDS_METADATA``)."""
+    from safetensors import safe_open
+
+    with safe_open(file, framework="pt", device="cpu") as handle:
+        return SHARDS_METADATA in (handle.metadata() or {})
+
+
+class RowReader:
+    """Rows of the weights in a checkpoint's safetensors files, sharded (``SHARDS_METADATA``)
+    or whole; each read opens only the files that hold the rows asked for."""
+
+    def __init__(self, directory: Path) -> None:
+        from safetensors import safe_open
+
+        files, _ = weight_files(directory)
+        self.pieces: dict[str, list[tuple[Path, int, int]]] = {}  # name -> (file, offset, rows)
+        self.shapes: dict[str, list[int]] = {}
+        for file in files:
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                layout = json.loads((handle.metadata() or {}).get(SHARDS_METADATA, "{}"))
+                for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
+                    shape = list(handle.get_slice(name).get_shape())
+                    offset, *whole = layout.get(name, [0, *shape])
+                    rows = shape[0] if shape else 1
+                    self.pieces.setdefault(name, []).append((file, offset, rows))
+                    self.shapes[name] = whole
+
+    def names(self) -> set[str]:
+        return set(self.pieces)
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        """Rows ``start:stop`` of ``name`` (all of it by default)."""
+        from safetensors import safe_open
+
+        shape = self.shapes[name]
+        if not shape:
+            file = self.pieces[name][0][0]
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                return handle.get_tensor(name)
+        stop = shape[0] if stop is None else stop
+        parts = []
+        for file, offset, rows in sorted(self.pieces[name], key=lambda piece: piece[1]):
+            low, high = max(start, offset), min(stop, offset + rows)
+            if low >= high and not (start == stop == low):
+                continue
+            with safe_open(file, framework="pt", device="cpu") as handle:
+                parts.append(handle.get_slice(name)[low - offset : high - offset])
+            if start == stop:
+                break
+        if not parts:
+            return torch.empty([0, *shape[1:]])
+        return torch.cat(parts) if len(parts) > 1 else parts[0]
+
+
+def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: bool = True) -> None:
+    """Load a checkpoint's weights (sharded or whole, any number of shards) into a model
+    whose parameters may be DTensors: each rank reads only its own rows."""
+    from torch.distributed.tensor import DTensor
+
+    reader = RowReader(directory)
+    expected = model.state_dict()
+    missing = sorted(set(expected) - reader.names())
+    if strict and missing:
+        raise CheckpointError(
+            f"{directory}: weights do not match {type(model).__name__} (missing keys: "
+            f"{', '.join(missing[:5])})"
+        )
+    state: dict[str, Any] = {}
+    for name, value in expected.items():
+        if name not in reader.names():
+            continue
+        if isinstance(value, DTensor):
+            local, offset, _ = local_piece(value)
+            rows = reader.read(name, offset, offset + local.shape[0])
+            state[name] = DTensor.from_local(
+                rows.to(local.dtype),
+                value.device_mesh,
+                value.placements,
+                shape=value.shape,
+                stride=value.stride(),
+            )
+        else:
+            state[name] = reader.read(name)
+    try:
+        model.load_state_dict(state, strict=False)
+    except RuntimeError as exc:
+        raise CheckpointError(
+            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+        ) from exc
+
+
+def has_dtensors(tensors: Iterable[Any]) -> bool:
+    return any(_is_dtensor(t) for t in tensors)
+
+
+# ---------------------------------------------------------------------------------------------
+# components
+
+
+class ShardedWeights:
+    """A sharded model's weights as a checkpoint component (scope ``sharded``): every rank
+    writes its rows of each parameter, rank 0 also the tensors that are whole on every rank
+    (buffers). Loads from any checkpoint of the model, sharded or not."""
+
+    def __init__(self, model: torch.nn.Module, tokenizer: Any = None) -> None:
+        self.model = model
+        self.tokenizer = tokenizer
+
+    def state_dict(self) -> dict[str, Any]:
+        import torch.distributed as dist
+
+        main = not dist.is_initialized() or dist.get_rank() == 0
+        return split_state(self.model.state_dict(), keep_whole=main)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:  # loads through load_checkpoint
+        raise NotImplementedError("sharded weights load from a checkpoint directory")
+
+    def write(self, writer: Any, state: dict[str, Any], stage_file: str | None) -> None:
+        from forge.checkpoint.hf import MODEL_RECORD, describe_model
+        from forge.checkpoint.state import ModelWeights
+
+        if writer.is_main:  # the config (forge export builds the directory from it), tokenizer
+            writer.set_meta(**{MODEL_RECORD: describe_model(self.model)})
+            ModelWeights(self.model, self.tokenizer).write_extras(writer)
+        layout = json.dumps(state["layout"])
+        writer.save_safetensors(stage_file, state["tensors"], metadata={SHARDS_METADATA: layout})
+
+    def load_checkpoint(self, checkpoint: Path, manifest: Any) -> None:
+        load_sharded_weights(self.model, checkpoint, strict=True)
+
+
+class ShardedOptimizerState:
+    """An optimizer over DTensor parameters, keyed by parameter name like ``OptimizerState``;
+    each rank saves its rows of the moments. Loads the whole state (merged from the shards
+    of any number of ranks, or a plain checkpoint's) and keeps its own rows."""
+
+    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+        self.model = model
+        self.optimizer = optimizer
+
+    def state_dict(self) -> dict[str, Any]:
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+        )
+
+        if not self.optimizer.state:
+            return {}  # no step yet (see OptimizerState)
+        options = StateDictOptions(flatten_optimizer_state_dict=True)
+        flat = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        return split_state(flat, keep_whole=True)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Take the whole state (keyed by parameter name, as ``OptimizerState`` saves it):
+        each DTensor parameter's moments keep this rank's rows."""
+        from torch.distributed.tensor import DTensor
+
+        if not state:
+            return
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        found, groups, index = {}, [], 0
+        for group in self.optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            ids = []
+            for param in group["params"]:
+                name = names[id(param)]
+                for key in settings:
+                    settings[key] = state.get(f"param_groups.{name}.{key}", settings[key])
+                prefix = f"state.{name}."
+                own = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+                for key, value in own.items():
+                    if isinstance(param, DTensor) and value.dim() and value.shape == param.shape:
+                        local, offset, _ = local_piece(param)
+                        rows = value[offset : offset + local.shape[0]].to(local.dtype)
+                        own[key] = DTensor.from_local(
+                            rows.contiguous(),
+                            param.device_mesh,
+                            param.placements,
+                            shape=param.shape,
+                            stride=param.stride(),
+                        )
+                if own:
+                    found[index] = own
+                ids.append(index)
+                index += 1
+            groups.append({**settings, "params": ids})
+        if not found:
+            raise CheckpointError(
+                "the saved optimizer state names none of this model's parameters (saved e.g. "
+                f"{sorted(state)[:3]})"
+            )
+        self.optimizer.load_state_dict({"state": found, "param_groups": groups})

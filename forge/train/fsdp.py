@@ -1,0 +1,81 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): the plain trainer's parallel wrap when
+``fsdp`` is set. Each block (by default the model's repeated layers) is sharded on its own,
+then the root, so only one block's parameters are gathered at a time; every parameter becomes
+a DTensor holding 1/N of its rows on each rank, and so do its gradient and optimizer state."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.fsdp_args import FsdpSettings
+from forge.train.transforms import checkpointed_blocks, repeated_layers, selection_problem
+
+
+def sharded_blocks(
+    model: nn.Module, settings: FsdpSettings, args: TrainingArguments
+) -> list[tuple[str, nn.Module]]:
+    """The blocks sharded one by one: ``fsdp_config``'s modules (paths or class names), else
+    the model's repeated layers (none: the model is sharded as one unit)."""
+    names = settings.modules
+    if names is None:
+        found = repeated_layers(model)
+        return checkpointed_blocks(model, args, (found,)) if found else []
+    modules = dict(model.named_modules())
+    kind, key = type(model).__name__, "fsdp_config.transformer_layer_cls_to_wrap / modules"
+    problems = [
+        problem
+        for name in names
+        if (problem := selection_problem(modules, name, kind, args, key)) is not None
+    ]
+    if problems:
+        raise TrainingArgumentsError(problems)
+    return checkpointed_blocks(model, args, names)
+
+
+def apply_fully_shard(
+    model: nn.Module, settings: FsdpSettings, device: torch.device, args: TrainingArguments
+) -> str:
+    """Shard ``model`` in place over every rank (a 1-D device mesh); a line saying what was
+    sharded."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
+
+    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    options: dict[str, Any] = {
+        "mesh": mesh,
+        "reshard_after_forward": settings.reshard_after_forward,
+    }
+    if settings.param_dtype or settings.reduce_dtype:
+        options["mp_policy"] = MixedPrecisionPolicy(
+            param_dtype=_dtype(settings.param_dtype), reduce_dtype=_dtype(settings.reduce_dtype)
+        )
+    if settings.offload_params:
+        options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
+    blocks = sharded_blocks(model, settings, args)
+    for _, block in blocks:
+        fully_shard(block, **options)
+    # the root's parameters (embeddings, head) stay gathered after forward: backward needs
+    # them at once, as torchtitan does
+    fully_shard(model, **{**options, "reshard_after_forward": False})
+    names = [name for name, _ in blocks]
+    span = ", ".join(names[:2]) + (f", ..., {names[-1]}" if len(names) > 2 else "")
+    return (
+        f"FSDP2 {settings.strategy} over {mesh.size()} ranks: {len(blocks)} blocks "
+        f"({span or 'none'}) and the root"
+    )
+
+
+def _dtype(name: str | None) -> torch.dtype | None:
+    return getattr(torch, name) if name else None
+
+
+def global_norm(norm: torch.Tensor) -> torch.Tensor:
+    """A gradient norm over DTensors, as a plain tensor every rank holds."""
+    from torch.distributed.tensor import DTensor
+
+    return norm.full_tensor() if isinstance(norm, DTensor) else norm

@@ -1,0 +1,76 @@
+"""Sharded state (every rank's rows of each tensor) read back by rows, whole, or merged."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from forge.checkpoint.io import CheckpointError
+from forge.checkpoint.layout import SHARDS_METADATA, component_file_names
+from forge.checkpoint.sharded import RowReader, merge_sharded
+from forge.checkpoint.weights import read_weights, weight_shapes
+
+
+def write_shards(directory, whole: dict[str, torch.Tensor], ranks: int) -> None:
+    """``whole`` as ``ranks`` shard files, rows split as FSDP2 splits them (torch.chunk)."""
+    for rank in range(ranks):
+        tensors, layout = {}, {}
+        for name, tensor in whole.items():
+            chunks = torch.chunk(tensor, ranks)
+            offset = sum(len(c) for c in chunks[:rank])
+            tensors[name] = chunks[rank].clone() if rank < len(chunks) else tensor[:0].clone()
+            layout[name] = [offset, *tensor.shape]
+        save_file(
+            tensors,
+            directory / f"model-shard-{rank:05d}-of-{ranks:05d}.safetensors",
+            metadata={SHARDS_METADATA: json.dumps(layout)},
+        )
+
+
+def test_rows_are_read_from_the_files_that_hold_them(tmp_path):
+    whole = {"a.weight": torch.arange(35.0).reshape(7, 5), "b.bias": torch.arange(3.0)}
+    write_shards(tmp_path, whole, 2)
+    reader = RowReader(tmp_path)
+    assert torch.equal(reader.read("a.weight", 2, 6), whole["a.weight"][2:6])  # across files
+    assert torch.equal(reader.read("a.weight"), whole["a.weight"])
+    # the whole model for a plain reader, with the whole shapes (export checks them)
+    loaded = read_weights(tmp_path)
+    assert all(torch.equal(loaded[name], whole[name]) for name in whole)
+    files = sorted(tmp_path.glob("*.safetensors"))
+    assert weight_shapes(files) == {"a.weight": (7, 5), "b.bias": (3,)}
+
+
+def test_shards_of_a_component_merge_by_name_and_a_gap_is_an_error():
+    moments = torch.arange(12.0).reshape(6, 2)
+    shards = [
+        {
+            "tensors": {"state.w.exp_avg": moments[:3], "state.w.step": torch.tensor(4.0)},
+            "layout": {"state.w.exp_avg": [0, 6, 2], "state.w.step": [0]},
+            "other": {"param_groups.w.lr": 0.1},
+        },
+        {
+            "tensors": {"state.w.exp_avg": moments[3:], "state.w.step": torch.tensor(4.0)},
+            "layout": {"state.w.exp_avg": [3, 6, 2], "state.w.step": [0]},
+            "other": {"param_groups.w.lr": 0.1},
+        },
+    ]
+    merged = merge_sharded(shards)
+    assert torch.equal(merged["state.w.exp_avg"], moments)
+    assert merged["state.w.step"].item() == 4.0 and merged["param_groups.w.lr"] == 0.1
+    with pytest.raises(CheckpointError, match="cover 3 of its 6 rows"):
+        merge_sharded(shards[:1])
+
+
+def test_the_manifest_names_one_file_per_rank():
+    topology = {"world_size": 2, "num_stages": 1, "dp_size": 2}
+    assert component_file_names("model", "sharded", True, topology) == [
+        "model-shard-00000-of-00002.safetensors",
+        "model-shard-00001-of-00002.safetensors",
+    ]
+    assert component_file_names("optimizer", "sharded", False, topology) == [
+        "optimizer-shard-00000-of-00002.pt",
+        "optimizer-shard-00001-of-00002.pt",
+    ]

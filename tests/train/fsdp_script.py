@@ -1,0 +1,89 @@
+"""Train the tiny Llama with FSDP2 or DDP; run by torchrun from test_fsdp.py.
+
+    python -m torch.distributed.run --nproc_per_node=N fsdp_script.py OUT MODE [STOP]
+
+MODE ``fsdp``, ``zero2`` (shard_grad_op with activation checkpointing), ``ddp``, ``plain``
+(no sharding: one process, or DDP) or ``pipeline`` (the pipeline trainer). Gradient accumulation
+and clipping are on, and an evaluation every 3 steps over an eval set the ranks split unevenly
+(a sharded forward needs every rank). Saves every 3 steps; with STOP the job is SIGKILLed by
+rank 0 right after the checkpoint of step STOP is committed. MODE ``fsdp-resume`` /
+``plain-resume`` / ``pipeline-resume`` continue OUT's newest checkpoint. The last step's checkpoint
+holds the final weights and optimizer state (the test reads them from there).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import sys
+
+import torch
+from transformers import LlamaForCausalLM, TrainerCallback
+
+from forge.data import CausalLMCollator
+from forge.train import PipelineTrainer, PipelineTrainingArguments, Trainer
+from tests.train.common import TokenDataset, make_args, tiny_llama_config
+
+STEPS = 9
+ACCUMULATION = 2
+
+
+#: the sharded kinds: FSDP2 (ZeRO-3), and ZeRO-2 with activation checkpointing around it
+SHARDING = {
+    "fsdp": {"fsdp": "full_shard"},
+    "zero2": {"fsdp": "shard_grad_op", "activation_checkpointing": True},
+}
+
+
+class KillAfterSave(TrainerCallback):
+    """SIGKILL this job (its process group) once the checkpoint of ``step`` is committed."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_save(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            os.killpg(os.getpgid(0), signal.SIGKILL)
+
+
+def main(output_dir: str, mode: str, stop: int | None) -> None:
+    torch.set_num_threads(1)
+    kind, _, resume = mode.partition("-")
+    config = tiny_llama_config()
+    config.attention_dropout = 0.0
+    args = make_args(
+        output_dir,
+        max_steps=STEPS,
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=ACCUMULATION,
+        learning_rate=1e-2,
+        max_grad_norm=0.5,  # the tiny model's norm is above it: clipping acts every step
+        logging_steps=1,
+        eval_strategy="steps",
+        eval_steps=3,
+        per_device_eval_batch_size=4,
+        save_strategy="steps",
+        save_steps=3,
+        save_final_checkpoint=False,
+        **SHARDING.get(kind, {}),
+    )
+    rank = int(os.environ.get("RANK", "0"))
+    callbacks = [KillAfterSave(stop)] if stop and rank == 0 else []
+    trainer_class = Trainer
+    if kind == "pipeline":  # 2 stages of one layer each
+        args = PipelineTrainingArguments(**args.to_dict())
+        trainer_class = PipelineTrainer
+    trainer = trainer_class(
+        functools.partial(LlamaForCausalLM, config),
+        args,
+        TokenDataset(64),
+        TokenDataset(21, seed=1),  # 11 and 10 items: 3 batches on rank 0, 3 on rank 1 ...
+        data_collator=CausalLMCollator(pad_token_id=0),
+        callbacks=callbacks,
+    )
+    trainer.train(resume_from_checkpoint=bool(resume))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]) if len(sys.argv) > 3 else None)

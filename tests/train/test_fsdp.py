@@ -1,0 +1,276 @@
+"""FSDP2 in the plain trainer with real processes (torchrun, gloo on CPU): it trains as DDP
+does, every rank saves its own shard, and the sharded checkpoint resumes exactly or into
+another layout."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from forge.checkpoint import read_manifest, validate_checkpoint
+from forge.checkpoint.io import load_torch_state
+from forge.checkpoint.sharded import merge_sharded
+from forge.checkpoint.weights import read_weights
+from tests.faults import fault_env
+from tests.train.common import assert_same_tensors, checkpoint_dir
+from tests.train.fsdp_script import STEPS
+
+pytestmark = pytest.mark.integration
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = Path(__file__).with_name("fsdp_script.py")
+
+
+def launch(
+    output_dir: Path,
+    mode: str,
+    nproc: int = 2,
+    stop: int | None = None,
+    record: Path | None = None,
+    script: Path = SCRIPT,
+    extra: tuple[str, ...] = (),
+):
+    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    if record is not None:  # every rank records the checkpoint files it writes
+        record.mkdir(parents=True, exist_ok=True)
+        recording = fault_env(record=record)
+        env.update(recording, PYTHONPATH=f"{recording['PYTHONPATH']}{os.pathsep}{REPO}")
+    command = [sys.executable, str(script), str(output_dir), mode, *extra]
+    if nproc > 1:
+        command[1:1] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+    if stop is not None:
+        command.append(str(stop))
+    # a session of its own: the kill takes torchrun and its workers, as a user's would
+    return subprocess.Popen(
+        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+
+
+def finish(proc, killed: bool = False) -> str:
+    try:
+        output, _ = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"timed out:\n{output}") from None
+    if killed:  # torchrun reports its killed workers
+        assert proc.returncode != 0, output
+    else:
+        assert proc.returncode == 0, output
+    return output
+
+
+def losses(output_dir: Path) -> dict[int, float]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["loss"] for r in rows if "loss" in r and "step" in r}
+
+
+def optimizer_state(checkpoint: Path) -> dict:
+    """The whole optimizer state of a checkpoint, sharded or not, keyed by parameter name."""
+    manifest = read_manifest(checkpoint)
+    files = manifest.components["optimizer"]["files"]
+    states = [load_torch_state(checkpoint / name)["state"] for name in files]
+    if manifest.components["optimizer"]["scope"] == "sharded":
+        return merge_sharded(states)
+    return states[0]
+
+
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fsdp")
+    runs = {
+        "fsdp": launch(root / "fsdp", "fsdp", record=root / "writes"),
+        "ddp": launch(root / "ddp", "ddp"),
+    }
+    for proc in runs.values():
+        finish(proc)
+    return root
+
+
+def test_fsdp_trains_as_ddp_and_each_rank_saves_its_own_shard(straight):
+    fsdp, ddp = losses(straight / "fsdp"), losses(straight / "ddp")
+    assert sorted(fsdp) == list(range(1, STEPS + 1))
+    # accumulation over 2 micro-batches, clipping (the norm is above 0.5 at every step) and
+    # unevenly split evaluations: only the order of float additions differs
+    assert [fsdp[s] for s in sorted(fsdp)] == pytest.approx(
+        [ddp[s] for s in sorted(fsdp)], rel=1e-5
+    )
+    assert len(set(fsdp.values())) == STEPS
+
+    checkpoint = checkpoint_dir(straight / "fsdp", STEPS)
+    assert validate_checkpoint(checkpoint) == []
+    manifest = read_manifest(checkpoint)
+    assert manifest.topology["world_size"] == 2
+    entry = manifest.components["model"]
+    assert entry["scope"] == "sharded"
+    shards = [f"model-shard-{r:05d}-of-00002.safetensors" for r in range(2)]
+    assert entry["files"] == shards
+    assert not (checkpoint / "model.safetensors").exists()
+    # no rank gathers the model to save it: each writes about half of the weights and moments
+    plain = checkpoint_dir(straight / "ddp", STEPS)
+    whole = (plain / "model.safetensors").stat().st_size
+    for name in shards:
+        assert 0.4 * whole < manifest.files[name]["size"] < 0.6 * whole, name
+    whole_optimizer = (plain / "optimizer.pt").stat().st_size
+    for rank in range(2):
+        size = manifest.files[f"optimizer-shard-{rank:05d}-of-00002.pt"]["size"]
+        assert 0.4 * whole_optimizer < size < 0.65 * whole_optimizer
+
+    # the shards put back together are the DDP run's weights and moments, up to float noise
+    ours, theirs = read_weights(checkpoint), read_weights(plain)
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-5)
+    ours, theirs = optimizer_state(checkpoint), optimizer_state(plain)
+    assert sorted(ours) == sorted(theirs)
+
+
+@pytest.mark.slow
+def test_shard_grad_op_with_activation_checkpointing_trains_as_ddp(straight, tmp_path):
+    finish(launch(tmp_path / "zero2", "zero2"))
+    found, ddp = losses(tmp_path / "zero2"), losses(straight / "ddp")
+    assert [found[s] for s in sorted(ddp)] == pytest.approx([ddp[s] for s in sorted(ddp)], rel=1e-5)
+
+
+@pytest.mark.slow
+def test_sigkill_after_a_sharded_checkpoint_then_resume_is_bit_identical(straight, tmp_path):
+    finish(launch(tmp_path / "run", "fsdp", stop=6), killed=True)
+    assert checkpoint_dir(tmp_path / "run", 6).exists()
+    assert not checkpoint_dir(tmp_path / "run", 9).exists()
+    finish(launch(tmp_path / "run", "fsdp-resume"))
+    done, expected = checkpoint_dir(tmp_path / "run", STEPS), checkpoint_dir(straight / "fsdp", 9)
+    assert_same_tensors(read_weights(expected), read_weights(done), "weights")
+    assert_same_tensors(optimizer_state(expected), optimizer_state(done), "optimizer")
+
+
+def _continue_from(source: Path, target: Path, step: int) -> None:
+    """``target``: a copy of the run in ``source`` with its checkpoints after ``step`` gone."""
+    shutil.copytree(source, target)
+    for later in range(step + 1, STEPS + 1):
+        shutil.rmtree(checkpoint_dir(target, later), ignore_errors=True)
+    (target / "metrics.jsonl").write_text("")
+
+
+@pytest.mark.slow
+def test_a_sharded_checkpoint_reshards_to_one_process_back_and_to_a_pipeline(straight, tmp_path):
+    # FSDP on 2 ranks -> plain, 1 process (optimizer moments merged from both shards)
+    _continue_from(straight / "fsdp", tmp_path / "to_plain", 6)
+    finish(launch(tmp_path / "to_plain", "plain-resume", nproc=1))
+    # one process -> FSDP on 2 ranks (each takes its rows of the whole weights and moments)
+    finish(launch(tmp_path / "plain", "plain", nproc=1))
+    _continue_from(tmp_path / "plain", tmp_path / "to_fsdp", 6)
+    finish(launch(tmp_path / "to_fsdp", "fsdp-resume"))
+    # FSDP on 2 ranks -> the pipeline trainer, 2 stages: each stage reads its own weights
+    _continue_from(straight / "fsdp", tmp_path / "to_pipeline", 6)
+    finish(launch(tmp_path / "to_pipeline", "pipeline-resume"))
+    reference = losses(straight / "fsdp")
+    for run in ("to_plain", "to_fsdp", "to_pipeline"):
+        found = losses(tmp_path / run)
+        assert sorted(found) == [7, 8, 9], run
+        for step in found:
+            assert found[step] == pytest.approx(reference[step], rel=0.03), (run, step)
+    assert (
+        read_manifest(checkpoint_dir(tmp_path / "to_fsdp", 9)).components["model"]["scope"]
+        == "sharded"
+    )
+
+
+#: written by rank 0 beside the storage seam (transformers' save_pretrained; the stages'
+#: weight index, at commit)
+OUTSIDE_SEAM = {"config.json", "generation_config.json", "model.safetensors.index.json"}
+
+
+def writes(record: Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for file in sorted(record.glob("writes-rank-*.jsonl"))
+        for line in file.read_text().splitlines()
+    ]
+
+
+def owners(record: Path, step: int) -> dict[str, list[int]]:
+    """Each file of the checkpoint of ``step``: the ranks that wrote it."""
+    found: dict[str, list[int]] = {}
+    for line in writes(record):
+        if line["step"] == step:
+            found.setdefault(line["file"], []).append(line["rank"])
+    return found
+
+
+def test_every_file_of_a_sharded_checkpoint_is_written_once_by_its_owner(straight):
+    checkpoint = checkpoint_dir(straight / "fsdp", 6)
+    written = owners(straight / "writes", 6)
+    assert sorted(written) == sorted(set(read_manifest(checkpoint).files) - OUTSIDE_SEAM)
+    for name, ranks in written.items():
+        assert len(ranks) == 1, (name, ranks)
+        own = re.search(r"-(?:shard|rank)-(\d+)", name)  # a rank's own: its number in the name
+        if own:
+            assert ranks == [int(own.group(1))], name
+        else:
+            assert ranks == [0], name
+    # each rank writes about half of the state (no gather): the bytes of the shard files
+    per_rank = [0, 0]
+    for line in writes(straight / "writes"):
+        if line["step"] == 6 and "-shard-" in line["file"]:
+            per_rank[line["rank"]] += line["bytes"]
+    assert per_rank[1] == pytest.approx(per_rank[0], rel=0.1)
+
+
+@pytest.mark.slow
+def test_a_pipeline_checkpoint_of_two_replicas_is_written_once_by_each_stage_owner(tmp_path):
+    """2 stages x 2 data-parallel replicas: only replica 0's rank of each stage writes the
+    stage's weights and optimizer state (ranks 0 and 1; 2 and 3 hold the same state)."""
+    pipeline = {
+        "pipeline_parallel_size": 2,
+        "max_steps": 2,
+        "save_strategy": "steps",
+        "save_steps": 2,
+    }
+    finish(
+        launch(
+            tmp_path / "run",
+            "pipeline",
+            nproc=4,
+            record=tmp_path / "writes",
+            script=Path(__file__).with_name("pipeline_script.py"),
+            extra=(json.dumps(pipeline),),
+        )
+    )
+    checkpoint = checkpoint_dir(tmp_path / "run", 2)
+    assert validate_checkpoint(checkpoint) == []
+    written = owners(tmp_path / "writes", 2)
+    assert sorted(written) == sorted(set(read_manifest(checkpoint).files) - OUTSIDE_SEAM)
+    for name, ranks in written.items():
+        assert len(ranks) == 1, (name, ranks)
+    for stage in range(2):
+        assert written[f"model-stage-{stage:05d}-of-00002.safetensors"] == [stage]
+        assert written[f"optimizer-stage-{stage:05d}-of-00002.pt"] == [stage]
+    for rank in range(4):
+        assert written[f"rng-rank-{rank:05d}.pt"] == [rank]
+
+
+def test_export_of_a_sharded_checkpoint_gives_the_models_logits(straight, tmp_path):
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from forge.export import export_model
+    from tests.train.common import tiny_llama_config
+
+    checkpoint = checkpoint_dir(straight / "fsdp", STEPS)
+    export_model(checkpoint, tmp_path / "hf")
+    exported = AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    plain = LlamaForCausalLM(tiny_llama_config()).eval()
+    plain.load_state_dict(read_weights(checkpoint))  # the shards put back together
+    inputs = torch.arange(1, 17).reshape(2, 8)
+    with torch.no_grad():
+        assert torch.equal(exported(inputs).logits, plain(inputs).logits)
