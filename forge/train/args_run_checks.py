@@ -275,7 +275,14 @@ class RunChecks(ValueChecks):
             self._optional_bool(name, p)
         self._optional_int("ddp_bucket_cap_mb", p, minimum=1, fix="or null for torch's default")
         self._int("ddp_timeout", p, minimum=1)
-        p.extend(parse_fsdp(self.fsdp, self.fsdp_config, self.config_key)[1])
+        sharded, problems = parse_fsdp(self.fsdp, self.fsdp_config, self.config_key)
+        p.extend(problems)
+        if sharded is not None and self.ema_decay not in (None, 0, 0.0):
+            p.append(
+                f"{self._key('ema_decay')}: a moving average of the weights is not kept under "
+                "fsdp (each rank holds 1/N of the parameters, and the average would be saved "
+                "as one rank's shard); train without ema_decay, or with DDP (fsdp: null)"
+            )
 
     def fsdp_settings(self) -> FsdpSettings | None:
         """What ``fsdp`` / ``fsdp_config`` ask of FSDP2; None when sharding is off."""

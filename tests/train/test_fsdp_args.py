@@ -62,3 +62,11 @@ def test_what_cannot_apply_is_refused_with_the_reason(fsdp, config, says):
 def test_the_pipeline_trainer_refuses_sharding_with_the_reason():
     with pytest.raises(TrainingArgumentsError, match="does not shard its stages"):
         PipelineTrainingArguments(output_dir="o", fsdp="full_shard")
+
+
+def test_a_moving_average_is_refused_under_fsdp():
+    # the average is stage-scoped: under fsdp it would be saved as one rank's shard
+    with pytest.raises(TrainingArgumentsError, match="ema_decay: a moving average .* under fsdp"):
+        TrainingArguments(output_dir="out", fsdp="full_shard", ema_decay=0.99)
+    TrainingArguments(output_dir="out", fsdp="full_shard", ema_decay=0)  # 0 is off
+    TrainingArguments(output_dir="out", ema_decay=0.99)
