@@ -514,3 +514,31 @@ def read_component_header(path: str | os.PathLike) -> dict[str, Any]:
     if not isinstance(header, dict):
         raise CheckpointError(f"{path}: not a forge component file (no {HEADER_KEY} header)")
     return header
+
+
+def weight_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
+    """The safetensors files holding a checkpoint's weights, and aliases of shared tensors."""
+    index_path = directory / WEIGHTS_INDEX_NAME
+    if index_path.is_file():
+        try:
+            index = json.loads(index_path.read_text())
+            names = sorted(set(index["weight_map"].values()))
+            metadata = index.get("metadata") or {}
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(f"{index_path}: unreadable weight index ({exc})") from exc
+        if any(Path(name).name != name for name in names):
+            raise CheckpointError(f"{index_path}: weight files must be plain names in {directory}")
+        files = [directory / name for name in names]
+        for file in files:
+            if not file.is_file():
+                raise CheckpointError(f"{file}: listed in {index_path.name} but missing")
+        return files, {k: v for k, v in metadata.items() if isinstance(v, str)}
+    if (directory / WEIGHTS_NAME).is_file():
+        return [directory / WEIGHTS_NAME], {}
+    files = sorted(directory.glob("model*.safetensors"))
+    if not files:
+        raise CheckpointError(
+            f"{directory}: no model weights ({WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME} "
+            "or model-*.safetensors)"
+        )
+    return files, {}

@@ -30,11 +30,10 @@ from forge.checkpoint.hf import (
     is_hf_model,
 )
 from forge.checkpoint.io import (
-    WEIGHTS_INDEX_NAME,
-    WEIGHTS_NAME,
     CheckpointError,
     no_hf_progress_bars,
     read_safetensors_header,
+    weight_files,
 )
 from forge.checkpoint.layout import SHARDS_METADATA
 from forge.wrappers import unwrap_model
@@ -42,34 +41,6 @@ from forge.wrappers import unwrap_model
 if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
     import torch
     from torch import nn
-
-
-def weight_files(directory: Path) -> tuple[list[Path], dict[str, str]]:
-    """The safetensors files holding a checkpoint's weights, and aliases of shared tensors."""
-    index_path = directory / WEIGHTS_INDEX_NAME
-    if index_path.is_file():
-        try:
-            index = json.loads(index_path.read_text())
-            names = sorted(set(index["weight_map"].values()))
-            metadata = index.get("metadata") or {}
-        except (ValueError, KeyError, TypeError, AttributeError) as exc:
-            raise CheckpointError(f"{index_path}: unreadable weight index ({exc})") from exc
-        if any(Path(name).name != name for name in names):
-            raise CheckpointError(f"{index_path}: weight files must be plain names in {directory}")
-        files = [directory / name for name in names]
-        for file in files:
-            if not file.is_file():
-                raise CheckpointError(f"{file}: listed in {index_path.name} but missing")
-        return files, {k: v for k, v in metadata.items() if isinstance(v, str)}
-    if (directory / WEIGHTS_NAME).is_file():
-        return [directory / WEIGHTS_NAME], {}
-    files = sorted(directory.glob("model*.safetensors"))
-    if not files:
-        raise CheckpointError(
-            f"{directory}: no model weights ({WEIGHTS_NAME}, {WEIGHTS_INDEX_NAME} "
-            "or model-*.safetensors)"
-        )
-    return files, {}
 
 
 def _tied_groups(state: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:

@@ -9,7 +9,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from forge.checkpoint import Component, Scope
-from forge.checkpoint.sharded import ShardedOptimizerState, ShardedWeights
+from forge.checkpoint.sharded_state import ShardedOptimizerState, ShardedWeights
 from forge.train.base import BaseTrainer, _start_fresh
 
 
