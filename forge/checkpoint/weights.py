@@ -36,7 +36,7 @@ from forge.checkpoint.io import (
     no_hf_progress_bars,
     read_safetensors_header,
 )
-from forge.wrappers import unwrap_model
+from forge.wrappers import is_peft_model, unwrap_model
 
 if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
     import torch
@@ -101,6 +101,8 @@ def load_model_weights(
     ``model*.safetensors``. Tied weights stored once count as present. With ``strict``, any
     other missing or unexpected key is a CheckpointError.
 
+    A peft model (LoRA) gets the directory's adapter (forge.checkpoint.adapter).
+
     ``subset``: the model holds part of the checkpoint's model (a pipeline stage, whose
     parameters keep the full model's names). Only its own names are read, from whichever files
     hold them; the checkpoint's other names are not unexpected, and with ``strict`` every name
@@ -108,6 +110,11 @@ def load_model_weights(
     """
     directory = Path(checkpoint_dir)
     model = unwrap_model(model)
+    if is_peft_model(model):  # a LoRA run's checkpoints hold only the adapter
+        from forge.checkpoint.adapter import load_adapter_weights
+
+        load_adapter_weights(model, directory)
+        return
     files, aliases = weight_files(directory)
     expected = model.state_dict()
     tied = _tied_groups(expected)
