@@ -10,9 +10,12 @@ use a checkpoint (export, generate, predict) find it and can tell when it change
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -221,10 +224,18 @@ def load_adapter_model(checkpoint: Path, auto_class: Any = None, *, merge: bool 
 
     base_dir = adapter_base(checkpoint)
     base = load_pretrained(base_dir, auto_class or auto_class_of(base_dir))
-    with no_hf_progress_bars():
+    with no_hf_progress_bars(), quiet_peft():
         model = PeftModel.from_pretrained(base, checkpoint)
     model.eval()
     return model.merge_and_unload() if merge else model
+
+
+@contextlib.contextmanager
+def quiet_peft() -> Iterator[None]:
+    """peft reads a flag that transformers renamed: a warning that is not the user's."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+        yield
 
 
 def auto_class_of(directory: Path) -> Any:

@@ -323,6 +323,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="export only the transformers model the checkpoint's model holds as NAME "
         "(a wrapper's self.NAME), leaving the wrapper's other weights out",
     )
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="of a LoRA checkpoint, write its base with the adapter merged in (loads without "
+        "peft); without it a LoRA checkpoint exports its adapter in peft's layout",
+    )
 
     p = _sub(subparsers, "evaluate", "print a checkpoint's metrics on a split of its run's data")
     p.add_argument(

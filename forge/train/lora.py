@@ -24,7 +24,6 @@ import logging
 import os
 import re
 import shutil
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -35,6 +34,7 @@ from forge.checkpoint.adapter import (
     fingerprint,
     is_adapter_directory,
     load_adapter_model,
+    quiet_peft,
 )
 from forge.config.errors import short_list
 from forge.errors import UsageError
@@ -251,8 +251,7 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
     from peft import get_peft_model
 
     config = lora_config_for(model, config)
-    with warnings.catch_warnings():  # peft reads a flag transformers renamed: not the user's
-        warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
+    with quiet_peft():
         peft_model = get_peft_model(model, config)
     trainable, total = peft_model.get_nb_trainable_parameters()
     logger.debug("LoRA: %d of %d parameters trainable", trainable, total)
