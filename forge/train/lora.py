@@ -243,7 +243,20 @@ def lora_config_for(model: nn.Module, config: Any) -> Any:
     problems += target_problems(model, saved, "modules_to_save")
     if problems:
         raise TrainingArgumentsError(problems)
-    return dataclasses.replace(config, target_modules=targets)
+    # GPT-2's Conv1D keeps its weight transposed: peft must know, as for GPT-2's own config
+    transposed = any(
+        type(module).__name__ == "Conv1D" and _targeted(name, targets)
+        for name, module in adaptable_layers(model).items()
+    )
+    return dataclasses.replace(
+        config, target_modules=targets, fan_in_fan_out=config.fan_in_fan_out or transposed
+    )
+
+
+def _targeted(name: str, targets: Any) -> bool:
+    if isinstance(targets, str):
+        return re.fullmatch(targets, name) is not None
+    return any(name == t or name.endswith(f".{t}") for t in targets)
 
 
 def apply_lora(model: nn.Module, config: Any) -> nn.Module:
