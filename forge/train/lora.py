@@ -249,7 +249,7 @@ def lora_config_for(model: nn.Module, config: Any) -> Any:
         for name, module in adaptable_layers(model).items()
     )
     return dataclasses.replace(
-        config, target_modules=targets, fan_in_fan_out=config.fan_in_fan_out or transposed
+        config, target_modules=targets, fan_in_fan_out=getattr(config, "fan_in_fan_out", False) or transposed
     )
 
 
