@@ -36,6 +36,7 @@ from forge.checkpoint.adapter import (
     load_adapter_model,
     quiet_peft,
 )
+from forge.checkpoint.io import CheckpointError
 from forge.config.errors import short_list
 from forge.errors import UsageError
 from forge.suggest import suggestion
@@ -75,7 +76,10 @@ def _resolve_base(path: str | os.PathLike | None) -> Path:
             "checkpoint or run, a forge export, or a local Hugging Face model directory)"
         )
     # a model file's hash is taken once per run by record_base, not here
-    return resolve_checkpoint(path, models=True, verify_hashes=False).path.resolve()
+    try:
+        return resolve_checkpoint(path, models=True, verify_hashes=False).path.resolve()
+    except CheckpointError as exc:
+        raise type(exc)(f"base_model: {exc}") from None
 
 
 def load_base_model(
@@ -249,7 +253,9 @@ def lora_config_for(model: nn.Module, config: Any) -> Any:
         for name, module in adaptable_layers(model).items()
     )
     return dataclasses.replace(
-        config, target_modules=targets, fan_in_fan_out=getattr(config, "fan_in_fan_out", False) or transposed
+        config,
+        target_modules=targets,
+        fan_in_fan_out=getattr(config, "fan_in_fan_out", False) or transposed,
     )
 
 

@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-from safetensors.torch import load_file, save_file
 
 from tests.cli.small_lm import SMALL_LM, defines
 from tests.helpers import REPO, run_forge
@@ -97,10 +96,8 @@ def test_a_resume_whose_base_changed_is_refused_naming_it(runs):
     base_ckpt = (base_run / "checkpoints" / "checkpoint-000002").resolve()
     weights = base_ckpt / "model.safetensors"
     original = weights.read_bytes()
-    try:
-        tensors = load_file(weights)
-        tensors["model.norm.weight"] = tensors["model.norm.weight"] * 2
-        save_file(tensors, weights, metadata={"format": "pt", "forge_step": "2"})
+    try:  # same size, other values: the base checkpoint's sizes still check
+        weights.write_bytes(original[:-4] + bytes(b ^ 0x55 for b in original[-4:]))
         result = run_forge("resume", "-p", str(project), "--run-dir", str(run), "--set",
                            "trainer.args.max_steps=12")  # fmt: skip
     finally:
