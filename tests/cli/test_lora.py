@@ -149,3 +149,26 @@ def test_the_checkpoint_is_a_small_fraction_of_the_tiny_lm_base(tmp_path):
         assert total < 0.25 * base_bytes  # adapter, its optimizer moments, the loop's state
     everything = base_bytes + sum(p.stat().st_size for c in checkpoints for p in c.iterdir())
     assert everything < 3.5 * base_bytes  # ten full checkpoints would be over 30x
+
+
+@pytest.mark.slow
+def test_two_processes_train_and_resume_a_lora_run(runs):
+    """DDP (torchrun, gloo): each rank holds the base; rank 0 records it and writes the
+    adapter, and the run resumes with both ranks."""
+    project, base_run, _ = runs
+    data = {k: SMALL_LM[k] for k in ("block_size", "max_files")}
+    trained = run_forge(
+        "train", "lora.yaml", "-p", str(project), "--nproc", "2", *defines(data | TRAINING),
+        "-D", f"base_model={base_run}", "-D", "max_steps=4", "-D", "save_steps=2",
+    )  # fmt: skip
+    assert trained.returncode == 0, trained.stderr
+    run = project / "output" / "lora" / "run_002"
+    names = {p.name for p in (run / "checkpoints" / "checkpoint-000004").iterdir()}
+    assert {"adapter_model.safetensors", "data-rank-00001.pt"} <= names
+    assert "model.safetensors" not in names
+    resumed = run_forge(
+        "resume", "-p", str(project), "--run-dir", str(run), "--nproc", "2",
+        "--set", "trainer.args.max_steps=6",
+    )  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr
+    assert (run / "checkpoints" / "checkpoint-000006" / "adapter_model.safetensors").is_file()

@@ -28,7 +28,7 @@ from forge.checkpoint.adapter import BaseChanged
 from forge.data import CausalLMCollator
 from forge.errors import UsageError
 from forge.export import export_model
-from forge.train import Trainer, TrainingArgumentsError
+from forge.train import AccelTrainer, AccelTrainingArguments, Trainer, TrainingArgumentsError
 from forge.train.lora import default_target_modules, load_base_model
 from tests.train.common import (
     VOCAB,
@@ -57,16 +57,19 @@ def lora(**overrides):
     return LoraConfig(**values)
 
 
-def lora_trainer(output_dir, base, peft_config=None, **overrides):
+def lora_trainer(output_dir, base, peft_config=None, trainer_cls=Trainer, **overrides):
     values = dict(max_steps=8, save_strategy="steps", save_steps=2, logging_steps=2)
     values.update(overrides)
     callbacks = values.pop("callbacks", ())
     model = (
         functools.partial(load_base_model, str(base)) if not callable(base) else base
     )  # a directory, or a builder of a model that is on no disk
-    return Trainer(
+    args = make_args(output_dir, **values)
+    if trainer_cls is not Trainer:
+        args = AccelTrainingArguments(**args.to_dict())
+    return trainer_cls(
         model,
-        make_args(output_dir, **values),
+        args,
         TokenDataset(64),
         data_collator=CausalLMCollator(pad_token_id=0),
         peft_config=peft_config or lora(),
@@ -133,6 +136,17 @@ def test_resume_is_bit_exact(trained, base_dir, tmp_path):
     resumed = lora_trainer(out, base_dir)
     resumed.train(resume_from_checkpoint=True)
     assert resumed.state.resumed_from == str(checkpoint_dir(out, 4))
+    assert_same_training(straight, resumed)
+
+
+def test_the_accelerate_trainer_saves_the_adapter_and_resumes_exactly(trained, base_dir, tmp_path):
+    _, straight = trained
+    out = tmp_path / "run"
+    lora_trainer(out, base_dir, trainer_cls=AccelTrainer, callbacks=[StopAfterSave(4)]).train()
+    names = {p.name for p in checkpoint_dir(out, 4).iterdir()}
+    assert "adapter_model.safetensors" in names and "model.safetensors" not in names
+    resumed = lora_trainer(out, base_dir, trainer_cls=AccelTrainer)
+    resumed.train(resume_from_checkpoint=True)
     assert_same_training(straight, resumed)
 
 
