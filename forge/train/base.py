@@ -876,11 +876,12 @@ class BaseTrainer:
         its frozen base first (once; a resume checks it is unchanged)."""
         if self.peft_config is None:
             return model
-        from forge.train.lora import apply_lora
+        from forge.train.lora import apply_lora, lora_config_for
 
+        config = lora_config_for(model, self.peft_config)  # bad targets: refused before any write
         if self._in_train:
             self._lora_base = self._record_lora_base(model)
-        return apply_lora(model, self.peft_config)
+        return apply_lora(model, config)
 
     def _record_lora_base(self, model: nn.Module) -> dict[str, Any]:
         """Rank 0 records (or, resuming, checks) the run's base; every rank gets the record,

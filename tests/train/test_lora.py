@@ -172,7 +172,7 @@ def test_a_target_that_matches_nothing_is_refused_naming_the_layers(tmp_path, ba
     message = str(info.value)
     assert "trainer.peft_config.target_modules" in message and "'qq_proj'" in message
     assert "q_proj" in message and "down_proj" in message  # the names there are
-    assert not (tmp_path / "checkpoints").exists()
+    assert not (tmp_path / "checkpoints").exists() and not (tmp_path / "base_model.json").exists()
 
 
 def test_merged_export_loads_without_peft_and_gives_the_same_logits(trained, base_dir, tmp_path):
