@@ -23,9 +23,8 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from forge.checkpoint.adapter import ADAPTER_CONFIG, is_adapter_directory
 from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
-from forge.checkpoint.io import WEIGHTS_INDEX_NAME
+from forge.checkpoint.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX_NAME
 from forge.checkpoint.layout import MANIFEST_NAME
 from forge.errors import RuntimeFailure, UsageError
 
@@ -63,7 +62,7 @@ def export_model(
             f"{output} exists and is not empty; choose a new directory or pass --force to "
             "replace its contents"
         )
-    if is_adapter_directory(source):
+    if (source / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint, or an adapter export
         if submodule is not None:
             raise UsageError(f"--submodule: {source} holds a LoRA adapter, not a model's weights")
         _stage_and_replace(
@@ -109,7 +108,7 @@ def _stage_and_replace(output: Path, write: Any) -> None:
 def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: str | int) -> None:
     """A LoRA checkpoint's adapter (peft's files) or, with ``merge``, its merged model; the
     tokenizer files either way, never the training state."""
-    from forge.checkpoint.adapter import ADAPTER_WEIGHTS, load_adapter_model
+    from forge.checkpoint.adapter import load_adapter_model
     from forge.checkpoint.io import save_model_weights
 
     keep = [

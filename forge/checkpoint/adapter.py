@@ -20,16 +20,21 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge.checkpoint.hf import MODEL_RECORD, describe_model
-from forge.checkpoint.io import CheckpointError, hash_file, no_hf_progress_bars
+from forge.checkpoint.io import (
+    ADAPTER_CONFIG,
+    ADAPTER_WEIGHTS,
+    CheckpointError,
+    hash_file,
+    no_hf_progress_bars,
+)
 from forge.checkpoint.layout import MANIFEST_NAME
+from forge.checkpoint.weights import load_adapter_state, load_adapter_weights, load_pretrained
 from forge.wrappers import unwrap_model
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
-ADAPTER_WEIGHTS = "adapter_model.safetensors"
-ADAPTER_CONFIG = "adapter_config.json"
 BASE_RECORD = "lora_base"  # the manifest key: {"path": ..., "sha256": ...}
 
 
@@ -167,49 +172,6 @@ class AdapterWeights:
         load_adapter_weights(self.model, checkpoint)
 
 
-def load_adapter_weights(model: nn.Module, directory: Path) -> None:
-    """Put a directory's adapter (``adapter_model.safetensors``) into peft ``model``, bit-exact;
-    every adapter name must match."""
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    file = Path(directory) / ADAPTER_WEIGHTS
-    if not file.is_file():
-        raise CheckpointError(
-            f"{directory}: no {ADAPTER_WEIGHTS}; a LoRA run loads only adapter checkpoints (a "
-            "full model's weights are its base: give it as base_model)"
-        )
-    try:
-        state = load_file(file)
-    except (SafetensorError, OSError) as exc:
-        raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from exc
-    load_adapter_state(model, state, str(directory))
-
-
-def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
-    from peft import get_peft_model_state_dict, set_peft_model_state_dict
-
-    from forge.checkpoint.hf import few
-
-    model = unwrap_model(model)
-    expected = get_peft_model_state_dict(model)
-    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
-    if missing or unexpected:
-        parts = [f"missing: {few(missing)}"] if missing else []
-        parts += [f"unexpected: {few(unexpected)}"] if unexpected else []
-        raise CheckpointError(
-            f"{where}: the adapter does not match this model's ({'; '.join(parts)}); was it "
-            "trained with other lora_target_modules, modules_to_save or base?"
-        )
-    shapes = [k for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]
-    if shapes:
-        raise CheckpointError(
-            f"{where}: adapter tensors of other shapes ({few(shapes)}): was it trained with "
-            "another lora_r or base?"
-        )
-    set_peft_model_state_dict(model, state)
-
-
 # ---------------------------------------------------------------------------------------------
 # using a LoRA checkpoint
 
@@ -219,8 +181,6 @@ def load_adapter_model(checkpoint: Path, auto_class: Any = None, *, merge: bool 
     filled by forge's weights reader) with the adapter, merged into plain transformers weights
     when ``merge`` (no peft needed to use it), else as a ``PeftModel``."""
     from peft import PeftModel
-
-    from forge.checkpoint.weights import load_pretrained
 
     base_dir = adapter_base(checkpoint)
     base = load_pretrained(base_dir, auto_class or auto_class_of(base_dir))
@@ -239,10 +199,8 @@ def quiet_peft() -> Iterator[None]:
 
 
 def auto_class_of(directory: Path) -> Any:
-    """The transformers Auto class that builds a model directory's architecture."""
-    import transformers
+    """The transformers class a model directory's ``config.json`` names (transformers' own
+    classes only: custom code is never loaded)."""
+    from forge.checkpoint.hf import CONFIG_NAME, architecture_class, read_config
 
-    from forge.export import pretrained_loader
-
-    name = pretrained_loader(directory)
-    return getattr(transformers, name, transformers.AutoModel)
+    return architecture_class(read_config(Path(directory) / CONFIG_NAME))

@@ -32,9 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from forge.checkpoint.adapter import ADAPTER_CONFIG
 from forge.checkpoint.hf import CONFIG_NAME
-from forge.checkpoint.io import CheckpointError
+from forge.checkpoint.io import ADAPTER_CONFIG, CheckpointError
 from forge.checkpoint.layout import (
     MANIFEST_NAME,
     CheckpointManifest,
