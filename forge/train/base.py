@@ -125,7 +125,10 @@ class BaseTrainer:
     ``forge.data.TupleCollator`` names their parts); the loss is ``model(**batch).loss`` (or
     ``["loss"]``; a model returning a bare tensor is wrapped in ``forge.train.LossAdapter``),
     or what ``compute_loss_func`` computes, unless ``compute_loss`` is overridden. A
-    ``tokenizer`` (HF 5's ``processing_class``) is saved into every checkpoint.
+    ``tokenizer`` (HF 5's ``processing_class``) is saved into every checkpoint. ``peft_config``
+    (a peft config, e.g. ``LoraConfig``, as TRL's trainers take it) fine-tunes the model with a
+    peft adapter: its base frozen, each checkpoint holding only the adapter
+    (forge/train/lora.py).
 
     ``compute_loss_func(outputs, labels, num_items_in_batch=...)`` is Hugging Face's: the
     batch's ``labels`` are taken out of the batch, the model is called on the rest, and the
