@@ -127,6 +127,21 @@ def load_base_model(
     return model
 
 
+def base_skeleton(path: str | os.PathLike | None) -> nn.Module:
+    """The base model's structure on the meta device, from its config alone (no weights read):
+    what the config check looks at for the LoRA target modules."""
+    import torch
+
+    from forge.checkpoint.adapter import adapter_base, auto_class_of
+    from forge.checkpoint.hf import CONFIG_NAME, read_config
+
+    directory = _resolve_base(path)
+    if is_adapter_directory(directory):
+        directory = adapter_base(directory, verify=False)
+    with torch.device("meta"):
+        return auto_class_of(directory)._from_config(read_config(directory / CONFIG_NAME))
+
+
 def load_base_tokenizer(path: str | os.PathLike | None) -> Any:
     """The tokenizer saved with the base model (its directory's tokenizer files)."""
     from forge.predict import checkpoint_tokenizer

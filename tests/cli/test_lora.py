@@ -79,6 +79,20 @@ def test_generate_evaluate_and_predict_use_a_lora_checkpoint(runs, tmp_path):
     assert "prediction" in json.loads(output.read_text())
 
 
+def test_a_target_that_matches_nothing_is_refused_before_the_run_starts(runs):
+    project, base_run, _ = runs
+    data = {k: SMALL_LM[k] for k in ("block_size", "max_files")}
+    result = run_forge(
+        "train", "lora.yaml", "-p", str(project), *defines(data | TRAINING),
+        "-D", f"base_model={base_run}", "-D", "lora_target_modules=[q_proj, qq_proj]",
+    )  # fmt: skip
+    assert result.returncode == 2, result.stderr
+    assert "trainers/lora.yaml:" in result.stderr  # located at the line that names them
+    assert "no module named 'qq_proj'; did you mean 'q_proj'" in result.stderr
+    assert "gate_proj" in result.stderr and "Traceback" not in result.stderr
+    assert sorted(p.name for p in (project / "output" / "lora").iterdir()) == ["run_001"]
+
+
 def test_export_merge_lora_and_refusals(runs, tmp_path):
     _, base_run, run = runs
     ckpt = run / "checkpoints" / "checkpoint-000010"
