@@ -313,3 +313,15 @@ def test_a_base_directory_is_the_one_that_loads(base_dir):
     model = load_base_model(base_dir)
     assert isinstance(model, LlamaForCausalLM)
     assert model.name_or_path == str(base_dir.resolve())
+
+
+def test_a_lora_checkpoint_as_base_is_its_base_with_the_adapter_merged(trained):
+    out, trainer = trained
+    model = load_base_model(checkpoint_dir(out, 8))
+    assert type(model) is LlamaForCausalLM and model.name_or_path == ""  # on no disk as such
+    ids = torch.randint(3, VOCAB, (2, 12), generator=torch.Generator().manual_seed(6))
+    trainer.model.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(
+            model(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5, rtol=0
+        )
