@@ -229,10 +229,10 @@ def target_problems(model: nn.Module, targets: Any, field: str = "target_modules
     for target in targets or ():
         if any(name == target or name.endswith(f".{target}") for name in names):
             continue
+        hint = suggestion(target, leaves) or "."
         problems.append(
-            f"{PEFT_KEY}.{field}: {type(model).__name__} has no module named "
-            f"{target!r}{suggestion(target, leaves)} Its layers LoRA adapts are named "
-            f"{_layer_names(model)}"
+            f"{PEFT_KEY}.{field}: {type(model).__name__} has no module named {target!r}{hint} "
+            f"Its layers LoRA adapts are named {_layer_names(model)}"
         )
     return problems
 
@@ -267,11 +267,9 @@ def lora_config_for(model: nn.Module, config: Any) -> Any:
         type(module).__name__ == "Conv1D" and _targeted(name, targets)
         for name, module in adaptable_layers(model).items()
     )
-    return dataclasses.replace(
-        config,
-        target_modules=targets,
-        fan_in_fan_out=getattr(config, "fan_in_fan_out", False) or transposed,
-    )
+    if transposed and hasattr(config, "fan_in_fan_out"):
+        return dataclasses.replace(config, target_modules=targets, fan_in_fan_out=True)
+    return dataclasses.replace(config, target_modules=targets)
 
 
 def _targeted(name: str, targets: Any) -> bool:
