@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
-from forge.checkpoint.io import WEIGHTS_INDEX_NAME
+from forge.checkpoint.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX_NAME
 from forge.checkpoint.layout import MANIFEST_NAME
 from forge.errors import RuntimeFailure, UsageError
 
@@ -41,8 +41,13 @@ def export_model(
     max_shard_size: str | int = "5GB",
     submodule: str | None = None,
     ema: bool = False,
+    merge_lora: bool = False,
 ) -> Path:
     """Write ``checkpoint``'s model to ``output``; returns the checkpoint exported.
+
+    A LoRA checkpoint (forge.checkpoint.adapter) exports its adapter in peft's layout, or with
+    ``merge_lora`` its base with the adapter merged in: a plain model directory that
+    ``from_pretrained`` loads without peft. ``merge_lora`` on any other checkpoint is refused.
 
     ``checkpoint`` is what forge.checkpoint.resolve takes: a checkpoint, a run directory (its
     newest valid checkpoint), a project, or a Hugging Face model directory. A non-empty ``output`` is refused unless ``force``; then it is replaced only
@@ -61,27 +66,79 @@ def export_model(
             "replace its contents"
         )
     average = _read_average(source) if ema else None
+    if (source / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint, or an adapter export
+        if ema:
+            raise UsageError(
+                f"--ema: {source} is a LoRA checkpoint; exporting the moving average of its "
+                "adapter is not supported yet: export the adapter without --ema"
+            )
+        if submodule is not None:
+            raise UsageError(f"--submodule: {source} holds a LoRA adapter, not a model's weights")
+        _stage_and_replace(
+            output, lambda staging: _write_adapter(source, staging, merge_lora, max_shard_size)
+        )
+        return source
+    if merge_lora:
+        raise UsageError(
+            f"--merge-lora merges a LoRA adapter into its base, and {source} holds no adapter "
+            f"(no {ADAPTER_CONFIG}: it is a full model); export it without --merge-lora"
+        )
     weight_files, extras = _classify(source)
     plan = _plan(source, weight_files, submodule)
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.parent / f".{output.name}.export-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()
-    try:
-        count = _write_weights(source, staging, max_shard_size, plan.prefix, average)
+    counted: list[int] = []
+
+    def write(staging: Path) -> None:
+        counted.append(_write_weights(source, staging, max_shard_size, plan.prefix, average))
         plan.write_configs(source, staging)
         for name in extras:
             if name not in (CONFIG_NAME, GENERATION_CONFIG_NAME):
                 shutil.copy2(source / name, staging / name)
-        _replace(staging, output)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
+
+    _stage_and_replace(output, write)
+    count = counted[0]
     where = f" (its {plan.prefix} submodule)" if plan.prefix else ""
     what = "the moving average of " if ema else ""
     logger.info(
         "exported %s%d tensors of a %s%s from %s", what, count, plan.architecture, where, source
     )
     return source
+
+
+def _stage_and_replace(output: Path, write: Any) -> None:
+    """``write(staging)`` into a directory beside ``output`` that takes its place when done."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = output.parent / f".{output.name}.export-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
+    try:
+        write(staging)
+        _replace(staging, output)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: str | int) -> None:
+    """A LoRA checkpoint's adapter (peft's files) or, with ``merge``, its merged model; the
+    tokenizer files either way, never the training state."""
+    from forge.checkpoint.adapter import load_adapter_model
+    from forge.checkpoint.io import save_model_weights
+
+    keep = [
+        p.name
+        for p in source.iterdir()
+        if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(_STATE_SUFFIXES)
+    ]
+    if merge:
+        model = load_adapter_model(source)
+        save_model_weights(model, directory, max_shard_size=max_shard_size)
+        keep = [name for name in keep if name not in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
+        logger.info("exported the base of %s with its LoRA adapter merged", source)
+    else:
+        logger.info(
+            "exported the LoRA adapter of %s (load it with PeftModel.from_pretrained)", source
+        )
+    for name in keep:
+        shutil.copy2(source / name, directory / name)
 
 
 class _Plan:

@@ -2,7 +2,8 @@
 
 A forge checkpoint of a transformers model is a Hugging Face model directory: its model is
 built from its config and filled by forge's weights reader (forge.checkpoint.weights), then
-transformers' ``generate`` samples. Any other model is
+transformers' ``generate`` samples. A LoRA checkpoint's model is its base with the adapter
+merged in (forge.checkpoint.adapter). Any other model is
 built through its run's config (forge.predict). A checkpoint of a model that does not generate
 (a classifier) is refused with a pointer to ``forge predict``.
 """
@@ -44,20 +45,25 @@ def generate_text(
     import transformers
     from transformers import AutoModelForCausalLM
 
+    from forge.checkpoint.adapter import adapter_base, is_adapter_directory, load_adapter_model
     from forge.checkpoint.weights import hf_directory_problem, load_pretrained
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
     tokenizer = checkpoint_tokenizer(checkpoint)
-    problem = hf_directory_problem(checkpoint)
-    if problem is not None:
-        return _generate_with_module(
-            checkpoint, tokenizer, problem, prompt, num, max_new_tokens, temperature, top_k, seed,
-            allow,
-        )  # fmt: skip
-    check_generative(checkpoint)
-    model = load_pretrained(checkpoint, AutoModelForCausalLM)
+    if is_adapter_directory(checkpoint):  # LoRA: its base with the adapter merged in
+        check_generative(adapter_base(checkpoint, verify=False))
+        model = load_adapter_model(checkpoint, AutoModelForCausalLM)
+    else:
+        problem = hf_directory_problem(checkpoint)
+        if problem is not None:
+            return _generate_with_module(
+                checkpoint, tokenizer, problem, prompt, num, max_new_tokens, temperature, top_k,
+                seed, allow,
+            )  # fmt: skip
+        check_generative(checkpoint)
+        model = load_pretrained(checkpoint, AutoModelForCausalLM)
     torch.manual_seed(seed)
     encoded = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")
     with torch.no_grad():

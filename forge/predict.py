@@ -254,9 +254,10 @@ def predict_file(
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
-    problem = hf_directory_problem(checkpoint)
+    described = _model_directory(checkpoint)
+    problem = hf_directory_problem(described)
     if problem is None:
-        kind, architecture = model_kind(checkpoint)
+        kind, architecture = model_kind(described)
         if kind == "other":
             raise UsageError(
                 f"{checkpoint} holds a {architecture}; forge predict handles sequence "
@@ -288,6 +289,26 @@ def predict_file(
             handle.write(json.dumps({**row, **result}, ensure_ascii=False) + "\n")
     os.replace(staging, output)
     return len(rows)
+
+
+def _model_directory(checkpoint: Path) -> Path:
+    """The directory whose config describes the checkpoint's model: its own, or for a LoRA
+    checkpoint its base's."""
+    from forge.checkpoint.adapter import adapter_base, is_adapter_directory
+
+    return (
+        adapter_base(checkpoint, verify=False) if is_adapter_directory(checkpoint) else checkpoint
+    )
+
+
+def _load_model(checkpoint: Path, auto_class: Any) -> Any:
+    """A Hugging Face directory's model, or a LoRA checkpoint's base with the adapter merged."""
+    from forge.checkpoint.adapter import is_adapter_directory, load_adapter_model
+    from forge.checkpoint.weights import load_pretrained
+
+    if is_adapter_directory(checkpoint):
+        return load_adapter_model(checkpoint, auto_class)
+    return load_pretrained(checkpoint, auto_class)
 
 
 def model_through_run(checkpoint: Path, problem: str, allow: list[str]) -> Any:
@@ -441,9 +462,7 @@ def _classify(
     import torch
     from transformers import AutoModelForSequenceClassification
 
-    from forge.checkpoint.weights import load_pretrained
-
-    model = load_pretrained(checkpoint, AutoModelForSequenceClassification)
+    model = _load_model(checkpoint, AutoModelForSequenceClassification)
     config = model.config
     id2label = {int(k): v for k, v in (config.id2label or {}).items()}
     results = []
@@ -486,9 +505,7 @@ def _continue(
     import torch
     from transformers import AutoModelForCausalLM
 
-    from forge.checkpoint.weights import load_pretrained
-
-    model = load_pretrained(checkpoint, AutoModelForCausalLM)
+    model = _load_model(checkpoint, AutoModelForCausalLM)
     tokenizer.padding_side = "left"  # generation continues from the right end of each row
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if tokenizer.pad_token_id is None:

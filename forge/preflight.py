@@ -55,6 +55,8 @@ def check_training_contract(
     if not isinstance(trainer, CallNode) or trainer.args:
         return []  # a trainer given positionally or built another way: its own checks apply
     problems = _check(cfg, trainer, variables, list(allow))
+    if not problems:
+        problems = _adapter_problems(cfg, trainer, variables, list(allow))
     plan: list[str] = []
     if not problems and world_size is not None:
         plan, problems = _plan_job(cfg, trainer, variables, list(allow), world_size)
@@ -92,6 +94,49 @@ def _plan_job(
     except Exception as err:  # not the plan's to report: the workers build the model and say
         logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
         return [], []
+
+
+def _adapter_problems(
+    cfg: Config, trainer: CallNode, variables: Mapping[str, Any], allow: list[str]
+) -> list[Problem]:
+    """LoRA target modules (``trainer.peft_config``) that match no layer of the model, located
+    at the line that names them; the model is built on the meta device (a base directory's
+    from its config alone). What cannot be built here is left to the trainer, which checks the
+    same before its first step."""
+    import torch
+
+    from forge.train.args import TrainingArgumentsError
+
+    peft_node, model_node = trainer.kwargs.get("peft_config"), trainer.kwargs.get("model")
+    if not isinstance(peft_node, CallNode) or not isinstance(model_node, CallNode):
+        return []
+    resolver = _resolver(cfg, allow)
+    materialize = Materializer(resolver.resolve, variables, cfg.describe_loc).value
+    try:
+        from forge.train.lora import base_skeleton, lora_config_for
+
+        peft_config = materialize(peft_node)
+        if model_node.spec == "forge.train.lora:load_base_model":
+            given = model_node.kwargs.get("path", model_node.args[0] if model_node.args else None)
+            model = base_skeleton(materialize(given) if given is not None else None)
+        else:
+            with torch.device("meta"):
+                model = materialize(model_node)
+                model = model() if not isinstance(model, torch.nn.Module) else model
+    except Exception as err:  # the trainer builds them and reports what fails
+        logger.debug("LoRA targets not checked before launch (%s: %s)", type(err).__name__, err)
+        return []
+    try:
+        lora_config_for(model, peft_config)
+    except TrainingArgumentsError as err:
+        problems = []
+        for message in err.problems:
+            field = "modules_to_save" if ".modules_to_save:" in message else "target_modules"
+            loc = peft_node.arg_locs.get(field) or peft_node.loc
+            key, _, text = message.partition(": ")  # the location names the key
+            problems.append(cfg.problem(loc, text if key.startswith("trainer.") else message, None))
+        return problems
+    return []
 
 
 def _located(cfg: Config, args_node: CallNode, key: str, messages: list[str]) -> list[Problem]:

@@ -42,6 +42,8 @@ DELETE_PREFIX = TEMP_PREFIX + "delete-"
 # (the pipeline trainer writes one shard per stage, all named in the index).
 WEIGHTS_NAME = "model.safetensors"
 WEIGHTS_INDEX_NAME = "model.safetensors.index.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"  # a peft adapter's (LoRA), as peft names them
+ADAPTER_CONFIG = "adapter_config.json"
 
 # Every component .pt file is {HEADER_KEY: {name, scope, step, rank, stage, ...}, "state": ...}
 # (registry.py), so validation can tell a file of another checkpoint, rank or stage.

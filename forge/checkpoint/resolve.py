@@ -13,8 +13,9 @@ restarted, ``forge generate`` / ``evaluate`` / ``predict`` / ``export``. What ma
 - for the commands that read only a model (generate, predict, export; not resume or evaluate,
   which need a run), a Hugging Face model directory that is no forge checkpoint (``config.json``
   beside the weights, no ``manifest.json``, not named ``checkpoint-N``: another tool's, or a
-  forge export). It has no manifest to check against; the weights reader checks every name
-  against the model instead.
+  forge export), or a peft adapter directory (``adapter_config.json``: a LoRA export). It has
+  no manifest to check against; the weights reader checks every name against the model
+  instead.
 
 The answer is a :class:`Checkpoint` (its path and manifest) whose manifest, sizes and hashes
 have been checked, once: a command hashes a checkpoint one time, and hands the
@@ -32,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from forge.checkpoint.hf import CONFIG_NAME
-from forge.checkpoint.io import CheckpointError
+from forge.checkpoint.io import ADAPTER_CONFIG, CheckpointError
 from forge.checkpoint.layout import (
     MANIFEST_NAME,
     CheckpointManifest,
@@ -214,8 +215,10 @@ def _is_checkpoint(path: Path) -> bool:
 
 
 def _is_model_directory(path: Path) -> bool:
-    """A Hugging Face model directory that is no forge checkpoint (see the module's text)."""
-    return (path / CONFIG_NAME).is_file() and not _is_checkpoint(path)
+    """A Hugging Face model directory, or a peft adapter's, that is no forge checkpoint (see the
+    module's text)."""
+    described = (path / CONFIG_NAME).is_file() or (path / ADAPTER_CONFIG).is_file()
+    return described and not _is_checkpoint(path)
 
 
 def _best_of_a_checkpoint(path: Path) -> str:

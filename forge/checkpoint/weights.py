@@ -6,7 +6,8 @@ named in ``model.safetensors.index.json`` (``save_pretrained``'s shards, or the 
 trainer's one file per stage, all keyed by the unsplit model's names). :func:`weight_files`
 finds them, :func:`read_weights` reads their tensors, :func:`load_model_weights` puts them into
 a model by name (bit-exact; a pipeline stage reads only its own names),
-:func:`load_pretrained` builds a Hugging Face directory's model and fills it that way, and
+:func:`load_adapter_weights` puts a LoRA checkpoint's adapter (peft's layout) into a peft
+model, :func:`load_pretrained` builds a Hugging Face directory's model and fills it that way, and
 :func:`hf_directory_problem` says whether ``from_pretrained`` of the directory's config would
 load them in full (forge.checkpoint.hf knows which names an architecture has).
 """
@@ -30,13 +31,14 @@ from forge.checkpoint.hf import (
     is_hf_model,
 )
 from forge.checkpoint.io import (
+    ADAPTER_WEIGHTS,
     CheckpointError,
     no_hf_progress_bars,
     read_safetensors_header,
     weight_files,
 )
 from forge.checkpoint.layout import SHARDS_METADATA
-from forge.wrappers import unwrap_model
+from forge.wrappers import is_peft_model, unwrap_model
 
 if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
     import torch
@@ -73,6 +75,8 @@ def load_model_weights(
     ``model*.safetensors``. Tied weights stored once count as present. With ``strict``, any
     other missing or unexpected key is a CheckpointError.
 
+    A peft model (LoRA) gets the directory's adapter (forge.checkpoint.adapter).
+
     ``subset``: the model holds part of the checkpoint's model (a pipeline stage, whose
     parameters keep the full model's names). Only its own names are read, from whichever files
     hold them; the checkpoint's other names are not unexpected, and with ``strict`` every name
@@ -80,6 +84,9 @@ def load_model_weights(
     """
     directory = Path(checkpoint_dir)
     model = unwrap_model(model)
+    if is_peft_model(model):  # a LoRA run's checkpoints hold only the adapter
+        load_adapter_weights(model, directory)
+        return
     from forge.checkpoint.sharded import has_dtensors, load_sharded_weights
 
     if has_dtensors(model.parameters()):  # sharded (FSDP2): each rank reads its own rows
@@ -125,6 +132,49 @@ def load_model_weights(
         raise CheckpointError(
             f"{directory}: weights do not fit {type(model).__name__}: {exc}"
         ) from exc
+
+
+def load_adapter_weights(model: nn.Module, directory: Path) -> None:
+    """Put a directory's adapter (``adapter_model.safetensors``) into peft ``model``, bit-exact;
+    every adapter name must match."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    file = Path(directory) / ADAPTER_WEIGHTS
+    if not file.is_file():
+        raise CheckpointError(
+            f"{directory}: no {ADAPTER_WEIGHTS}; a LoRA run loads only adapter checkpoints (a "
+            "full model's weights are its base: give it as base_model)"
+        )
+    try:
+        state = load_file(file)
+    except (SafetensorError, OSError) as exc:
+        raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from exc
+    load_adapter_state(model, state, str(directory))
+
+
+def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    from forge.checkpoint.hf import few
+
+    model = unwrap_model(model)
+    expected = get_peft_model_state_dict(model)
+    missing, unexpected = set(expected) - set(state), set(state) - set(expected)
+    if missing or unexpected:
+        parts = [f"missing: {few(missing)}"] if missing else []
+        parts += [f"unexpected: {few(unexpected)}"] if unexpected else []
+        raise CheckpointError(
+            f"{where}: the adapter does not match this model's ({'; '.join(parts)}); was it "
+            "trained with other lora_target_modules, modules_to_save or base?"
+        )
+    shapes = [k for k, v in state.items() if tuple(v.shape) != tuple(expected[k].shape)]
+    if shapes:
+        raise CheckpointError(
+            f"{where}: adapter tensors of other shapes ({few(shapes)}): was it trained with "
+            "another lora_r or base?"
+        )
+    set_peft_model_state_dict(model, state)
 
 
 def read_weights(
@@ -243,7 +293,7 @@ def hf_directory_problem(directory: Path) -> str | None:
 def load_pretrained(directory: str | os.PathLike, auto_class: Any) -> nn.Module:
     """The transformers model a Hugging Face directory (a checkpoint's, an export) holds, for
     generate and predict: built from its ``config.json`` with ``auto_class``
-    (``AutoModelForCausalLM``, ...), in the dtype the config records, and filled by
+    (``AutoModelForCausalLM``, ..., or the architecture's class), in the dtype the config records, and filled by
     :func:`load_model_weights`, the reader the trainers use (every name checked, bit-exact),
     not by ``from_pretrained``'s own loader. Its generation config comes with it."""
     import torch
@@ -254,10 +304,10 @@ def load_pretrained(directory: str | os.PathLike, auto_class: Any) -> nn.Module:
     dtype = getattr(config, "dtype", None)
     if isinstance(dtype, str):
         dtype = getattr(torch, dtype, None)
+    # an Auto class, or the architecture's own class (whose builder is _from_config)
+    build = getattr(auto_class, "from_config", None) or auto_class._from_config
     with no_hf_progress_bars():
-        model = auto_class.from_config(
-            config, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32
-        )
+        model = build(config, dtype=dtype if isinstance(dtype, torch.dtype) else torch.float32)
     load_model_weights(model, directory, strict=True)
     if model.can_generate() and (directory / GENERATION_CONFIG_NAME).is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)

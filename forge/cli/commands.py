@@ -518,9 +518,13 @@ def cmd_export(args: argparse.Namespace) -> int:
         max_shard_size=args.max_shard_size,
         submodule=args.submodule,
         ema=args.ema,
+        merge_lora=args.merge_lora,
     )
     print(output)
-    logger.info("load it with %s.from_pretrained(%r)", pretrained_loader(output), str(output))
+    if (output / "adapter_config.json").is_file():
+        logger.info("load it with PeftModel.from_pretrained(base_model, %r)", str(output))
+    else:
+        logger.info("load it with %s.from_pretrained(%r)", pretrained_loader(output), str(output))
     return EXIT_OK
 
 

@@ -328,6 +328,12 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="export the moving average of the weights (a run trained with ema_decay)",
     )
+    p.add_argument(
+        "--merge-lora",
+        action="store_true",
+        help="of a LoRA checkpoint, write its base with the adapter merged in (loads without "
+        "peft); without it a LoRA checkpoint exports its adapter in peft's layout",
+    )
 
     p = _sub(subparsers, "evaluate", "print a checkpoint's metrics on a split of its run's data")
     p.add_argument(

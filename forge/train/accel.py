@@ -33,6 +33,7 @@ from forge.checkpoint import Component, ModelWeights, OptimizerState
 from forge.train.args import SHARDING_UNSUPPORTED, TrainingArguments, TrainingArgumentsError
 from forge.train.base import BaseTrainer
 from forge.train.optim import build_optimizer
+from forge.wrappers import is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -277,8 +278,11 @@ class AccelTrainer(BaseTrainer):
 
     # ------------------------------------------------------------------ checkpoints
     def model_component(self) -> Component:
-        """The weights as ``accelerator.get_state_dict`` gathers them."""
+        """The weights as ``accelerator.get_state_dict`` gathers them (a LoRA model: its
+        adapter, as the plain trainer saves it)."""
         accel, model = self.accelerator, self.model
+        if is_peft_model(model):
+            return super().model_component()
         weights = ModelWeights(model, self.tokenizer, state_fn=lambda: accel.get_state_dict(model))
         return replace(super().model_component(), obj=weights)
 

@@ -56,8 +56,10 @@ from forge.checkpoint import (
     rotate_checkpoints,
     unwrap_model,
 )
+from forge.checkpoint.adapter import AdapterWeights
 from forge.data import trainer_loaders
 from forge.data.columns import ModelInputs
+from forge.errors import UsageError
 from forge.train import dist
 from forge.train.adapters import (
     loss_from_outputs,
@@ -107,6 +109,7 @@ from forge.train.transforms import (
     apply_activation_checkpointing,
     apply_model_settings,
 )
+from forge.wrappers import is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -123,7 +126,10 @@ class BaseTrainer:
     ``forge.data.TupleCollator`` names their parts); the loss is ``model(**batch).loss`` (or
     ``["loss"]``; a model returning a bare tensor is wrapped in ``forge.train.LossAdapter``),
     or what ``compute_loss_func`` computes, unless ``compute_loss`` is overridden. A
-    ``tokenizer`` (HF 5's ``processing_class``) is saved into every checkpoint.
+    ``tokenizer`` (HF 5's ``processing_class``) is saved into every checkpoint. ``peft_config``
+    (a peft config, e.g. ``LoraConfig``, as TRL's trainers take it) fine-tunes the model with a
+    peft adapter: its base frozen, each checkpoint holding only the adapter
+    (forge/train/lora.py).
 
     ``compute_loss_func(outputs, labels, num_items_in_batch=...)`` is Hugging Face's: the
     batch's ``labels`` are taken out of the batch, the model is called on the rest, and the
@@ -161,6 +167,7 @@ class BaseTrainer:
         preprocess_logits_for_metrics: Callable[[Any, Any], Any] | None = None,
         processing_class: Any = None,
         compute_loss_func: Callable[..., torch.Tensor] | None = None,
+        peft_config: Any = None,
     ) -> None:
         if not isinstance(args, TrainingArguments):
             raise TypeError(f"trainer.args must be TrainingArguments (got {type(args).__name__})")
@@ -187,7 +194,13 @@ class BaseTrainer:
                 raise TrainingArgumentsError(
                     [f"trainer.{name}: {self.unsupported_arguments[name]}"]
                 )
+        if peft_config is not None and "peft_config" in self.unsupported_arguments:
+            raise TrainingArgumentsError(
+                [f"trainer.peft_config: {self.unsupported_arguments['peft_config']}"]
+            )
         self.args = args
+        self.peft_config = peft_config
+        self._lora_base: dict[str, Any] | None = None  # the run's record of its frozen base
         self.model_init = None if isinstance(model, nn.Module) else model
         self.model: nn.Module | None = model if isinstance(model, nn.Module) else None
         self.train_dataset = train_dataset
@@ -872,9 +885,33 @@ class BaseTrainer:
         return model
 
     def apply_adapters(self, model: nn.Module) -> nn.Module:
-        """The adapter step (PEFT LoRA comes here): the model with its adapters. No adapter
-        can be configured yet, so this is the model as built."""
-        return model
+        """The adapter step: with ``peft_config``, the model wrapped by peft (LoRA; its base
+        frozen, forge/train/lora.py), else the model as built. In ``train()`` the run records
+        its frozen base first (once; a resume checks it is unchanged)."""
+        if self.peft_config is None:
+            return model
+        from forge.train.lora import apply_lora, lora_config_for
+
+        config = lora_config_for(model, self.peft_config)  # bad targets: refused before any write
+        if self._in_train:
+            self._lora_base = self._record_lora_base(model)
+        return apply_lora(model, config)
+
+    def _record_lora_base(self, model: nn.Module) -> dict[str, Any]:
+        """Rank 0 records (or, resuming, checks) the run's base; every rank gets the record,
+        or the refusal."""
+        from forge.train.lora import record_base
+
+        record, error = None, None
+        if self.is_main_process:
+            try:
+                record = record_base(model, self.args.output_dir)
+            except (CheckpointError, UsageError) as exc:
+                error = exc
+        record, error = dist.broadcast_object((record, error))
+        if error is not None:
+            raise error
+        return record
 
     def activation_checkpointing_scope(self) -> dict[str, Any]:
         """Where activation checkpointing finds the blocks, as keywords of
@@ -1089,7 +1126,11 @@ class BaseTrainer:
         )
 
     def model_component(self) -> Component:
-        """The model's weights (stage-scoped, written as safetensors)."""
+        """The model's weights (stage-scoped, written as safetensors); of a LoRA model only
+        the adapter, in peft's layout (forge/checkpoint/adapter.py)."""
+        if is_peft_model(self.model):
+            weights = AdapterWeights(self.model, self.tokenizer, base=self._lora_base)
+            return Component("model", weights, Scope.STAGE, weights=True)
         return Component(
             "model", ModelWeights(self.model, self.tokenizer), Scope.STAGE, weights=True
         )
@@ -1242,6 +1283,8 @@ class BaseTrainer:
         if self.model is None:
             set_seed(self.args.seed)
             self.model = self.build_model()
+        if self.peft_config is not None and not is_peft_model(self.model):
+            self.model = self.apply_adapters(self.model)  # its checkpoints hold the adapter
         load_model_weights(self.model, Path(checkpoint), strict=True)
 
     def _resolve_checkpoint(

@@ -189,6 +189,13 @@ class PipelineTrainer(BaseTrainer):
             "the pipeline trainer computes the loss on its last stage, which holds the "
             "logits, not the model's outputs; give it loss_fn(logits, labels) instead"
         ),
+        "peft_config": (
+            "LoRA is not supported by the pipeline trainer: each stage builds only its part of "
+            "the model, while a peft model wraps (and its adapter checkpoint names) the whole "
+            "model. Fine-tune with the plain or Accelerate trainer (data parallel over the "
+            "processes: the frozen base needs no gradients, so it fits where the full model "
+            "trained)"
+        ),
     }
 
     def __init__(

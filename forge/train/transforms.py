@@ -4,7 +4,7 @@ order (a trainer overrides only the last step, ``parallelize``):
 
     build (model_init after seeding; a pipeline stage builds only its part)
     -> the model's settings (``use_cache``, its loss type)
-    -> adapters (PEFT; none yet)
+    -> adapters (peft LoRA with a trainer's ``peft_config``: forge/train/lora.py)
     -> placement on the device
     -> activation checkpointing
     -> ``torch.compile``
