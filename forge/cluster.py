@@ -63,7 +63,6 @@ class Nodes:
             return []
         return [
             f"--nnodes={self.nnodes}",
-            f"--node-rank={self.node_rank}",
             "--rdzv-backend=c10d",
             f"--rdzv-endpoint={self.endpoint}",
             f"--rdzv-id={self.rdzv_id}",

@@ -410,9 +410,16 @@ def rendezvous_message(err: BaseException, argv: Sequence[str]) -> str:
     if kind == "RendezvousTimeoutError":
         what = f"the nodes did not all join the job at {endpoint} in time"
     elif kind == "RendezvousConnectionError":
-        what = f"this node lost (or never had) the connection to the job's store at {endpoint}"
+        return (
+            f"this node lost the connection to the job's rendezvous store at {endpoint}: the "
+            "node serving it stopped (its forge or its machine died; its output says why), or "
+            "the network between the nodes failed. This node's processes were stopped"
+        )
     elif kind == "RendezvousClosedError":
-        what = f"the job at {endpoint} was closed by another node (its processes ended)"
+        return (
+            f"the job at {endpoint} was closed by another node, whose processes ended (its "
+            "output says why). This node's processes were stopped"
+        )
     else:
         what = f"the rendezvous at {endpoint} failed ({kind}: {err})"
     return (
@@ -451,6 +458,12 @@ def _forge_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch's C++ store client prints a warning with a native stack trace for every failed
+    # read once a node is gone; forge says it once. Read when libtorch loads, so set before the
+    # import and taken back before the workers start (they inherit this environment).
+    quiet_native = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet_native:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.elastic.rendezvous.api import RendezvousError
@@ -460,6 +473,8 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(options["run-dir"]) if "run-dir" in options else None
     project_root = Path(options.get("project", "."))
     launcher = os.environ.get(PARENT_ENV, "")
+    if quiet_native:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
     _quiet_torchelastic()
     try:
         signal.signal(LAUNCHER_DIED, _launcher_died)
@@ -489,7 +504,10 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(stop.sigval)
     except RendezvousError as err:  # the nodes never met, or the job's store went away
         signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
-        _tell(f"error: {rendezvous_message(err, argv)}")
+        what = rendezvous_message(err, argv)
+        if run_dir is not None and settle_failure(run_dir, what, {"process": "rendezvous"}):
+            what += f"; {failed_note(run_dir, project_root)}"
+        _tell(f"error: {what}")
         return EXIT_FAILURE
     signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
     return EXIT_OK

@@ -112,3 +112,19 @@ def _cannot_see(run_dir: Path, resume_from: str | None, creator: str) -> str:
 
 def _host() -> str:
     return socket.gethostname()
+
+
+_PEER_LOSS = ("Connection reset by peer", "Connection closed by peer", "Broken pipe")
+
+
+def peer_loss(err: BaseException) -> RunError | None:
+    """A collective that failed because another process of the job is gone, said as such
+    (torch's own text ends with a pointer to the other worker's logs); None for other errors."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or not any(s in text for s in _PEER_LOSS):
+        return None
+    reason = next(s for s in _PEER_LOSS if s in text)
+    return RunError(
+        f"lost contact with another process of the job ({reason.lower()}): it stopped, or its "
+        "node did; the output of the node that stopped first says why"
+    )
