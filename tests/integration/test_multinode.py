@@ -31,7 +31,7 @@ from tests.integration.test_train_resume import final_state, train_straight
 from tests.reliability.kill_harness import Job
 from tests.train.common import assert_same_tensors
 
-pytestmark = pytest.mark.integration
+pytestmark = pytest.mark.integration  # the torchrun command lines: tests/test_cluster.py
 
 MAX_STEPS = 120  # far beyond the kill: processes that trained on would save further
 SETTINGS = [*SMALL, "-D", f"max_steps={MAX_STEPS}", "-D", "save_steps=10"]
@@ -98,9 +98,8 @@ def wait_for_checkpoint(project: Path, jobs: list[Job], name: str) -> Path:
         time.sleep(0.05)
 
 
-@pytest.mark.parametrize(
-    "victim", [1, pytest.param(0, marks=pytest.mark.slow)], ids=["node1-killed", "node0-killed"]
-)
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0], ids=["node1-killed", "node0-killed"])
 def test_two_nodes_train_one_run_survive_a_dead_node_and_resume_exactly(project, victim):
     jobs = nodes("train", project, *SETTINGS)
     run_dir = wait_for_checkpoint(project, jobs, "checkpoint-000010")
@@ -141,6 +140,7 @@ def _can_unshare() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not _can_unshare(), reason="needs a private mount namespace (unshare -m)")
 def test_a_node_that_cannot_see_the_run_stops_the_job_with_one_message(project):
     """Node 1 runs with the project's output hidden under an empty mount, as a node without
