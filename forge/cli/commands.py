@@ -250,12 +250,27 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     length = length_note(cfg)
     if args.dry_run:
+        from forge.job_plan import make_plan
+
         nproc = topology.world_size if topology.distributed else nproc
-        print(f"config {name} renders and checks; would train with {nproc} process(es) in")
+        per_node = f" per node, {nodes.describe()}," if nodes.multinode else ""
+        print(
+            f"config {name} renders and checks; would train with {nproc} process(es){per_node} in"
+        )
         print(f"  {next_run}/")
         if length:
             print(f"  {length}")
         for line in plan:
+            print(line)
+        figures = make_plan(
+            cfg,
+            variables,
+            args.allow or [],
+            world_size=world_size,
+            nnodes=nodes.nnodes,
+            checkpoints_dir=f"{next_run}/checkpoints/",
+        )
+        for line in figures:
             print(line)
         return EXIT_OK
     if length and topology.is_main and nodes.creates_run:
