@@ -281,9 +281,8 @@ def make_plan(
     except TypeError:  # an iterable dataset
         dataset_size = None
     params = count_parameters(model, pipeline) if isinstance(model, nn.Module) else None
-    name = (
-        f"{trainer.spec} ({'pipeline' if pp > 1 else 'DDP' if world_size > 1 else 'one process'})"
-    )
+    how = "pipeline stages" if pp > 1 else "data parallel" if world_size > 1 else "one process"
+    name = f"{trainer.spec} ({how})"
     return describe_plan(
         trainer=name,
         world_size=world_size,
