@@ -57,10 +57,10 @@ def nodes(command: str, project: Path, *extra: str, node1_prefix: list[str] = ()
     return jobs
 
 
-def start(command: list[str]) -> Job:
+def start(command: list[str], env: dict[str, str] | None = None) -> Job:
     """A Job (stderr read as it comes) running ``command``."""
     job = Job.__new__(Job)
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1")
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(env or {}))
     job.lines = []
     job.changed = threading.Condition()
     job.proc = subprocess.Popen(
@@ -156,3 +156,45 @@ def test_a_node_that_cannot_see_the_run_stops_the_job_with_one_message(project):
     assert text.count(said) == 1, text  # once, by the job's rank 0
     assert "mounts at the same path" in text and "Traceback" not in text
     assert not list(hidden.glob("run_*"))  # node 0 removed the run that never started
+
+
+def slurm_port() -> int:
+    """A free port in the range forge derives from SLURM_JOB_ID (forge/cluster.py)."""
+    for port in range(29500 + os.getpid() % 1000, 31500):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 29500-31499")
+
+
+@pytest.mark.slow
+def test_srun_on_two_nodes_trains_one_run(project):
+    """What `srun --nodes 2 --ntasks-per-node=1 forge train ...` gives each task (a faked
+    SLURM step on this machine): no node flags, SLURM's variables name the job."""
+    port = slurm_port()
+    slurm = {
+        "SLURM_JOB_ID": str(port - 29500),  # forge's port: 29500 + job id % 2000
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+    }
+    command = [sys.executable, "-m", "forge.cli", "train", "-p", str(project), *SMALL]
+    command += ["-D", "max_steps=10", "-D", "save_steps=5"]
+    jobs = [
+        start(command, {**slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)})
+        for node in (0, 1)
+    ]
+    codes = finish(jobs)
+    assert codes == [0, 0], [job.text() for job in jobs]
+    (run_dir,) = (project / "output" / "train").glob("run_*")
+    assert [job.proc.stdout.read().split() for job in jobs] == [[str(run_dir)]] * 2
+    assert f"node 1 of 2 (rendezvous 127.0.0.1:{port}, id slurm-{port - 29500}, from SLURM)" in (
+        jobs[1].text()
+    )
+    data = record(run_dir)
+    assert (data["status"], data["world_size"], data["step"]) == ("completed", 2, 10)
+    assert checkpoints(run_dir) == ["checkpoint-000005", "checkpoint-000010"]
