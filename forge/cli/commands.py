@@ -216,7 +216,7 @@ def _join(args: argparse.Namespace, project: Project, nproc: int, nodes, rest, r
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from forge.cluster import Nodes
+    from forge.cluster import ONE_NODE
     from forge.launch import launch_training, resolve_max_restarts, resolve_nproc
     from forge.plan import length_note
     from forge.preflight import check_training_contract
@@ -239,7 +239,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             f"this process is already rank {topology.rank} of {topology.world_size} started by "
             f"another launcher (accelerate launch, torchrun); drop {flag}"
         )
-    nodes, torchrun_args = (Nodes(), args.torchrun_args) if topology.distributed else _nodes(args)
+    nodes, torchrun_args = (ONE_NODE, args.torchrun_args) if topology.distributed else _nodes(args)
     # Before any run directory exists: do the batches fit the model's forward, and does the
     # trainer's plan (a pipeline split) fit a job of this many processes?
     next_run = config_output_dir(project.output_dir, name) / "run_NNN"
