@@ -29,12 +29,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from forge.cluster import ONE_NODE, Nodes
 from forge.errors import EXIT_FAILURE, EXIT_USAGE, UsageError
 from forge.runs import resume_command
 from forge.train.topology import Topology
@@ -76,27 +78,45 @@ def resolve_max_restarts(value: int | None) -> int:
 
 
 def torchrun_command(
-    run_dir: Path,
+    run_dir: Path | None,
     project_root: Path,
     nproc: int,
     *,
     torchrun_args: Sequence[str] = (),
+    nodes: Nodes = ONE_NODE,
     resume_from: str | os.PathLike | None = None,
     allow: Sequence[str] = (),
     verbose: bool = False,
     max_restarts: int = 0,
+    tell_run_dir: Path | None = None,
 ) -> list[str]:
-    """The argv that starts ``nproc`` workers of ``run_dir`` under torchrun."""
-    command = [sys.executable, "-m", "forge.launch", f"--run-dir={run_dir}"]
+    """The argv that starts ``nproc`` workers of ``run_dir`` under torchrun on this node.
+
+    On one node torchrun runs ``--standalone``; a job of several nodes meets at ``nodes``'s
+    c10d rendezvous. ``run_dir`` is None on a node that did not create the run: its workers
+    learn the run (and the checkpoint to resume from) from node 0's (forge/multinode.py), and
+    the first of them writes the run directory to ``tell_run_dir`` for this node's forge.
+    """
+    command = [sys.executable, "-m", "forge.launch"]
+    if run_dir is not None:
+        command.append(f"--run-dir={run_dir}")
     command += [f"--project={project_root}", f"--nproc_per_node={nproc}"]
-    if not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in torchrun_args):
+    if nodes.multinode:
+        command += nodes.torchrun_args()
+    elif not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in torchrun_args):
         command.append("--standalone")
     if max_restarts:
         if any(a.startswith(("--max-restarts", "--max_restarts")) for a in torchrun_args):
             raise UsageError("give --max-restarts once: to forge, or to torchrun after --")
         command.append(f"--max-restarts={max_restarts}")
     command += list(torchrun_args)
-    command += ["-m", "forge.cli", "_worker", "--run-dir", str(run_dir), "-p", str(project_root)]
+    command += ["-m", "forge.cli", "_worker", "-p", str(project_root)]
+    if run_dir is not None:
+        command += ["--run-dir", str(run_dir)]
+    if nodes.multinode:
+        command += ["--agree-at", str(nodes.endpoint)]
+    if tell_run_dir is not None:
+        command += ["--tell-run-dir", str(tell_run_dir)]
     if resume_from:
         command += ["--resume-from", str(resume_from)]
     for module in allow:
@@ -108,14 +128,16 @@ def torchrun_command(
 
 def launch_training(
     project,
-    run_dir: Path,
+    run_dir: Path | None,
     nproc: int,
     *,
     torchrun_args: Sequence[str] = (),
+    nodes: Nodes = ONE_NODE,
     resume_from: str | os.PathLike | None = None,
     allow: Sequence[str] = (),
     verbose: bool = False,
     max_restarts: int = 0,
+    tell_run_dir: Path | None = None,
 ) -> int:
     """Train ``run_dir`` here (one process) or under torchrun, forwarding Ctrl-C/SIGTERM.
 
@@ -125,9 +147,11 @@ def launch_training(
     With ``max_restarts`` the job always runs under torchrun, whose elastic agent starts the
     workers again (up to that many times) when one dies; they continue from the run's newest
     checkpoint (forge/worker.py). Returns the exit code: 0 completed, 2 config error, 128+N
-    stopped by signal N, else 1.
+    stopped by signal N, else 1. ``run_dir`` None: a node that joins a job of several nodes
+    (:func:`join_job`).
     """
-    if nproc == 1 and not torchrun_args and not max_restarts:
+    single = nproc == 1 and not nodes.multinode
+    if single and not torchrun_args and not max_restarts and run_dir is not None:
         from forge.worker import run_worker
 
         return run_worker(run_dir, project, resume_from=resume_from, allow=list(allow))
@@ -136,12 +160,15 @@ def launch_training(
         project.root,
         nproc,
         torchrun_args=torchrun_args,
+        nodes=nodes,
         resume_from=resume_from,
         allow=allow,
         verbose=verbose,
         max_restarts=max_restarts,
+        tell_run_dir=tell_run_dir,
     )
-    logger.info("launching %d processes: %s", nproc, " ".join(command))
+    where = f" on {nodes.describe()}" if nodes.multinode else ""
+    logger.info("launching %d processes%s: %s", nproc, where, " ".join(command))
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", str(max((os.cpu_count() or 1) // nproc, 1)))
     if max_restarts:
@@ -161,6 +188,8 @@ def launch_training(
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    if run_dir is None:
+        return code if code >= 0 else 128 - code
     if code < 0:  # torchrun itself was killed (its workers die with it): no rank said why
         what = f"torchrun (pid {child.pid}) {exit_text(code)}"
         if settle_failure(
@@ -168,6 +197,28 @@ def launch_training(
         ):
             print(f"error: {what}; {failed_note(run_dir, project.root)}", file=sys.stderr)
     return exit_code_from_record(run_dir, code)
+
+
+def join_job(project, nproc: int, nodes: Nodes, **launch: Any) -> tuple[int, Path | None]:
+    """Start this node's share of a job node 0 launches (``--node-rank`` > 0): its workers
+    learn the run from node 0's. Returns the exit code and the run directory (None when the
+    job ended before the workers learnt it).
+
+    This node writes nothing to ``run.json``: node 0's forge owns the record (it created or
+    claimed the run), and the job's rank 0 keeps it current wherever it runs. The exit code
+    follows the record where this node sees it (0 once the job completed), else torchrun's.
+    """
+    logger.info(
+        "%s: joining the job; node 0 creates the run directory and this node learns it",
+        nodes.describe(),
+    )
+    with tempfile.TemporaryDirectory(prefix="forge-node-") as scratch:
+        told = Path(scratch) / "run_dir"
+        code = launch_training(project, None, nproc, nodes=nodes, tell_run_dir=told, **launch)
+        run_dir = Path(told.read_text()) if told.is_file() else None
+    if run_dir is not None and (run_dir / "run.json").is_file():
+        return exit_code_from_record(run_dir, code), run_dir
+    return code, run_dir
 
 
 def join_launched_job(make_run: Callable[[], Path] | None, topology: Topology) -> Path:
@@ -339,6 +390,45 @@ def exit_code_from_record(run_dir: Path, code: int) -> int:
     return code if code > 0 else EXIT_FAILURE
 
 
+_NODE_NOTE = (
+    "; this node's processes stopped. If another node's processes stopped first, its output "
+    "says why; node 0's run.json records the job"
+)
+
+
+def rendezvous_message(err: BaseException, argv: Sequence[str]) -> str:
+    """What a node says when torchrun's rendezvous failed: which endpoint, and what to check."""
+    endpoint = next(
+        (
+            a.split("=", 1)[1]
+            for a in argv
+            if a.startswith(("--rdzv-endpoint=", "--rdzv_endpoint="))
+        ),
+        "the rendezvous endpoint",
+    )
+    kind = type(err).__name__
+    if kind == "RendezvousTimeoutError":
+        what = f"the nodes did not all join the job at {endpoint} in time"
+    elif kind == "RendezvousConnectionError":
+        return (
+            f"this node lost the connection to the job's rendezvous store at {endpoint}: the "
+            "node serving it stopped (its forge or its machine died; its output says why), or "
+            "the network between the nodes failed. This node's processes were stopped"
+        )
+    elif kind == "RendezvousClosedError":
+        return (
+            f"the job at {endpoint} was closed by another node, whose processes ended (its "
+            "output says why). This node's processes were stopped"
+        )
+    else:
+        what = f"the rendezvous at {endpoint} failed ({kind}: {err})"
+    return (
+        f"{what}; every node must run forge with the same --nnodes and --rdzv-endpoint, the "
+        "endpoint's host must be reachable from every node, and node 0's output says whether "
+        "it started (a config error there stops the job before it meets)"
+    )
+
+
 def _launcher_died(signum: int, frame: Any) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -368,14 +458,23 @@ def _forge_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    # torch's C++ store client prints a warning with a native stack trace for every failed
+    # read once a node is gone; forge says it once. Read when libtorch loads, so set before the
+    # import and taken back before the workers start (they inherit this environment).
+    quiet_native = "TORCH_CPP_LOG_LEVEL" not in os.environ
+    if quiet_native:
+        os.environ["TORCH_CPP_LOG_LEVEL"] = "ERROR"
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.elastic.rendezvous.api import RendezvousError
     from torch.distributed.run import parse_args, run
 
     options, argv = _forge_options(list(sys.argv[1:] if argv is None else argv))
     run_dir = Path(options["run-dir"]) if "run-dir" in options else None
     project_root = Path(options.get("project", "."))
     launcher = os.environ.get(PARENT_ENV, "")
+    if quiet_native:
+        del os.environ["TORCH_CPP_LOG_LEVEL"]
     _quiet_torchelastic()
     try:
         signal.signal(LAUNCHER_DIED, _launcher_died)
@@ -387,7 +486,9 @@ def main(argv: list[str] | None = None) -> int:
         rank, first = failure.get_first_failure()
         what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
         details = {"rank": rank, "pid": first.pid, "exitcode": first.exitcode}
-        if run_dir is not None and settle_failure(run_dir, what, details):
+        if run_dir is None:  # a node that joined: node 0 keeps the record
+            _tell(f"error: {what}{_NODE_NOTE}")
+        elif settle_failure(run_dir, what, details):
             _tell(f"error: {what}; {failed_note(run_dir, project_root)}")
         codes = [f.exitcode for f in failure.failures.values() if f.exitcode and f.exitcode > 0]
         return codes[0] if codes else EXIT_FAILURE
@@ -395,7 +496,19 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
         if stop.sigval == signal.SIGKILL and run_dir is not None:
             record_launcher_death(run_dir, project_root, launcher)
+        elif stop.sigval == signal.SIGKILL:
+            _tell(
+                f"stopped this node's training processes: the forge process that launched them "
+                f"(pid {launcher}) died; the other nodes' processes stop as they lose contact"
+            )
         return 128 + int(stop.sigval)
+    except RendezvousError as err:  # the nodes never met, or the job's store went away
+        signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
+        what = rendezvous_message(err, argv)
+        if run_dir is not None and settle_failure(run_dir, what, {"process": "rendezvous"}):
+            what += f"; {failed_note(run_dir, project_root)}"
+        _tell(f"error: {what}")
+        return EXIT_FAILURE
     signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
     return EXIT_OK
 

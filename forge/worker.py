@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.errors import EXIT_USAGE, exit_code_for
+from forge.multinode import peer_loss
 from forge.runs import RunRecord, hold_training_lock, now_iso, resume_command
 from forge.train.topology import Topology
 
@@ -180,17 +181,21 @@ def run_worker(
             logger.info("%s", stopped_message(stop, run_dir, project))
         return 128 + int(stop.signum)
     except BaseException as err:
+        lost = peer_loss(err) if world_size > 1 else None
         if rank == 0:
             record = RunRecord.load(run_dir)
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             kind = "usage" if exit_code_for(err) == EXIT_USAGE else "runtime"
-            record.set_status(
-                status,
-                error=str(err),
-                error_type=type(err).__name__,
-                error_kind=kind,
-                reached_step=reached_step(trainer),
-            )
+            if lost is None or record.data.get("status") != "killed":  # the cause is kept
+                record.set_status(
+                    status,
+                    error=str(lost or err),
+                    error_type=type(lost or err).__name__,
+                    error_kind=kind,
+                    reached_step=reached_step(trainer),
+                )
+        if lost is not None:
+            raise lost from err
         raise
     finally:
         if lock is not None:

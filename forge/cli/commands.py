@@ -178,7 +178,45 @@ def cmd_build(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _nodes(args: argparse.Namespace):
+    """This node's view of the job (forge's flags, options after --, SLURM) and the torchrun
+    arguments left to pass on."""
+    from forge.cluster import resolve_nodes
+
+    return resolve_nodes(
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        rdzv_endpoint=args.rdzv_endpoint,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+        torchrun_args=args.torchrun_args,
+    )
+
+
+_NODE_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "master_addr", "master_port")
+
+
+def _join(args: argparse.Namespace, project: Project, nproc: int, nodes, rest, restarts) -> int:
+    """A node other than node 0: start this node's workers, which learn the run from node 0's;
+    the run directory goes to stdout once known (after the job)."""
+    from forge.launch import join_job
+
+    code, run_dir = join_job(
+        project,
+        nproc,
+        nodes,
+        torchrun_args=rest,
+        allow=args.allow or [],
+        verbose=args.verbose,
+        max_restarts=restarts,
+    )
+    if run_dir is not None:
+        print(run_dir, flush=True)
+    return code
+
+
 def cmd_train(args: argparse.Namespace) -> int:
+    from forge.cluster import ONE_NODE
     from forge.launch import launch_training, resolve_max_restarts, resolve_nproc
     from forge.plan import length_note
     from forge.preflight import check_training_contract
@@ -192,34 +230,53 @@ def cmd_train(args: argparse.Namespace) -> int:
     if "trainer" not in cfg.targets:
         raise UsageError(f"config '{name}' has no 'trainer' target; nothing to train")
     topology = Topology.from_env()
-    if topology.distributed and (args.nproc not in (None, "1") or max_restarts):
+    node_flags = [n for n in _NODE_FLAGS if getattr(args, n) is not None]
+    if topology.distributed and (args.nproc not in (None, "1") or max_restarts or node_flags):
         flag = "--max-restarts (give it to that launcher)" if max_restarts else "--nproc"
+        if node_flags:
+            flag = "--" + node_flags[0].replace("_", "-") + " (give it to that launcher)"
         raise UsageError(
             f"this process is already rank {topology.rank} of {topology.world_size} started by "
             f"another launcher (accelerate launch, torchrun); drop {flag}"
         )
+    nodes, torchrun_args = (ONE_NODE, args.torchrun_args) if topology.distributed else _nodes(args)
     # Before any run directory exists: do the batches fit the model's forward, and does the
     # trainer's plan (a pipeline split) fit a job of this many processes?
     next_run = config_output_dir(project.output_dir, name) / "run_NNN"
     variables = build_variables(next_run, project, name)
-    world_size = (
-        topology.world_size if topology.distributed else _job_size(nproc, args.torchrun_args)
-    )
+    world_size = topology.world_size if topology.distributed else nproc * nodes.nnodes
     plan = check_training_contract(
         cfg, variables, args.allow or [], config=name, world_size=world_size
     )
     length = length_note(cfg)
     if args.dry_run:
+        from forge.job_plan import make_plan
+
         nproc = topology.world_size if topology.distributed else nproc
-        print(f"config {name} renders and checks; would train with {nproc} process(es) in")
+        per_node = f" per node, {nodes.describe()}," if nodes.multinode else ""
+        print(
+            f"config {name} renders and checks; would train with {nproc} process(es){per_node} in"
+        )
         print(f"  {next_run}/")
         if length:
             print(f"  {length}")
         for line in plan:
             print(line)
+        figures = make_plan(
+            cfg,
+            variables,
+            args.allow or [],
+            world_size=world_size,
+            nnodes=nodes.nnodes,
+            checkpoints_dir=f"{next_run}/checkpoints/",
+        )
+        for line in figures:
+            print(line)
         return EXIT_OK
-    if length and topology.is_main:
+    if length and topology.is_main and nodes.creates_run:
         logger.warning("%s", length)
+    if not nodes.creates_run:
+        return _join(args, project, nproc, nodes, torchrun_args, max_restarts)
 
     def make_run() -> Path:
         return create_run(
@@ -229,7 +286,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             project_root=project.root,
             overrides=args.set or [],
             variables=_defines(args),
-            nproc=topology.world_size if topology.distributed else nproc,
+            nproc=topology.world_size if topology.distributed else nproc * nodes.nnodes,
         )
 
     if topology.distributed:  # every rank of a job another launcher started runs this
@@ -243,7 +300,8 @@ def cmd_train(args: argparse.Namespace) -> int:
                 project,
                 run_dir,
                 nproc,
-                torchrun_args=args.torchrun_args,
+                torchrun_args=torchrun_args,
+                nodes=nodes,
                 allow=args.allow or [],
                 verbose=args.verbose,
                 max_restarts=max_restarts,
@@ -255,19 +313,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     if code == EXIT_USAGE and discard_unstarted_run(run_dir):
         logger.info("removed %s: the run never started", run_dir)
     return code
-
-
-def _job_size(nproc: int, torchrun_args: list[str] | None) -> int | None:
-    """Processes in the whole job: ``nproc`` per node times torchrun's ``--nnodes`` (None when
-    that is a range, as an elastic job gives it: the size is known only once it runs)."""
-    words = list(torchrun_args or [])
-    nodes = "1"
-    for index, word in enumerate(words):
-        if word == "--nnodes" and index + 1 < len(words):
-            nodes = words[index + 1]
-        elif word.startswith("--nnodes="):
-            nodes = word.partition("=")[2]
-    return nproc * int(nodes) if nodes.isdigit() and int(nodes) > 0 else None
 
 
 def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
@@ -303,6 +348,13 @@ def cmd_resume(args: argparse.Namespace) -> int:
 
     project = _project(args)
     max_restarts = resolve_max_restarts(args.max_restarts)
+    nodes, torchrun_args = _nodes(args)
+    args.torchrun_args = torchrun_args
+    if not nodes.creates_run:  # node 0 finds, claims and resolves the run; --set is its too
+        from forge.launch import resolve_nproc
+
+        nproc = resolve_nproc(args.nproc, default=_recorded_nproc(project, args, nodes.nnodes))
+        return _join(args, project, nproc, nodes, torchrun_args, max_restarts)
     config = project.resolve_config_name(args.config) if args.config else None
     run_dir = find_run(
         project.output_dir,
@@ -314,10 +366,26 @@ def cmd_resume(args: argparse.Namespace) -> int:
     with claim_run(run_dir):  # refused while the run trains
         if stale:
             logger.warning("%s", stale)
-        return _resume_claimed(args, project, run_dir, max_restarts)
+        return _resume_claimed(args, project, run_dir, max_restarts, nodes)
 
 
-def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) -> int:
+def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> int:
+    """Processes per node as the run (named, or the newest) was started; 1 if unknown."""
+    from forge.runs import RunError, RunRecord, find_run
+
+    try:
+        run_dir = find_run(
+            project.output_dir,
+            number=args.run,
+            run_dir=Path(args.run_dir) if args.run_dir else None,
+        )
+        recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
+    except (RunError, OSError, ValueError):
+        return 1
+    return max(recorded // nnodes, 1)
+
+
+def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, nodes) -> int:
     from forge.checkpoint.resolve import CheckpointNotFound, resume_checkpoint
     from forge.launch import launch_training, resolve_nproc
     from forge.preflight import check_training_contract
@@ -343,17 +411,17 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) ->
     # as `forge train` does: the config (maybe changed by --set, or by hand) must still fit
     variables = build_variables(run_dir, project, RunRecord.load(run_dir).data.get("config", ""))
     recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
-    nproc = resolve_nproc(args.nproc, default=recorded)
+    nproc = resolve_nproc(args.nproc, default=max(recorded // nodes.nnodes, 1))
     check_training_contract(
         cfg,
         variables,
         args.allow or [],
         config=str(run_dir / "config.yaml"),
-        world_size=_job_size(nproc, args.torchrun_args),
+        world_size=nproc * nodes.nnodes,
     )
     if overrides:
         (run_dir / "config.yaml").write_text(cfg.text)
-    record_resume(run_dir, checkpoint.path, overrides=overrides, world_size=nproc)
+    record_resume(run_dir, checkpoint.path, overrides=overrides, world_size=nproc * nodes.nnodes)
     print(run_dir, flush=True)
     logger.info("resuming %s from %s", run_dir, checkpoint)
     return launch_training(
@@ -361,6 +429,7 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int) ->
         run_dir,
         nproc,
         torchrun_args=args.torchrun_args,
+        nodes=nodes,
         resume_from=checkpoint,
         allow=args.allow or [],
         verbose=args.verbose,
@@ -374,8 +443,16 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
     stop_with_parent(signal.SIGKILL)  # a worker whose torchrun is gone stops at once
     project = load_project(Path(args.project).resolve())
+    run_dir = Path(args.run_dir) if args.run_dir else None
     resume = args.resume_from
-    return run_worker(Path(args.run_dir), project, resume_from=resume, allow=args.allow or [])
+    if args.agree_at:  # a job of several nodes: the run is node 0's to name
+        from forge.multinode import agree_on_run
+
+        tell = Path(args.tell_run_dir) if args.tell_run_dir else None
+        run_dir, resume = agree_on_run(args.agree_at, run_dir, resume, tell_run_dir=tell)
+    if run_dir is None:
+        raise UsageError("_worker needs --run-dir, or --agree-at in a job of several nodes")
+    return run_worker(run_dir, project, resume_from=resume, allow=args.allow or [])
 
 
 def cmd_runs(args: argparse.Namespace) -> int:

@@ -46,7 +46,10 @@ EXAMPLES = {
           forge train train -p projects/tiny_lm --nproc 2        # DDP under torchrun (gloo on CPU)
           forge train train -p projects/tiny_lm --dry-run        # render and check only
           forge train train -p projects/tiny_lm --nproc 2 --max-restarts 3   # survive crashes
-          forge train train --nproc 8 -- --nnodes 2 --rdzv-endpoint host:29400   # multi-node
+          forge train train --nproc auto --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400
+          forge train train --nproc auto --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400
+          srun --ntasks-per-node=1 forge train train --nproc auto   # SLURM: nodes from srun
+          forge train train --nproc 2 -- --log-dir logs   # anything after -- goes to torchrun
     """,
     "resume": """
         examples:
@@ -55,6 +58,8 @@ EXAMPLES = {
           forge resume --run-dir projects/tiny_lm/output/train/run_003
           forge resume -p projects/tiny_lm --set trainer.args.max_steps=800   # train longer
           forge resume -p projects/tiny_lm --from path/to/checkpoint-000400
+          forge resume -p projects/tiny_lm --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400
+          forge resume -p projects/tiny_lm --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400
     """,
     "runs": """
         examples:
@@ -179,6 +184,32 @@ def _add_config_inputs(parser: argparse.ArgumentParser, *, config: bool = True) 
     )
 
 
+def _add_nodes(parser: argparse.ArgumentParser, *, resume: bool = False) -> None:
+    """The options of a job of several nodes (torchrun's, under the same names)."""
+    default = "as the run was started" if resume else "1, or SLURM's count under srun"
+    group = parser.add_argument_group(
+        "several nodes",
+        "start forge once on every node with the same options but --node-rank; node 0 "
+        "creates the run on a filesystem every node mounts, the others learn it. Under "
+        "SLURM, `srun --ntasks-per-node=1 forge ...` reads them from SLURM's variables",
+    )
+    group.add_argument(
+        "--nnodes", type=int, metavar="N", help=f"nodes in the job (default: {default})"
+    )
+    group.add_argument(
+        "--node-rank", type=int, metavar="R", help="this node's index, 0 to N-1 (default: 0)"
+    )
+    group.add_argument(
+        "--rdzv-endpoint",
+        metavar="HOST:PORT",
+        help="where the nodes meet (torchrun's c10d rendezvous): node 0's host, a free port",
+    )
+    group.add_argument("--master-addr", metavar="HOST", help="the same as --rdzv-endpoint's HOST")
+    group.add_argument(
+        "--master-port", type=int, metavar="PORT", help="the same as --rdzv-endpoint's PORT"
+    )
+
+
 def _add_max_restarts(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--max-restarts",
@@ -256,9 +287,20 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = _sub(subparsers, "train", "train a config in a new run directory")
     _add_config_inputs(p)
-    p.add_argument("--nproc", metavar="N|auto", help="processes (>1 runs under torchrun)")
+    p.add_argument(
+        "--nproc",
+        metavar="N|auto",
+        help="processes on this node (>1 runs under torchrun); auto: one per visible GPU, "
+        "or 1 without one",
+    )
     _add_max_restarts(p)
-    p.add_argument("--dry-run", action="store_true", help="render and check, do not train")
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="render, check and print the plan (parallelism, batches, steps, parameters, "
+        "memory, checkpoints) without training",
+    )
+    _add_nodes(p)
 
     p = _sub(subparsers, "resume", "continue a run from its newest valid checkpoint")
     _add_project(p)
@@ -276,8 +318,13 @@ def build_parser() -> argparse.ArgumentParser:
         help="override a key of the run's config",
     )
     p.add_argument("--allow", action="append", metavar="MODULE", help="allow this module root")
-    p.add_argument("--nproc", metavar="N|auto", help="processes (default: as the run was started)")
+    p.add_argument(
+        "--nproc",
+        metavar="N|auto",
+        help="processes on this node (default: as the run was started)",
+    )
     _add_max_restarts(p)
+    _add_nodes(p, resume=True)
 
     p = _sub(subparsers, "runs", "table of a project's runs")
     _add_project(p)
@@ -436,8 +483,10 @@ def build_parser() -> argparse.ArgumentParser:
     _sub(subparsers, "env", "versions, devices and backends (for bug reports)")
 
     p = subparsers.add_parser("_worker")  # internal: one rank of a launched job
-    p.add_argument("--run-dir", required=True)
+    p.add_argument("--run-dir")  # absent on a node that learns the run (--agree-at)
     p.add_argument("-p", "--project", required=True)
+    p.add_argument("--agree-at", metavar="HOST:PORT")  # the job's store, several nodes
+    p.add_argument("--tell-run-dir", metavar="FILE")  # where this node's forge reads the run
     p.add_argument("--resume-from")
     p.add_argument("--allow", action="append")
     p.add_argument("-v", "--verbose", action="store_true")

@@ -1,0 +1,245 @@
+"""Which nodes a job spans and how torchrun joins them: forge's flags, or SLURM's variables.
+
+``forge train --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT`` is started once on every
+node; each starts torchrun for its own processes, and the torchruns meet at the endpoint through
+torchrun's c10d rendezvous (a TCP store served on the endpoint's host). ``--master-addr`` and
+``--master-port`` are the same endpoint under the names torchrun's static launch uses.
+
+Under SLURM, ``srun forge train ...`` starts **one forge per node** (``--ntasks-per-node=1``):
+forge then starts torchrun with one process per GPU of that node, as on any machine. The node
+count, this node's index and the endpoint come from SLURM's variables: ``SLURM_NNODES``,
+``SLURM_NODEID``, the first host of ``SLURM_JOB_NODELIST`` (parsed here: ``scontrol`` may not
+exist where forge runs) and a port derived from ``SLURM_JOB_ID``, which also names the
+rendezvous. One task per GPU (torchrun's work done by srun) is refused with the fix, since each
+task would start torchrun again. Flags given to forge win over SLURM's values.
+
+Torch-free: the CLI builds the command without loading the ML stack.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+from forge.errors import UsageError
+
+DEFAULT_PORT = 29500  # torchrun's own default for the endpoint
+SLURM_PORT_BASE, SLURM_PORT_SPAN = 29500, 2000  # a port per job, so jobs sharing a node differ
+RDZV_ID = "forge"  # names the rendezvous when SLURM does not (the endpoint keeps jobs apart)
+
+# torchrun options forge sets itself (either spelling), so a copy after `--` would clash
+_NODE_OPTIONS = {
+    "nnodes": ("--nnodes",),
+    "node_rank": ("--node-rank", "--node_rank"),
+    "rdzv_endpoint": ("--rdzv-endpoint", "--rdzv_endpoint"),
+    "master_addr": ("--master-addr", "--master_addr"),
+    "master_port": ("--master-port", "--master_port"),
+}
+
+
+@dataclass(frozen=True)
+class Nodes:
+    """The nodes of one job as this node sees them."""
+
+    nnodes: int = 1
+    node_rank: int = 0
+    endpoint: str | None = None  # HOST:PORT of the c10d rendezvous; None on one node
+    rdzv_id: str = RDZV_ID
+    source: str = "flags"  # "flags" or "SLURM", for messages
+
+    @property
+    def multinode(self) -> bool:
+        return self.nnodes > 1
+
+    @property
+    def creates_run(self) -> bool:
+        """Node 0's forge creates (or, resuming, claims) the run; the others learn it."""
+        return self.node_rank == 0
+
+    def torchrun_args(self) -> list[str]:
+        """torchrun's options for this node (none for one node: forge adds --standalone)."""
+        if not self.multinode:
+            return []
+        return [
+            f"--nnodes={self.nnodes}",
+            "--rdzv-backend=c10d",
+            f"--rdzv-endpoint={self.endpoint}",
+            f"--rdzv-id={self.rdzv_id}",
+        ]
+
+    def describe(self) -> str:
+        if not self.multinode:
+            return "1 node"
+        return (
+            f"node {self.node_rank} of {self.nnodes} (rendezvous {self.endpoint}, "
+            f"id {self.rdzv_id}, from {self.source})"
+        )
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM hostlist: ``node[01-04,07],gpu7`` -> ``node01``."""
+    text = nodelist.strip()
+    match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", text)
+    if not text or match is None or not (match.group(1) or match.group(2)):
+        raise UsageError(f"SLURM_JOB_NODELIST={nodelist!r} names no host")
+    prefix, ranges = match.group(1), match.group(2)
+    if ranges is None:
+        return prefix
+    first = ranges.split(",")[0].split("-")[0].strip()
+    if not first:
+        raise UsageError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot read its first host")
+    return prefix + first  # the range keeps its zero padding: node[01-04] starts at node01
+
+
+def _int(value: str | None, name: str, *, low: int) -> int:
+    try:
+        number = int(value or "")
+    except ValueError:
+        raise UsageError(f"{name} must be an integer (got {value!r})") from None
+    if number < low:
+        raise UsageError(f"{name} must be at least {low} (got {number})")
+    return number
+
+
+def slurm_nodes(env: Mapping[str, str]) -> Nodes | None:
+    """The job's nodes from SLURM's variables, inside an ``srun`` step; None outside SLURM
+    or in an allocation of one node. Raises UsageError where forge cannot run as started."""
+    if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
+        return None
+    nnodes = _int(env["SLURM_NNODES"], "SLURM_NNODES", low=1)
+    if nnodes == 1:
+        return None
+    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+    if not in_step:  # the batch script itself, on the first node only
+        raise UsageError(
+            f"this SLURM job has {nnodes} nodes but forge was not started by srun, so it "
+            "would run on one of them and wait for the rest: start it with "
+            "`srun --ntasks-per-node=1 forge train ...`, or pass --nnodes 1 to train here only"
+        )
+    ntasks = _int(env.get("SLURM_NTASKS", str(nnodes)), "SLURM_NTASKS", low=1)
+    if ntasks != nnodes:
+        raise UsageError(
+            f"srun started {ntasks} tasks on {nnodes} nodes; forge starts the processes of "
+            "its node itself (one per GPU with --nproc auto), so it needs one task per node: "
+            "`srun --ntasks-per-node=1 forge train ...`"
+        )
+    node_rank = _int(env.get("SLURM_NODEID", env.get("SLURM_PROCID")), "SLURM_NODEID", low=0)
+    job = env["SLURM_JOB_ID"]
+    port = DEFAULT_PORT
+    if job.isdigit():
+        port = SLURM_PORT_BASE + int(job) % SLURM_PORT_SPAN
+    host = first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
+    return Nodes(nnodes, node_rank, f"{host}:{port}", f"slurm-{job}", "SLURM")
+
+
+def take_node_options(torchrun_args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
+    """The node options given after ``--`` (``--nnodes 2``, ``--node_rank=1``), and the rest."""
+    spelled = {flag: key for key, flags in _NODE_OPTIONS.items() for flag in flags}
+    found: dict[str, str] = {}
+    rest: list[str] = []
+    words = list(torchrun_args)
+    index = 0
+    while index < len(words):
+        word = words[index]
+        flag, eq, value = word.partition("=")
+        if flag in spelled:
+            if not eq:
+                if index + 1 >= len(words):
+                    raise UsageError(f"torchrun option {flag} after -- needs a value")
+                index += 1
+                value = words[index]
+            found[spelled[flag]] = value
+        else:
+            rest.append(word)
+        index += 1
+    return found, rest
+
+
+def resolve_nodes(
+    *,
+    nnodes: int | None = None,
+    node_rank: int | None = None,
+    rdzv_endpoint: str | None = None,
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    torchrun_args: Sequence[str] = (),
+    env: Mapping[str, str] | None = None,
+) -> tuple[Nodes, list[str]]:
+    """This node's view of the job from forge's flags (or the same options after ``--``),
+    else SLURM's variables; and the torchrun arguments left to pass on unchanged."""
+    import os
+
+    env = os.environ if env is None else env
+    given, rest = take_node_options(torchrun_args)
+    flags = {
+        "nnodes": nnodes,
+        "node_rank": node_rank,
+        "rdzv_endpoint": rdzv_endpoint,
+        "master_addr": master_addr,
+        "master_port": master_port,
+    }
+    for key, value in given.items():
+        if flags[key] is not None:
+            raise UsageError(
+                f"give --{key.replace('_', '-')} once: to forge, or to torchrun after --"
+            )
+        flags[key] = value
+    if flags["nnodes"] is not None and not str(flags["nnodes"]).isdigit():
+        raise UsageError(
+            f"--nnodes must be a positive integer (got {flags['nnodes']!r}); an elastic range "
+            "(MIN:MAX) is not supported: every node must know the job's size to agree on its run"
+        )
+    if flags["rdzv_endpoint"] and (flags["master_addr"] or flags["master_port"]):
+        raise UsageError(
+            "give the rendezvous once: --rdzv-endpoint HOST:PORT, or --master-addr HOST "
+            "with --master-port PORT (the same thing under torchrun's older names)"
+        )
+    slurm = None
+    if flags["nnodes"] is None or int(flags["nnodes"]) > 1:
+        try:
+            slurm = slurm_nodes(env)
+        except UsageError:
+            if flags["nnodes"] is None:  # SLURM's count is the one to go by, and it is wrong
+                raise
+    nodes_count = int(flags["nnodes"]) if flags["nnodes"] is not None else None
+    if nodes_count is None:
+        nodes_count = slurm.nnodes if slurm else 1
+    if nodes_count < 1:
+        raise UsageError(f"--nnodes must be a positive integer (got {nodes_count})")
+    rank_value = flags["node_rank"]
+    if rank_value is None:
+        rank = slurm.node_rank if slurm else 0
+    else:
+        rank = _int(str(rank_value), "--node-rank", low=0)
+    if rank >= nodes_count:
+        raise UsageError(
+            f"--node-rank {rank} is not below --nnodes {nodes_count} (nodes count from 0)"
+        )
+    endpoint = flags["rdzv_endpoint"]
+    if endpoint is None and flags["master_addr"]:
+        port = _int(str(flags["master_port"] or DEFAULT_PORT), "--master-port", low=1)
+        endpoint = f"{flags['master_addr']}:{port}"
+    elif endpoint is None and flags["master_port"]:
+        raise UsageError("--master-port needs --master-addr (the host of node 0)")
+    if endpoint is None and slurm is not None:
+        endpoint = slurm.endpoint
+    if nodes_count == 1:
+        if endpoint:
+            raise UsageError(
+                "a rendezvous endpoint is for a job of several nodes; add --nnodes N, or drop it"
+            )
+        return ONE_NODE, rest
+    if endpoint is None:
+        raise UsageError(
+            f"a job of {nodes_count} nodes needs the rendezvous address every node reaches: "
+            "--rdzv-endpoint HOST:PORT (HOST is node 0, PORT a free port), the same on every node"
+        )
+    if ":" not in endpoint:
+        endpoint = f"{endpoint}:{DEFAULT_PORT}"
+    rdzv_id = slurm.rdzv_id if slurm is not None else RDZV_ID
+    source = "SLURM" if slurm is not None and flags["nnodes"] is None else "flags"
+    return Nodes(nodes_count, rank, endpoint, rdzv_id, source), rest
+
+
+ONE_NODE = Nodes()  # a job on this machine alone

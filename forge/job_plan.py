@@ -1,0 +1,312 @@
+"""The plan ``forge train --dry-run`` prints: what the job would be, worked out without
+building anything heavy (the model on the meta device, the training arguments, the length of
+the training dataset that the preflight check builds anyway).
+
+Parallelism is data parallel x pipeline parallel x sharding (DP x PP x FSDP); sharding is
+always 1 today, and every per-rank figure goes through :func:`rank_memory`, which takes the
+shard factor, so a sharded trainer plugs its factor in. Memory is the model state only
+(weights, gradients, optimizer state): activations depend on the batch and are not counted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+# Optimizer states per trainable parameter, each the parameter's dtype (torch's optimizers).
+OPTIMIZER_STATES = {
+    "adamw": 2,  # exp_avg, exp_avg_sq
+    "adam": 2,
+    "adagrad": 1,  # sum
+    "rmsprop": 1,  # square_avg (+ momentum_buffer, + grad_avg when centered)
+    "sgd": 0,  # + momentum_buffer when momentum > 0
+}
+_OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw"}
+
+
+@dataclass(frozen=True)
+class RankMemory:
+    """Bytes of model state one rank holds."""
+
+    weights: int
+    gradients: int
+    optimizer: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer
+
+
+def optimizer_states(kind: str, options: Mapping[str, Any] | None = None) -> int | None:
+    """States per trainable parameter that optimizer ``kind`` keeps (``adamw_torch``, ``SGD``,
+    ...), given its options (momentum, centered); None for one not known here."""
+    options = options or {}
+    name = _OPTIM_NAMES.get(kind, kind).lower()
+    if name not in OPTIMIZER_STATES:
+        return None
+    states = OPTIMIZER_STATES[name]
+    if name in ("sgd", "rmsprop") and float(options.get("momentum", 0) or 0) > 0:
+        states += 1
+    if name == "rmsprop" and options.get("centered"):
+        states += 1
+    return states
+
+
+def rank_memory(
+    held: int, trainable: int, bytes_per_param: int, states: int, *, shard: int = 1
+) -> RankMemory:
+    """Model state of a rank holding ``held`` parameters (``trainable`` of them trained) of
+    ``bytes_per_param`` each, with ``states`` optimizer states per trainable parameter, the
+    whole of it split ``shard`` ways (FSDP's factor; 1 without sharding)."""
+    if shard < 1:
+        raise ValueError(f"shard factor must be at least 1 (got {shard})")
+    per = bytes_per_param
+    return RankMemory(
+        weights=math.ceil(held * per / shard),
+        gradients=math.ceil(trainable * per / shard),
+        optimizer=math.ceil(trainable * states * per / shard),
+    )
+
+
+def human_bytes(size: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{size:.1f} TiB"
+
+
+def steps_per_epoch(
+    dataset_size: int, batch: int, accumulation: int, dp: int, drop_last: bool
+) -> int:
+    """Optimizer steps in one epoch, as forge's loader and loop count them."""
+    per_rank = dataset_size // dp if drop_last else math.ceil(dataset_size / dp)
+    batches = per_rank // batch if drop_last else math.ceil(per_rank / batch)
+    return max(math.ceil(batches / accumulation), 1)
+
+
+@dataclass
+class ParameterCount:
+    total: int
+    trainable: int
+    dtype: str
+    bytes_per_param: int
+    per_process: list[int]  # parameters each process of one pipeline holds (one entry: no PP)
+    trainable_per_process: list[int]
+
+
+def count_parameters(model: Any, pipeline_plan: Any = None) -> ParameterCount:
+    """Parameters of ``model`` (a meta skeleton will do), each counted once (tied weights
+    too), and what each pipeline process holds under ``pipeline_plan``."""
+    import torch
+
+    params = dict(model.named_parameters())  # one entry per tensor: ties are left out
+    total = sum(p.numel() for p in params.values())
+    trainable = sum(p.numel() for p in params.values() if p.requires_grad)
+    dtypes: dict[torch.dtype, int] = {}
+    for p in params.values():
+        dtypes[p.dtype] = dtypes.get(p.dtype, 0) + p.numel()
+    dtype = max(dtypes, key=dtypes.get) if dtypes else torch.float32
+    size = torch.empty((), dtype=dtype).element_size()
+    if pipeline_plan is None:
+        return ParameterCount(
+            total, trainable, str(dtype).replace("torch.", ""), size, [total], [trainable]
+        )
+    processes = pipeline_plan.num_processes
+    held, trained = [0] * processes, [0] * processes
+    for name, param in params.items():
+        ranks = pipeline_plan.shared.get(name)
+        if ranks is None:
+            ranks = [pipeline_plan.writer[name]] if name in pipeline_plan.writer else []
+        for rank in ranks:
+            held[rank] += param.numel()
+            trained[rank] += param.numel() if param.requires_grad else 0
+    return ParameterCount(total, trainable, str(dtype).replace("torch.", ""), size, held, trained)
+
+
+def describe_plan(
+    *,
+    trainer: str,
+    world_size: int,
+    nnodes: int,
+    pp: int,
+    shard: int,
+    args: Any,
+    dataset_size: int | None,
+    params: ParameterCount | None,
+    optimizer: tuple[str, int | None],
+    checkpoints_dir: str,
+) -> list[str]:
+    """The plan as lines (stdout): one topic a line, figures a person can check by hand."""
+    dp = world_size // pp
+    fsdp = f"{shard}" if shard > 1 else "1 (none)"
+    where = f"{nnodes} nodes" if nnodes > 1 else "1 node"
+    lines = [
+        "plan:",
+        f"  trainer       {trainer}",
+        f"  parallelism   DP {dp} x PP {pp} x FSDP {fsdp} = {world_size} process(es) on {where}",
+    ]
+    batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
+    lines.append(
+        f"  batch         {batch} per device x {accumulation} accumulation x {dp} data-parallel"
+        f" = {batch * accumulation * dp} per optimizer step"
+    )
+    if dataset_size is not None:
+        per_epoch = steps_per_epoch(
+            dataset_size, batch, accumulation, dp, bool(args.dataloader_drop_last)
+        )
+        if args.max_steps > 0:
+            total, how = args.max_steps, "max_steps"
+            epochs = math.ceil(total / per_epoch)
+        else:
+            total = math.ceil(args.num_train_epochs * per_epoch)
+            how, epochs = (
+                f"num_train_epochs {args.num_train_epochs:g}",
+                math.ceil(args.num_train_epochs),
+            )
+        lines.append(
+            f"  steps         {per_epoch} per epoch ({dataset_size} training items); {total} in "
+            f"all ({how}), {epochs} epoch(s)"
+        )
+    else:
+        total = args.max_steps if args.max_steps > 0 else None
+        lines.append("  steps         the training dataset has no length: max_steps decides")
+    kind, states = optimizer
+    if params is None:
+        lines.append("  parameters    not counted: the model cannot be built on the meta device")
+        return lines + _checkpoint_lines(args, total, None, checkpoints_dir)
+    per_rank = ", ".join(f"{n:,}" for n in params.per_process)
+    split = f"; per pipeline stage process {per_rank}" if pp > 1 else ""
+    lines.append(
+        f"  parameters    {params.total:,} total, {params.trainable:,} trainable "
+        f"({params.dtype}){split}"
+    )
+    if states is None:
+        lines.append(f"  memory/rank   optimizer {kind}: its state size is not known to forge")
+        return lines + _checkpoint_lines(args, total, None, checkpoints_dir)
+    memories = [
+        rank_memory(held, trained, params.bytes_per_param, states, shard=shard)
+        for held, trained in zip(params.per_process, params.trainable_per_process, strict=True)
+    ]
+    top = max(memories, key=lambda m: m.total)
+    lines.append(
+        f"  memory/rank   weights {human_bytes(top.weights)} + gradients "
+        f"{human_bytes(top.gradients)} + optimizer {human_bytes(top.optimizer)} ({kind}: "
+        f"{states} state(s) per parameter) = {human_bytes(top.total)}"
+        + (" on the largest stage" if len(memories) > 1 else "")
+        + "; activations not counted"
+    )
+    whole = rank_memory(params.total, params.trainable, params.bytes_per_param, states)
+    return lines + _checkpoint_lines(args, total, whole, checkpoints_dir)
+
+
+def _checkpoint_lines(
+    args: Any, total_steps: int | None, whole: RankMemory | None, checkpoints_dir: str
+) -> list[str]:
+    if args.save_strategy == "no":
+        return [f"  checkpoints   none (save_strategy: no); the run directory is {checkpoints_dir}"]
+    size = ""
+    if whole is not None:
+        size = (
+            f"about {human_bytes(whole.weights + whole.optimizer)} each (weights "
+            f"{human_bytes(whole.weights)} + optimizer {human_bytes(whole.optimizer)}), "
+        )
+    when = f"every {args.save_steps} steps" if args.save_strategy == "steps" else "every epoch"
+    saves = ""
+    if args.save_strategy == "steps" and total_steps:
+        count = total_steps // args.save_steps if args.save_steps >= 1 else None
+        if count is not None:
+            saves = f" ({count} save(s)"
+            saves += f", {args.save_total_limit} kept)" if args.save_total_limit else ")"
+    return [f"  checkpoints   {size}{when}{saves}, in {checkpoints_dir}"]
+
+
+def make_plan(
+    cfg: Any,
+    variables: Mapping[str, Any],
+    allow: list[str],
+    *,
+    world_size: int,
+    nnodes: int,
+    checkpoints_dir: str,
+) -> list[str]:
+    """The plan of ``cfg`` (checked already) trained by ``world_size`` processes."""
+    import torch
+    from torch import nn
+
+    from forge.config.build import Materializer
+    from forge.config.graph import CallNode
+    from forge.preflight import _resolver
+
+    trainer = cfg.targets.get("trainer")
+    if not isinstance(trainer, CallNode) or not isinstance(trainer.kwargs.get("args"), CallNode):
+        return ["plan: not made (the trainer is not built from keyword arguments)"]
+    resolver = _resolver(cfg, allow)
+
+    def build(node: Any) -> Any:
+        return Materializer(resolver.resolve, variables, cfg.describe_loc).value(node)
+
+    trainer_class = resolver.resolve(trainer.spec)
+    args = build(trainer.kwargs["args"])
+    pp, pipeline = 1, None
+    model = None
+    try:
+        with torch.device("meta"):
+            model = build(trainer.kwargs.get("model"))
+            if not isinstance(model, nn.Module):
+                model = model()
+    except Exception as err:  # a model that reads weights or cannot run on meta
+        logger.debug("model not built on the meta device (%s: %s)", type(err).__name__, err)
+        model = None
+    if callable(getattr(trainer_class, "plan_job", None)) and hasattr(
+        args, "pipeline_parallel_size"
+    ):
+        pp = args.pipeline_parallel_size or world_size
+        if model is not None:
+            from forge.train.pipeline_plan import plan_pipeline
+
+            try:
+                pipeline = plan_pipeline(model, args, world_size)
+            except Exception as err:  # reported by the preflight check already
+                logger.debug("no pipeline plan (%s)", err)
+    dataset_size = None
+    dataset_node = trainer.kwargs.get("train_dataset")
+    try:
+        dataset_size = len(build(dataset_node)) if dataset_node is not None else None
+    except TypeError:  # an iterable dataset
+        dataset_size = None
+    params = count_parameters(model, pipeline) if isinstance(model, nn.Module) else None
+    how = "pipeline stages" if pp > 1 else "data parallel" if world_size > 1 else "one process"
+    name = f"{trainer.spec} ({how})"
+    return describe_plan(
+        trainer=name,
+        world_size=world_size,
+        nnodes=nnodes,
+        pp=pp,
+        shard=1,  # FSDP's factor once a trainer shards
+        args=args,
+        dataset_size=dataset_size,
+        params=params,
+        optimizer=_optimizer(trainer.kwargs.get("optimizer"), args),
+        checkpoints_dir=checkpoints_dir,
+    )
+
+
+def _optimizer(node: Any, args: Any) -> tuple[str, int | None]:
+    """The optimizer's name and its states per parameter: a ``!partial`` the config gives,
+    else the one ``args.optim`` names."""
+    from forge.config.graph import CallNode
+
+    if isinstance(node, CallNode):
+        kind = node.spec.rpartition(":")[2].rpartition(".")[2]
+        options = {k: v for k, v in node.kwargs.items() if isinstance(v, (int, float, bool))}
+        return kind, optimizer_states(kind, options)
+    if node is not None:
+        return "the config's", None
+    options = args.parsed_optim_args() if hasattr(args, "parsed_optim_args") else {}
+    return args.optim, optimizer_states(args.optim, options)

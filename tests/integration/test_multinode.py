@@ -1,0 +1,200 @@
+"""Two nodes simulated on this machine: two `forge train --nnodes 2 --node-rank 0|1
+--rdzv-endpoint 127.0.0.1:PORT` commands, one process each, meeting at torchrun's c10d
+rendezvous as two machines would.
+
+They train one job into one run directory (node 0 creates it, node 1 learns it), write one
+checkpoint per save, and `forge resume` on both continues it bit-identically to a straight
+two-process run. Killing one node's forge the way a scheduler does (SIGKILL to its process
+group) stops the other node's processes with a message, never a hang. A node that cannot see
+the run directory (a private mount here, an unshared filesystem on a cluster) stops the job
+on every node with one message.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import REPO
+from tests.integration.conftest import SMALL
+from tests.integration.test_train_resume import final_state, train_straight
+from tests.reliability.kill_harness import Job
+from tests.train.common import assert_same_tensors
+
+pytestmark = pytest.mark.integration  # the torchrun command lines: tests/test_cluster.py
+
+MAX_STEPS = 120  # far beyond the kill: processes that trained on would save further
+SETTINGS = [*SMALL, "-D", f"max_steps={MAX_STEPS}", "-D", "save_steps=10"]
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def nodes(command: str, project: Path, *extra: str, node1_prefix: list[str] = ()) -> list[Job]:
+    """``forge COMMAND`` started as node 0 and node 1 of one job (each a session of its own,
+    so that its process group is its forge alone, as on two machines); ``node1_prefix``
+    changes what node 1 sees."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    jobs = []
+    for rank in (0, 1):
+        args = [command, "-p", str(project), *extra, "--nnodes", "2", "--node-rank", str(rank)]
+        args += ["--rdzv-endpoint", endpoint]
+        prefix = list(node1_prefix) if rank else []
+        jobs.append(start([*prefix, sys.executable, "-m", "forge.cli", *args]))
+    return jobs
+
+
+def start(command: list[str], env: dict[str, str] | None = None) -> Job:
+    """A Job (stderr read as it comes) running ``command``."""
+    job = Job.__new__(Job)
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", OMP_NUM_THREADS="1", **(env or {}))
+    job.lines = []
+    job.changed = threading.Condition()
+    job.proc = subprocess.Popen(
+        command, cwd=REPO, env=env, text=True, start_new_session=True,
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+    )  # fmt: skip
+    job._reader = threading.Thread(target=job._read, daemon=True)
+    job._reader.start()
+    return job
+
+
+def finish(jobs: list[Job]) -> list[int]:
+    """Wait for every node's forge (no time bound: a hang fails the run, not a timer)."""
+    codes = [job.proc.wait() for job in jobs]
+    for job in jobs:
+        job._reader.join()
+    return codes
+
+
+def record(run_dir: Path) -> dict:
+    return json.loads((run_dir / "run.json").read_text())
+
+
+def checkpoints(run_dir: Path) -> list[str]:
+    return sorted(p.name for p in (run_dir / "checkpoints").glob("checkpoint-*"))
+
+
+def wait_for_checkpoint(project: Path, jobs: list[Job], name: str) -> Path:
+    """The job's run directory once its checkpoint ``name`` is committed."""
+    while True:
+        runs = sorted((project / "output" / "train").glob("run_*"))
+        if runs and (runs[-1] / "checkpoints" / name / "manifest.json").exists():
+            return runs[-1]
+        assert all(job.proc.poll() is None for job in jobs), [j.text() for j in jobs]
+        time.sleep(0.05)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("victim", [1, 0], ids=["node1-killed", "node0-killed"])
+def test_two_nodes_train_one_run_survive_a_dead_node_and_resume_exactly(project, victim):
+    jobs = nodes("train", project, *SETTINGS)
+    run_dir = wait_for_checkpoint(project, jobs, "checkpoint-000010")
+    os.killpg(jobs[victim].proc.pid, signal.SIGKILL)  # as a scheduler ends a node's job
+    codes = finish(jobs)
+    survivor = jobs[1 - victim]
+    text = survivor.text()
+    assert codes[victim] == -signal.SIGKILL
+    assert codes[1 - victim] == 1, text
+    assert "error: " in text and "Traceback" not in text, text
+    assert len(list((project / "output" / "train").glob("run_*"))) == 1  # one run, node 0's
+    saved = checkpoints(run_dir)
+    assert saved and saved[-1] < f"checkpoint-{MAX_STEPS // 2:06d}", saved  # nothing trained on
+    data = record(run_dir)
+    assert data["status"] in ("failed", "killed"), data
+    assert data["world_size"] == 2
+
+    resumed = nodes("resume", project, "--run-dir", str(run_dir))
+    codes = finish(resumed)
+    assert codes == [0, 0], [job.text() for job in resumed]
+    assert resumed[1].proc.stdout.read().split() == [str(run_dir)]  # node 1 learnt the run
+    assert record(run_dir)["status"] == "completed"
+    saves = [f"checkpoint-{step:06d}" for step in range(10, MAX_STEPS + 1, 10)]
+    assert set(checkpoints(run_dir)) <= set(saves)  # one checkpoint per save, no stray copy
+    assert f"checkpoint-{MAX_STEPS:06d}" in checkpoints(run_dir)
+
+    straight = train_straight(project, *SETTINGS[len(SMALL) :], "--nproc", "2")
+    weights_a, optim_a = final_state(straight, MAX_STEPS)
+    weights_b, optim_b = final_state(run_dir, MAX_STEPS)
+    assert_same_tensors(weights_a, weights_b, "weights")
+    assert_same_tensors(optim_a, optim_b, "optimizer")
+
+
+def _can_unshare() -> bool:
+    if shutil.which("unshare") is None:
+        return False
+    probe = subprocess.run(["unshare", "-m", "true"], capture_output=True)
+    return probe.returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _can_unshare(), reason="needs a private mount namespace (unshare -m)")
+def test_a_node_that_cannot_see_the_run_stops_the_job_with_one_message(project):
+    """Node 1 runs with the project's output hidden under an empty mount, as a node without
+    the shared filesystem would: every node stops (exit 2), nobody trains or waits."""
+    hidden = project / "output" / "train"
+    hidden.mkdir(parents=True, exist_ok=True)
+    mount = f'mount -t tmpfs none {hidden} && exec "$0" "$@"'
+    jobs = nodes("train", project, *SMALL, node1_prefix=["unshare", "-m", "sh", "-c", mount])
+    codes = finish(jobs)
+    text = jobs[0].text() + jobs[1].text()
+    assert codes == [2, 2], text
+    said = "cannot see the run directory"
+    assert text.count(said) == 1, text  # once, by the job's rank 0
+    assert "mounts at the same path" in text and "Traceback" not in text
+    assert not list(hidden.glob("run_*"))  # node 0 removed the run that never started
+
+
+def slurm_port() -> int:
+    """A free port in the range forge derives from SLURM_JOB_ID (forge/cluster.py)."""
+    for port in range(29500 + os.getpid() % 1000, 31500):
+        with socket.socket() as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    raise AssertionError("no free port in 29500-31499")
+
+
+@pytest.mark.slow
+def test_srun_on_two_nodes_trains_one_run(project):
+    """What `srun --nodes 2 --ntasks-per-node=1 forge train ...` gives each task (a faked
+    SLURM step on this machine): no node flags, SLURM's variables name the job."""
+    port = slurm_port()
+    slurm = {
+        "SLURM_JOB_ID": str(port - 29500),  # forge's port: 29500 + job id % 2000
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+    }
+    command = [sys.executable, "-m", "forge.cli", "train", "-p", str(project), *SMALL]
+    command += ["-D", "max_steps=10", "-D", "save_steps=5"]
+    jobs = [
+        start(command, {**slurm, "SLURM_NODEID": str(node), "SLURM_PROCID": str(node)})
+        for node in (0, 1)
+    ]
+    codes = finish(jobs)
+    assert codes == [0, 0], [job.text() for job in jobs]
+    (run_dir,) = (project / "output" / "train").glob("run_*")
+    assert [job.proc.stdout.read().split() for job in jobs] == [[str(run_dir)]] * 2
+    assert f"node 1 of 2 (rendezvous 127.0.0.1:{port}, id slurm-{port - 29500}, from SLURM)" in (
+        jobs[1].text()
+    )
+    data = record(run_dir)
+    assert (data["status"], data["world_size"], data["step"]) == ("completed", 2, 10)
+    assert checkpoints(run_dir) == ["checkpoint-000005", "checkpoint-000010"]

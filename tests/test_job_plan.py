@@ -1,0 +1,174 @@
+"""The figures `forge train --dry-run` prints (forge/job_plan.py) against the real thing:
+parameters counted on the meta device against the built model, the memory formula against a
+real optimizer's state, steps per epoch against forge's loader, per-stage parameters against
+the pipeline's split; and the dry run builds no run directory and writes only data to stdout.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from forge.cli import main
+from forge.config import load_config, load_project
+from forge.config.build import Materializer
+from forge.job_plan import (
+    count_parameters,
+    optimizer_states,
+    rank_memory,
+    steps_per_epoch,
+)
+from forge.preflight import _resolver
+from tests.helpers import TINY_LM
+from tests.integration.conftest import SMALL
+
+SMALL_VALUES = {k: int(v) for k, v in (item.split("=") for item in SMALL[1::2])}
+MODEL_DEFINES = {**SMALL_VALUES, "num_layers": 4}
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory):
+    """tiny_lm in a directory of its own (the model's vocabulary comes from its tokenizer,
+    which is trained into the project's output on first use)."""
+    dest = tmp_path_factory.mktemp("plan") / "tiny_lm"
+    shutil.copytree(TINY_LM, dest, ignore=shutil.ignore_patterns("output"))
+    return load_project(dest)
+
+
+def materialize(cfg, node):
+    from forge.worker import build_variables
+
+    variables = build_variables(cfg.project.output_dir / "build", cfg.project, "train")
+    return Materializer(_resolver(cfg, []).resolve, variables, cfg.describe_loc).value(node)
+
+
+def tiny_model(project, config: str = "train", *, meta: bool, defines=MODEL_DEFINES):
+    cfg = load_config(project, config, defines)
+    node = cfg.targets["trainer"].kwargs["model"]
+
+    def build(node):
+        return materialize(cfg, node)
+
+    if meta:
+        with torch.device("meta"):
+            model = build(node)
+            return model if isinstance(model, nn.Module) else model()
+    model = build(node)
+    return model if isinstance(model, nn.Module) else model()
+
+
+def test_parameters_counted_on_the_meta_device_are_the_built_models(project):
+    meta, real = tiny_model(project, meta=True), tiny_model(project, meta=False)
+    counted = count_parameters(meta)
+    assert next(meta.parameters()).is_meta
+    unique = {id(p): p for p in real.parameters()}  # a tied embedding counted once
+    assert counted.total == sum(p.numel() for p in unique.values())
+    assert counted.trainable == counted.total and counted.per_process == [counted.total]
+    assert (counted.dtype, counted.bytes_per_param) == ("float32", 4)
+
+
+@pytest.mark.parametrize(
+    "optimizer,kind,options",
+    [
+        (lambda ps: torch.optim.AdamW(ps, lr=1e-3), "adamw_torch_fused", {}),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9), "SGD", {"momentum": 0.9}),
+        (lambda ps: torch.optim.SGD(ps, lr=1e-3), "sgd", {}),
+        (lambda ps: torch.optim.RMSprop(ps, lr=1e-3, centered=True), "rmsprop", {"centered": True}),
+        (lambda ps: torch.optim.Adagrad(ps, lr=1e-3), "Adagrad", {}),
+    ],
+    ids=["adamw", "sgd-momentum", "sgd", "rmsprop-centered", "adagrad"],
+)
+def test_the_memory_formula_is_what_a_real_optimizer_holds(optimizer, kind, options):
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    model[2].weight.requires_grad_(False)  # a frozen tensor has neither gradient nor state
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = optimizer(trainable)
+    model(torch.randn(3, 16)).sum().backward()
+    opt.step()
+    held = sum(p.numel() for p in model.parameters())
+    trained = sum(p.numel() for p in trainable)
+    figures = rank_memory(held, trained, 4, optimizer_states(kind, options))
+    state_bytes = sum(
+        t.numel() * t.element_size()
+        for state in opt.state.values()
+        for t in state.values()
+        if isinstance(t, torch.Tensor) and t.dim() > 0  # `step` counters are scalars
+    )
+    assert figures.optimizer == state_bytes
+    assert figures.gradients == sum(p.grad.numel() * 4 for p in trainable)
+    assert figures.weights == sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def test_a_shard_factor_divides_every_part_and_unknown_optimizers_say_so():
+    whole = rank_memory(1000, 800, 2, 2)
+    assert (whole.weights, whole.gradients, whole.optimizer) == (2000, 1600, 3200)
+    halves = rank_memory(1000, 800, 2, 2, shard=2)
+    assert (halves.weights, halves.gradients, halves.optimizer) == (1000, 800, 1600)
+    assert optimizer_states("adafactor") is None
+    with pytest.raises(ValueError, match="shard factor"):
+        rank_memory(1, 1, 4, 2, shard=0)
+
+
+@pytest.mark.parametrize(
+    "size,batch,accum,dp,drop_last",
+    [(103, 4, 2, 2, False), (103, 4, 3, 3, True), (8, 4, 4, 1, False)],
+)
+def test_steps_per_epoch_are_what_forges_loader_gives(size, batch, accum, dp, drop_last):
+    import math
+
+    from forge.data.loader import build_dataloader
+
+    dataset = [{"x": torch.tensor([i])} for i in range(size)]
+    lengths = {
+        len(build_dataloader(dataset, batch_size=batch, rank=r, world_size=dp, drop_last=drop_last))
+        for r in range(dp)
+    }
+    assert len(lengths) == 1  # every rank the same number of batches
+    expected = math.ceil(lengths.pop() / accum)  # as the loop counts (forge/train/base.py)
+    assert steps_per_epoch(size, batch, accum, dp, drop_last) == expected
+
+
+def test_per_stage_parameters_are_the_stages_own(project):
+    from forge.train.pipeline_plan import plan_pipeline
+
+    model = tiny_model(project, "pipeline", meta=True)
+    cfg = load_config(project, "pipeline", MODEL_DEFINES)
+    args = materialize(cfg, cfg.targets["trainer"].kwargs["args"])
+    plan = plan_pipeline(model, args, 2)
+    counted = count_parameters(model, plan)
+    layers = [sum(p.numel() for p in model.model.layers[i].parameters()) for i in range(4)]
+    embedding = model.model.embed_tokens.weight.numel()
+    norm = model.model.norm.weight.numel()
+    tied = model.lm_head.weight is model.model.embed_tokens.weight
+    assert counted.per_process[0] == embedding + layers[0] + layers[1]
+    head = embedding if tied else model.lm_head.weight.numel()
+    assert counted.per_process[1] == layers[2] + layers[3] + norm + head
+    assert sum(counted.per_process) == counted.total + (embedding if tied else 0)
+
+
+def test_dry_run_prints_the_plan_on_stdout_and_creates_nothing(project, capsys):
+    code = main(["train", "-p", str(project.root), *SMALL, "--nproc", "2", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert lines[:2] == [
+        "config train.yaml renders and checks; would train with 2 process(es) in",
+        f"  {project.root}/output/train/run_NNN/",
+    ]
+    assert "  parallelism   DP 2 x PP 1 x FSDP 1 (none) = 2 process(es) on 1 node" in lines
+    assert (
+        "  batch         4 per device x 2 accumulation x 2 data-parallel = 16 per optimizer step"
+        in lines
+    )
+    params = next(line for line in lines if line.startswith("  parameters"))
+    total = count_parameters(tiny_model(project, meta=True, defines=SMALL_VALUES)).total
+    assert params.startswith(f"  parameters    {total:,} total, {total:,} trainable (float32)")
+    memory = next(line for line in lines if line.startswith("  memory/rank"))
+    assert "(adamw_torch_fused: 2 state(s) per parameter)" in memory
+    assert f"in {project.root}/output/train/run_NNN/checkpoints/" in lines[-1]
+    assert "every 10 steps (4 save(s), 3 kept)" in lines[-1]
+    assert "stdlib train split" in err and "stdlib" not in out  # logs on stderr
+    assert not (project.root / "output" / "train").exists()
