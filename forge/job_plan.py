@@ -143,7 +143,8 @@ def describe_plan(
     checkpoints_dir: str,
 ) -> list[str]:
     """The plan as lines (stdout): one topic a line, figures a person can check by hand."""
-    dp = world_size // pp
+    replicas = world_size // pp  # the ranks that read their own batches (sharded ones too)
+    dp = max(replicas // shard, 1)
     fsdp = f"{shard}" if shard > 1 else "1 (none)"
     where = f"{nnodes} nodes" if nnodes > 1 else "1 node"
     lines = [
@@ -153,12 +154,12 @@ def describe_plan(
     ]
     batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     lines.append(
-        f"  batch         {batch} per device x {accumulation} accumulation x {dp} data-parallel"
-        f" = {batch * accumulation * dp} per optimizer step"
+        f"  batch         {batch} per device x {accumulation} accumulation x {replicas} data-parallel"
+        f" = {batch * accumulation * replicas} per optimizer step"
     )
     if dataset_size is not None:
         per_epoch = steps_per_epoch(
-            dataset_size, batch, accumulation, dp, bool(args.dataloader_drop_last)
+            dataset_size, batch, accumulation, replicas, bool(args.dataloader_drop_last)
         )
         if args.max_steps > 0:
             total, how = args.max_steps, "max_steps"
@@ -281,14 +282,26 @@ def make_plan(
     except TypeError:  # an iterable dataset
         dataset_size = None
     params = count_parameters(model, pipeline) if isinstance(model, nn.Module) else None
-    how = "pipeline stages" if pp > 1 else "data parallel" if world_size > 1 else "one process"
+    shard = 1
+    settings = getattr(args, "fsdp_settings", None)
+    if pp == 1 and world_size > 1 and callable(settings) and settings() is not None:
+        shard = world_size  # FSDP2 shards over every data-parallel rank
+    how = (
+        "pipeline stages"
+        if pp > 1
+        else "sharded data parallel, FSDP2"
+        if shard > 1
+        else "data parallel"
+        if world_size > 1
+        else "one process"
+    )
     name = f"{trainer.spec} ({how})"
     return describe_plan(
         trainer=name,
         world_size=world_size,
         nnodes=nnodes,
         pp=pp,
-        shard=1,  # FSDP's factor once a trainer shards
+        shard=shard,
         args=args,
         dataset_size=dataset_size,
         params=params,

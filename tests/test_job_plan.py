@@ -6,6 +6,7 @@ the pipeline's split; and the dry run builds no run directory and writes only da
 
 from __future__ import annotations
 
+import re
 import shutil
 
 import pytest
@@ -172,3 +173,26 @@ def test_dry_run_prints_the_plan_on_stdout_and_creates_nothing(project, capsys):
     assert "every 10 steps (4 save(s), 3 kept)" in lines[-1]
     assert "stdlib train split" in err and "stdlib" not in out  # logs on stderr
     assert not (project.root / "output" / "train").exists()
+
+
+def test_an_fsdp_dry_run_shards_the_model_state_over_its_ranks(project, capsys):
+    plain = ["train", "-p", str(project.root), *SMALL, "--nproc", "2", "--dry-run"]
+    assert main(plain) == 0
+    whole = next(line for line in capsys.readouterr()[0].splitlines() if "memory/rank" in line)
+    code = main([*plain, "--set", "trainer.args.fsdp=full_shard"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert "  parallelism   DP 1 x PP 1 x FSDP 2 = 2 process(es) on 1 node" in lines
+    assert any("(sharded data parallel, FSDP2)" in line for line in lines)
+    # each rank reads its own batches, as under DDP
+    assert (
+        "  batch         4 per device x 2 accumulation x 2 data-parallel = 16 per optimizer step"
+        in lines
+    )
+    sharded = next(line for line in lines if "memory/rank" in line)
+    units = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    total = [
+        float(n) * units[u] for n, u in re.findall(r"= ([\d.]+) (B|KiB|MiB|GiB);", whole + sharded)
+    ]
+    assert len(total) == 2 and total[1] == pytest.approx(total[0] / 2, rel=0.02)
