@@ -325,3 +325,22 @@ def test_a_lora_checkpoint_as_base_is_its_base_with_the_adapter_merged(trained):
         torch.testing.assert_close(
             model(input_ids=ids).logits, trainer.model(input_ids=ids).logits, atol=1e-5, rtol=0
         )
+
+
+def test_a_moving_average_with_lora_covers_the_adapter_and_resumes_exactly(base_dir, tmp_path):
+    """ema_decay on a LoRA run: the average holds the trainable (adapter) parameters only, is
+    saved beside the adapter, and a resumed run ends with the straight run's average."""
+    from forge.train.ema import read_ema_state
+
+    straight = lora_trainer(tmp_path / "straight", base_dir, ema_decay=0.9)
+    straight.train()
+    average = read_ema_state(checkpoint_dir(tmp_path / "straight", 8))
+    trainable = {n for n, p in straight.model.named_parameters() if p.requires_grad}
+    assert set(average) == trainable and all("lora_" in name for name in average)
+    # it moved: peft starts every lora_B at zero
+    assert any(average[n].abs().sum() > 0 for n in average if "lora_B" in n)
+    out = tmp_path / "run"
+    lora_trainer(out, base_dir, ema_decay=0.9, callbacks=[StopAfterSave(4)]).train()
+    lora_trainer(out, base_dir, ema_decay=0.9).train(resume_from_checkpoint=True)
+    resumed = read_ema_state(checkpoint_dir(out, 8))
+    assert all(torch.equal(average[name], resumed[name]) for name in average)
