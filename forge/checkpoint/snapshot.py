@@ -15,17 +15,49 @@ from typing import Any
 _PLAIN = (str, bytes, int, float, complex, bool, type(None))
 
 
-def host_copy(obj: Any) -> Any:
+class HostStaging:
+    """Pinned host buffers that receive accelerator tensors, reused from one save to the next.
+
+    An asynchronous save copies device state into these between two steps: pinned memory lets
+    the copies run at the bus's speed without a pageable bounce, and reusing the buffers spares
+    allocating (and pinning) the whole state at every save. ``reuse`` hands the buffers out
+    again: call it only when no commit still reads the previous snapshot (at most one commit is
+    in flight, and the next save waits for it first).
+    """
+
+    def __init__(self) -> None:
+        self._free: dict[tuple, list[Any]] = {}
+        self._taken: list[tuple[tuple, Any]] = []
+
+    def reuse(self) -> None:
+        for key, buffer in self._taken:
+            self._free.setdefault(key, []).append(buffer)
+        self._taken.clear()
+
+    def take(self, like: Any) -> Any:
+        """A pinned CPU tensor of ``like``'s shape and dtype, not handed out since ``reuse``."""
+        import torch
+
+        key = (tuple(like.shape), like.dtype)
+        pool = self._free.get(key)
+        buffer = pool.pop() if pool else torch.empty(key[0], dtype=like.dtype, pin_memory=True)
+        self._taken.append((key, buffer))
+        return buffer
+
+
+def host_copy(obj: Any, staging: HostStaging | None = None) -> Any:
     """``obj`` (a state dict: dicts, lists and tuples of tensors and plain values) with every
     tensor copied to CPU memory: detached, contiguous and sharing no memory with ``obj``.
 
     Tensors that are the same tensor in ``obj`` (tied weights, one parameter under two names)
     are one tensor in the copy too, so writers that store shared tensors once still see it.
-    Any other object is deep-copied.
+    Any other object is deep-copied. With ``staging``, CUDA tensors land in its pinned buffers
+    (copied without blocking, then synchronised once before returning).
     """
     import torch
 
     copies: dict[tuple, torch.Tensor] = {}
+    pending: set[torch.device] = set()
 
     def tensor(item: torch.Tensor) -> torch.Tensor:
         if item.device.type == "meta":
@@ -40,7 +72,12 @@ def host_copy(obj: Any) -> Any:
         )
         found = copies.get(key)
         if found is None:
-            found = item.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+            if staging is not None and item.device.type == "cuda":
+                found = staging.take(item)
+                found.copy_(item.detach(), non_blocking=True)
+                pending.add(item.device)
+            else:
+                found = item.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
             copies[key] = found
         return found
 
@@ -63,4 +100,7 @@ def host_copy(obj: Any) -> Any:
             return type(item)(*values) if hasattr(item, "_fields") else tuple(values)
         return copy.deepcopy(item)
 
-    return walk(obj)
+    result = walk(obj)
+    for device in pending:  # the copies must have landed before the loop changes the source
+        torch.cuda.synchronize(device)
+    return result

@@ -202,6 +202,7 @@ class TrainingArguments(StepChecks, RunChecks):
     # ---- forge's own
     device: str = "auto"
     save_final_checkpoint: bool = True
+    async_save: bool = False
     early_stopping_patience: int | None = None
     early_stopping_threshold: float = 0.0
     skip_nonfinite: bool = True

@@ -120,7 +120,12 @@ class RunChecks(ValueChecks):
         if self.save_strategy == "steps":
             self._interval("save_steps", p, 'set it or use save_strategy: "no"')
         self._optional_int("save_total_limit", p, minimum=1, fix="use null to keep all")
-        for name in ("save_final_checkpoint", "save_only_model", "enable_jit_checkpoint"):
+        for name in (
+            "save_final_checkpoint",
+            "save_only_model",
+            "enable_jit_checkpoint",
+            "async_save",
+        ):
             self._bool(name, p)
         for name in ("ignore_data_skip", "restore_callback_states_from_checkpoint"):
             self._bool(name, p)
