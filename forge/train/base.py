@@ -1214,6 +1214,7 @@ class BaseTrainer:
             world_size=self.topology.world_size,
             any_failed=any_failed,
             trainer=self.trainer_kind,
+            hash_algorithm=self.args.checkpoint_hash,
         ) as writer:
             snapshot.write(writer)
         return writer.final_path

@@ -125,8 +125,8 @@ class FaultyStorage(CheckpointStorage):
         self.inner.write_model(directory, model, state_dict, **kwargs)
         self.point("after:model", directory)
 
-    def hash_files(self, paths: list[Path]) -> list[tuple[int, str]]:
-        return self.inner.hash_files(paths)
+    def hash_files(self, paths: list[Path], algorithm: str = "sha256") -> list[tuple[int, str]]:
+        return self.inner.hash_files(paths, algorithm)
 
     def write_manifest(self, path: Path, data: bytes) -> None:
         self.point("before-manifest", path)
