@@ -269,16 +269,19 @@ class CheckpointRegistry:
         return [c for c in restored if not c.restore_last] + [c for c in restored if c.restore_last]
 
     # ------------------------------------------------------------------ saving
-    def snapshot(self, step: int, staging: HostStaging | None = None) -> CheckpointSnapshot:
+    def snapshot(
+        self, step: int, staging: HostStaging | None = None, *, copy_cpu: bool = True
+    ) -> CheckpointSnapshot:
         """First phase of a save, on every rank in the training thread: every saved component's
         state, copied to host memory where this rank writes it (into ``staging``'s reused
-        pinned buffers when given); nothing is written."""
+        pinned buffers when given; CPU tensors kept uncopied with ``copy_cpu=False``, for a
+        commit that ends before training goes on); nothing is written."""
         saved = [c for c in self.components.values() if c.save]
         owned: list[tuple[Component, Any]] = []
         for component in saved:
             state = component.obj.state_dict()  # on every rank: collective-safe
             if owns(component, self.topology):
-                owned.append((component, host_copy(state, staging)))
+                owned.append((component, host_copy(state, staging, copy_cpu=copy_cpu)))
         return CheckpointSnapshot(step, self.topology, saved, owned)
 
     def save(self, writer: Any) -> None:

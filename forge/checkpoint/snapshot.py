@@ -45,7 +45,7 @@ class HostStaging:
         return buffer
 
 
-def host_copy(obj: Any, staging: HostStaging | None = None) -> Any:
+def host_copy(obj: Any, staging: HostStaging | None = None, *, copy_cpu: bool = True) -> Any:
     """``obj`` (a state dict: dicts, lists and tuples of tensors and plain values) with every
     tensor copied to CPU memory: detached, contiguous and sharing no memory with ``obj``.
 
@@ -53,6 +53,10 @@ def host_copy(obj: Any, staging: HostStaging | None = None) -> Any:
     are one tensor in the copy too, so writers that store shared tensors once still see it.
     Any other object is deep-copied. With ``staging``, CUDA tensors land in its pinned buffers
     (copied without blocking, then synchronised once before returning).
+
+    ``copy_cpu=False`` (a synchronous save, whose commit ends before training touches the
+    state again) keeps CPU tensors as they are, detached and contiguous, sparing a copy of
+    the whole state; tensors on an accelerator are still copied to host memory.
     """
     import torch
 
@@ -71,6 +75,9 @@ def host_copy(obj: Any, staging: HostStaging | None = None) -> Any:
             item.dtype,
         )
         found = copies.get(key)
+        if found is None and not copy_cpu and item.device.type == "cpu":
+            found = item.detach().contiguous()  # no copy when already contiguous
+            copies[key] = found
         if found is None:
             if staging is not None and item.device.type == "cuda":
                 found = staging.take(item)

@@ -1186,7 +1186,10 @@ class BaseTrainer:
         if self._staging is not None:
             self._staging.reuse()  # the previous commit is done: its buffers are free
         try:
-            snapshot = self.checkpoint_registry.snapshot(self.state.global_step, self._staging)
+            # a synchronous commit ends before the next optimizer step: CPU state needs no copy
+            snapshot = self.checkpoint_registry.snapshot(
+                self.state.global_step, self._staging, copy_cpu=self.args.async_save
+            )
         finally:
             self._saving = {}
         snapshot.epoch, snapshot.metrics = self.state.epoch, dict(metrics)
