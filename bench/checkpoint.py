@@ -146,7 +146,7 @@ def torch_save(model, optimizer, path: Path, fsync: bool) -> float:
 def hf_trainer_setup(model, optimizer, root: Path) -> Any:
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=str(root / "hf"), report_to=[], save_safetensors=True)
+    args = TrainingArguments(output_dir=str(root / "hf"), report_to=[])
     trainer = Trainer(model=model, args=args)
     trainer.optimizer = optimizer
     trainer.create_scheduler(num_training_steps=100, optimizer=optimizer)
@@ -213,6 +213,8 @@ def measure_size(size: str, repeat: int, workdir: Path, log) -> dict[str, Any]:
             accel = accelerate_setup(model, optimizer)
         except Exception as exc:
             log(f"  Accelerate unavailable: {exc}")
+        forge_sync(registry, root, 1, "sha256")  # warm-up: first imports, first allocations
+        shutil.rmtree(root / "checkpoint-000001")
         for round_ in range(1, repeat + 1):
             step = round_ * 10
             # every contender starts with no dirty pages, so none pays another's writeback
@@ -283,7 +285,7 @@ def steps_per_second(project: Path, steps: int, saves: bool) -> float:
     if saves:
         settings += ["-D", "save_steps=10", "--set", "trainer.args.async_save=true"]
     else:
-        settings += ["--set", "trainer.args.save_strategy=no"]
+        settings += ["--set", 'trainer.args.save_strategy="no"']
     run_dir = _run_dir(forge_cli("train", "-p", str(project), *settings, cwd=project))
     record = json.loads((run_dir / "run.json").read_text())
     shutil.rmtree(run_dir, ignore_errors=True)
@@ -293,7 +295,7 @@ def steps_per_second(project: Path, steps: int, saves: bool) -> float:
 def resume_seconds(project: Path, run_dir: Path, step: int) -> float:
     """Wall time of `forge resume` from the step-``step`` checkpoint through one step."""
     settings = ["--set", f"trainer.args.max_steps={step + 1}"]
-    settings += ["--set", "trainer.args.save_strategy=no"]
+    settings += ["--set", 'trainer.args.save_strategy="no"']
     settings += ["--set", "trainer.args.save_final_checkpoint=false"]
     start = time.perf_counter()
     result = forge_cli(
