@@ -11,7 +11,7 @@ directory, each save timed in this process (median of ``--repeat``, the spread b
   and optimizer (neither fsyncs nor hashes);
 * the time the loop stands still for an async save (the snapshot, and starting the commit);
 
-then, through the real CLI on tiny_lm (the integration tests' small settings): steps/s with an
+then, through the real CLI on tiny_lm (as shipped, on 24 files of its corpus): steps/s with an
 async save every 10 steps against no saves, and the time of `forge resume` to its first step
 from an early and from a late checkpoint of one epoch.
 
@@ -59,14 +59,13 @@ CHUNK = 1 << 20
 
 # name: (hidden, layers, intermediate, vocab); parameters printed as measured
 SIZES = {
-    "1M": (64, 2, 176, 4096),
+    "1M": (96, 3, 256, 4096),
     "100M": (768, 12, 2048, 8192),
     "500M": (1536, 16, 4096, 16384),
 }
-SMALL = (
-    "-D vocab_size=512 -D block_size=32 -D hidden_size=32 -D num_layers=2 -D num_heads=2 "
-    "-D max_files=4 -D batch_size=4 -D grad_accum=2 -D warmup_steps=5"
-).split()
+# tiny_lm as shipped (its model, batch and block size) on part of its corpus, so the tokenizer
+# and token caches build quickly and one epoch still holds --late steps
+TINY_LM = ["-D", "max_files=24", "-D", "report_to=none", "-D", "eval_steps=100000"]
 
 
 def build_state(size: str) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -148,6 +147,7 @@ def hf_trainer_setup(model, optimizer, root: Path) -> Any:
 
     args = TrainingArguments(output_dir=str(root / "hf"), report_to=[])
     trainer = Trainer(model=model, args=args)
+    trainer.args.disable_tqdm = True
     trainer.optimizer = optimizer
     trainer.create_scheduler(num_training_steps=100, optimizer=optimizer)
     return trainer
@@ -279,8 +279,7 @@ def _run_dir(result: subprocess.CompletedProcess) -> Path:
 
 
 def steps_per_second(project: Path, steps: int, saves: bool) -> float:
-    settings = [*SMALL, "-D", f"max_steps={steps}", "-D", "eval_steps=100000"]
-    settings += ["-D", "logging_steps=50", "-D", "report_to=none"]
+    settings = [*TINY_LM, "-D", f"max_steps={steps}", "-D", "logging_steps=50"]
     settings += ["--set", "trainer.args.save_final_checkpoint=false"]
     if saves:
         settings += ["-D", "save_steps=10", "--set", "trainer.args.async_save=true"]
@@ -307,6 +306,11 @@ def resume_seconds(project: Path, run_dir: Path, step: int) -> float:
     return seconds
 
 
+def grad_accum(log: str) -> int:
+    found = re.search(r"x accumulation (\d+)", log)
+    return int(found.group(1)) if found else 1
+
+
 def measure_cli(repeat: int, steps: int, late: int, workdir: Path, log) -> dict[str, Any]:
     project = workdir / "tiny_lm"
     shutil.copytree(REPO / "projects" / "tiny_lm", project, ignore=shutil.ignore_patterns("output"))
@@ -317,9 +321,12 @@ def measure_cli(repeat: int, steps: int, late: int, workdir: Path, log) -> dict[
         log(f"  tiny_lm round {round_ + 1}: {without[-1]} steps/s, {with_saves[-1]} with saves")
     runs = {}
     for step in (10, late):
-        settings = [*SMALL, "-D", f"max_steps={step}", "-D", f"save_steps={step}"]
-        settings += ["-D", "eval_steps=100000", "-D", "report_to=none"]
-        runs[step] = _run_dir(forge_cli("train", "-p", str(project), *settings, cwd=project))
+        settings = [*TINY_LM, "-D", f"max_steps={step}", "-D", f"save_steps={step}"]
+        result = forge_cli("train", "-p", str(project), *settings, cwd=project)
+        runs[step] = _run_dir(result)
+        epoch = re.search(r"\((\d+) epochs? of (\d+) batches per rank\)", result.stderr)
+        if epoch and step == late and late * grad_accum(result.stderr) >= int(epoch.group(2)):
+            log(f"  warning: step {late} is not inside the first epoch ({epoch.group(0)})")
     early, late_s = [], []
     for round_ in range(repeat):
         early.append(resume_seconds(project, runs[10], 10))
@@ -371,8 +378,8 @@ def main() -> int:
     )
     parser.add_argument("--sizes", default="1M,100M,500M", help=f"from {','.join(SIZES)}")
     parser.add_argument("--repeat", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=200, help="tiny_lm steps for steps/s")
-    parser.add_argument("--late", type=int, default=300, help="the late resume's step")
+    parser.add_argument("--steps", type=int, default=100, help="tiny_lm steps for steps/s")
+    parser.add_argument("--late", type=int, default=200, help="the late resume's step")
     parser.add_argument("--no-cli", action="store_true", help="skip the tiny_lm measurements")
     parser.add_argument("--dir", default=None, help="where to write (default: a temp dir)")
     parser.add_argument("--json", action="store_true", help="print the target ratios as JSON")

@@ -202,3 +202,20 @@ def test_a_failed_background_commit_is_raised_once():
     with pytest.raises(CheckpointError, match="disk on fire"):
         commits.wait()
     commits.wait()  # reported: not again
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="pinned staging needs CUDA")
+def test_pinned_staging_buffers_are_reused_and_hold_the_snapshot():
+    from forge.checkpoint.snapshot import HostStaging, host_copy
+
+    staging = HostStaging()
+    live = {"w": torch.arange(1024.0, device="cuda"), "t": torch.ones(8, device="cuda")}
+    first = host_copy(live, staging)
+    assert first["w"].is_pinned() and first["w"].device.type == "cpu"
+    live["w"].add_(1.0)  # the next optimizer step
+    assert torch.equal(first["w"], torch.arange(1024.0))
+    pointer = first["w"].data_ptr()
+    staging.reuse()  # the commit of ``first`` is done
+    second = host_copy(live, staging)
+    assert second["w"].data_ptr() == pointer  # the same pinned buffer, not a new one
+    assert torch.equal(second["w"], torch.arange(1024.0) + 1)
