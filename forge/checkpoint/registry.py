@@ -48,7 +48,7 @@ from forge.checkpoint.layout import (
     read_manifest,
     stage_weights_name,
 )
-from forge.checkpoint.snapshot import HostStaging, host_copy
+from forge.checkpoint.snapshot import HostCopier, host_copy
 
 logger = logging.getLogger(__name__)
 
@@ -269,19 +269,16 @@ class CheckpointRegistry:
         return [c for c in restored if not c.restore_last] + [c for c in restored if c.restore_last]
 
     # ------------------------------------------------------------------ saving
-    def snapshot(
-        self, step: int, staging: HostStaging | None = None, *, copy_cpu: bool = True
-    ) -> CheckpointSnapshot:
+    def snapshot(self, step: int, copier: HostCopier | None = None) -> CheckpointSnapshot:
         """First phase of a save, on every rank in the training thread: every saved component's
-        state, copied to host memory where this rank writes it (into ``staging``'s reused
-        pinned buffers when given; CPU tensors kept uncopied with ``copy_cpu=False``, for a
-        commit that ends before training goes on); nothing is written."""
+        state, copied to host memory where this rank writes it (as ``copier`` says: kept,
+        staged or deferred; forge/checkpoint/snapshot.py); nothing is written."""
         saved = [c for c in self.components.values() if c.save]
         owned: list[tuple[Component, Any]] = []
         for component in saved:
             state = component.obj.state_dict()  # on every rank: collective-safe
             if owns(component, self.topology):
-                owned.append((component, host_copy(state, staging, copy_cpu=copy_cpu)))
+                owned.append((component, host_copy(state, copier)))
         return CheckpointSnapshot(step, self.topology, saved, owned)
 
     def save(self, writer: Any) -> None:

@@ -58,7 +58,7 @@ from forge.checkpoint import (
     unwrap_model,
 )
 from forge.checkpoint.background import BackgroundCommit
-from forge.checkpoint.snapshot import HostStaging
+from forge.checkpoint.snapshot import HostCopier, HostStaging, stepped_by
 from forge.data import trainer_loaders
 from forge.data.columns import ModelInputs
 from forge.train import dist
@@ -251,6 +251,7 @@ class BaseTrainer:
         # checkpoint, and as the best if it is): the live state changes only once it is committed
         self._saving: dict[str, Any] = {}
         self._commits = BackgroundCommit()  # async_save: the commit in flight, if any
+        self._copy_gate = HostCopier()  # async_save: the snapshot copies still to be made
         self._staging: HostStaging | None = None  # async_save on CUDA: reused pinned buffers
         self._commit_group: Any = None  # async_save, distributed: the commit's own gloo group
         self._eval_model: nn.Module | None = None
@@ -736,6 +737,7 @@ class BaseTrainer:
         Returns whether the step was applied: True, or a bool tensor on the device where the
         decision was taken there (a grad scaler also skips steps whose gradients overflow).
         """
+        self._copy_gate.wait_copied()  # an async save still copying what this step changes
         applied: torch.Tensor | bool = True
         if self.scaler is not None:  # its step skips gradients that are not finite
             applied = torch.isfinite(step.grad_norm)
@@ -832,7 +834,7 @@ class BaseTrainer:
     def _setup_async_save(self) -> None:
         """``async_save``: pinned staging buffers on CUDA, and a gloo group of every rank for
         the background commit's meetings (created here, by every rank, in the same order)."""
-        self._commits = BackgroundCommit()
+        self._commits, self._copy_gate = BackgroundCommit(), HostCopier()
         self._staging, self._commit_group = None, None
         if not self.args.async_save:
             return
@@ -1159,37 +1161,48 @@ class BaseTrainer:
             return Path(state.last_checkpoint)  # already saved at this step
         metrics = self._last_eval[1] if self._last_eval[0] == step else {}
         recorded = self._recorded_by(self.checkpoints_dir / checkpoint_name(step), metrics)
-        snapshot = self.snapshot_checkpoint(recorded, metrics)
+        copier = self._host_copier()
+        snapshot = self.snapshot_checkpoint(recorded, metrics, copier)
         if not self.args.async_save:
             final = self.commit_checkpoint(snapshot)
             self._on_commit(snapshot, final, recorded)
             return final
 
         def commit() -> None:
+            copier.copy_deferred()  # first, while the loop runs the next forward and backward
             final = self.commit_checkpoint(snapshot, any_failed=self._commit_any_failed)
             self._on_commit(snapshot, final, recorded)
 
         self._commits.submit(commit, checkpoint_name(step))
+        self._copy_gate = copier  # the next optimizer step waits for the deferred copies
         return self.checkpoints_dir / checkpoint_name(step)
+
+    def _host_copier(self) -> HostCopier:
+        """How this save's snapshot copies tensors (forge/checkpoint/snapshot.py). A synchronous
+        commit ends before the next optimizer step: CPU state needs no copy. An async one must
+        copy (the optimizer steps change parameters and moments in place before the commit
+        ends), but the parameters and the optimizer's state change only in the optimizer step:
+        their copies run on the commit thread, while the loop computes the next step's forward
+        and backward, and the next optimizer step waits for them."""
+        if not self.args.async_save:
+            return HostCopier(copy_cpu=False)
+        if self._staging is not None:
+            self._staging.reuse()  # the previous commit is done: its buffers are free
+        return HostCopier(staging=self._staging, deferrable=stepped_by(self.optimizer))
 
     def wait_for_checkpoint(self) -> None:
         """Block until no checkpoint commit is in flight (``async_save``); raise its failure."""
         self._commits.wait()
 
     def snapshot_checkpoint(
-        self, recorded: dict[str, Any], metrics: dict[str, float]
+        self, recorded: dict[str, Any], metrics: dict[str, float], copier: HostCopier | None = None
     ) -> CheckpointSnapshot:
         """Phase 1, every rank, in the training thread: every component's state copied to host
         memory (nothing is written). The trainer's own counters in it carry ``recorded``
         without the live state taking them."""
         self._saving = recorded
-        if self._staging is not None:
-            self._staging.reuse()  # the previous commit is done: its buffers are free
         try:
-            # a synchronous commit ends before the next optimizer step: CPU state needs no copy
-            snapshot = self.checkpoint_registry.snapshot(
-                self.state.global_step, self._staging, copy_cpu=self.args.async_save
-            )
+            snapshot = self.checkpoint_registry.snapshot(self.state.global_step, copier)
         finally:
             self._saving = {}
         snapshot.epoch, snapshot.metrics = self.state.epoch, dict(metrics)

@@ -219,3 +219,43 @@ def test_pinned_staging_buffers_are_reused_and_hold_the_snapshot():
     second = host_copy(live, staging)
     assert second["w"].data_ptr() == pointer  # the same pinned buffer, not a new one
     assert torch.equal(second["w"], torch.arange(1024.0) + 1)
+
+
+def test_deferred_copies_hold_the_state_at_the_snapshot():
+    """Parameters and moments (changed only by the optimizer step) are copied on the commit
+    thread; everything else (a buffer the forward changes) at once."""
+    import threading
+
+    from forge.checkpoint.snapshot import HostCopier, host_copy, stepped_by
+
+    model = torch.nn.BatchNorm1d(4)  # a weight, a bias and running statistics (buffers)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(8, 4)).sum().backward()
+    optimizer.step()
+    deferrable = stepped_by(optimizer)
+    assert all(deferrable(p) for p in model.parameters())
+    assert all(deferrable(t) for s in optimizer.state.values() for t in s.values())
+    assert not any(deferrable(b) for b in model.buffers())
+
+    expected = {k: v.clone() for k, v in model.state_dict().items()}
+    copier = HostCopier(deferrable=deferrable)
+    snapshot = host_copy(model.state_dict(), copier)
+    model(torch.randn(8, 4))  # the next forward: running statistics change in place
+    thread = threading.Thread(target=copier.copy_deferred)
+    thread.start()
+    copier.wait_copied()  # what the next optimizer step does first
+    optimizer.step()
+    thread.join()
+    assert_same_tensors(expected, snapshot, "snapshot")
+
+
+def test_a_failed_deferred_copy_never_blocks_the_loop():
+    from forge.checkpoint.snapshot import HostCopier, host_copy
+
+    source = torch.arange(4.0)
+    copier = HostCopier(deferrable=lambda t: True)
+    host_copy({"w": source}, copier)
+    copier._deferred.append((torch.empty(3), source))  # a copy that fails (shapes differ)
+    with pytest.raises(RuntimeError):
+        copier.copy_deferred()
+    copier.wait_copied()  # returns: the failure reaches the loop through the commit instead
