@@ -1,5 +1,5 @@
 """Run every forge benchmark in one go, each under a heading: CLI start-up, training
-throughput, checkpoint save speed, the pipeline trainer's throughput and saves, and peak
+throughput, checkpoint speed (bench/checkpoint.py), the pipeline trainer's throughput and saves, and peak
 memory and step time with and without activation checkpointing. Each runs as a subprocess of this interpreter; the
 command exits non-zero when any of them fails (the others still run).
 
@@ -23,7 +23,10 @@ REPO = BENCH.parent
 SECTIONS: dict[str, tuple[str, list[str]]] = {
     "startup": ("startup.py", ["--repeat", "3"]),
     "train_speed": ("train_speed.py", ["--quick"]),
-    "checkpoint_speed": ("checkpoint_speed.py", ["--repeat", "1"]),
+    "checkpoint": (
+        "checkpoint.py",
+        ["--sizes", "1M", "--repeat", "1", "--steps", "20", "--late", "40"],
+    ),
     "pipeline_speed": ("pipeline_speed.py", ["--quick"]),
     "activation_memory": ("activation_memory.py", ["--quick"]),
 }

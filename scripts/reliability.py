@@ -276,7 +276,7 @@ def render(cases: list[dict], kills: list[dict], run: dict) -> str:
 def _scenario_row(scenario: Scenario, mine: list[dict], kills: list[dict]) -> str:
     if scenario.tests == ("tests/reliability/test_kills.py",) and kills:
         total = sum(k["kill_count"] for k in kills)
-        trials = f"{total} kills ({len(kills)} trainers) + 2 in the fast test"
+        trials = f"{total} kills ({len(kills)} trainers) + 4 in the fast tests"
     else:
         trials = f"{sum(_examples(c['id']) for c in mine)} ({len(mine)} tests)"
     failed = sum(c["outcome"] == "failed" for c in mine)

@@ -8,13 +8,15 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from typing import Any, TypedDict
 
 from forge.checkpoint.io import (
+    DEFAULT_HASH,
     DELETE_PREFIX,
+    HASH_ALGORITHMS,
     OLD_PREFIX,
     TEMP_PREFIX,
     WEIGHTS_INDEX_NAME,
@@ -39,7 +41,7 @@ STEP_METADATA = "forge_step"
 SCOPES = ("shared", "stage", "sharded", "rank")
 _NAME_RE = re.compile(r"checkpoint-(\d+)")
 _RUN_DIR_RE = re.compile(r"run_(\d+)")
-_SHA256_RE = re.compile(r"[0-9a-f]{64}")
+_HEX_RE = re.compile(r"[0-9a-f]+")
 
 
 def checkpoint_name(step: int) -> str:
@@ -99,9 +101,30 @@ def component_file_names(
     return [f"{name}-rank-{r:05d}.pt" for r in range(world)]
 
 
-class FileEntry(TypedDict):
+class FileEntry(TypedDict, total=False):
+    """A file's size and its digest under the one algorithm the entry names (``sha256`` in
+    every checkpoint before ``xxh3_128`` existed; io.HASH_ALGORITHMS)."""
+
     size: int
     sha256: str
+    xxh3_128: str
+
+
+def file_hash(entry: Mapping[str, Any]) -> tuple[str, str] | None:
+    """(algorithm, hex digest) of a manifest's file entry; None unless exactly one known
+    algorithm is named, with a digest of its length."""
+    named = [a for a in HASH_ALGORITHMS if a in entry]
+    if len(named) != 1:
+        return None
+    digest = entry[named[0]]
+    if not isinstance(digest, str) or not _HEX_RE.fullmatch(digest):
+        return None
+    return (named[0], digest) if len(digest) == HASH_ALGORITHMS[named[0]] else None
+
+
+def _file_entry(entry: Mapping[str, Any]) -> FileEntry:
+    algorithm, digest = file_hash(entry)  # type: ignore[misc]  # checked by the parser
+    return FileEntry(size=entry["size"], **{algorithm: digest})  # type: ignore[typeddict-item]
 
 
 @dataclass
@@ -153,9 +176,12 @@ class CheckpointManifest:
             if (
                 not isinstance(entry, dict)
                 or not isinstance(entry.get("size"), int)
-                or not _SHA256_RE.fullmatch(str(entry.get("sha256")))
+                or file_hash(entry) is None
             ):
-                raise ValueError(f"'files' entry {name!r} needs an integer size and a sha256")
+                raise ValueError(
+                    f"'files' entry {name!r} needs an integer size and one hash "
+                    f"({' or '.join(HASH_ALGORITHMS)})"
+                )
         for key in ("topology", "components", "metrics"):
             if not isinstance(data.get(key) or {}, dict):
                 raise ValueError(f"{key!r} must be an object")
@@ -193,7 +219,7 @@ class CheckpointManifest:
             trainer=data.get("trainer", "plain"),
             created=data.get("created", ""),
             metrics=dict(data.get("metrics") or {}),
-            files={k: FileEntry(size=v["size"], sha256=v["sha256"]) for k, v in files.items()},
+            files={k: _file_entry(v) for k, v in files.items()},
             format_version=data["format_version"],
             topology=dict(data.get("topology") or data.get("world") or {}),
             components={k: dict(v) for k, v in (data.get("components") or {}).items()},
@@ -305,11 +331,17 @@ def _inspect(path: Path, verify_hashes: bool) -> tuple[CheckpointManifest | None
     if to_hash:
 
         def check(name: str) -> str | None:
+            algorithm, expected = file_hash(manifest.files[name]) or (DEFAULT_HASH, "")
             try:
-                digest = hash_file(path / name)
+                # sha256 with one argument, as before (tests count the files hashed through it)
+                digest = (
+                    hash_file(path / name)
+                    if algorithm == DEFAULT_HASH
+                    else hash_file(path / name, algorithm)
+                )
             except OSError as exc:
                 return f"{name}: unreadable ({exc.strerror or exc})"
-            return None if digest == manifest.files[name]["sha256"] else f"{name}: sha256 mismatch"
+            return None if digest == expected else f"{name}: {algorithm} mismatch"
 
         problems.extend(p for p in map_files(check, to_hash) if p)
         if not problems:

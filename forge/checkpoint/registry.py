@@ -53,7 +53,7 @@ from forge.checkpoint.layout import (
     stage_weights_name,
 )
 from forge.checkpoint.sharded import merge_sharded
-from forge.checkpoint.snapshot import host_copy
+from forge.checkpoint.snapshot import HostCopier, host_copy
 
 logger = logging.getLogger(__name__)
 
@@ -284,15 +284,16 @@ class CheckpointRegistry:
         return [c for c in restored if not c.restore_last] + [c for c in restored if c.restore_last]
 
     # ------------------------------------------------------------------ saving
-    def snapshot(self, step: int) -> CheckpointSnapshot:
+    def snapshot(self, step: int, copier: HostCopier | None = None) -> CheckpointSnapshot:
         """First phase of a save, on every rank in the training thread: every saved component's
-        state, copied to host memory where this rank writes it; nothing is written."""
+        state, copied to host memory where this rank writes it (as ``copier`` says: kept,
+        staged or deferred; forge/checkpoint/snapshot.py); nothing is written."""
         saved = [c for c in self.components.values() if c.save]
         owned: list[tuple[Component, Any]] = []
         for component in saved:
             state = component.obj.state_dict()  # on every rank: collective-safe
             if owns(component, self.topology):
-                owned.append((component, host_copy(state)))
+                owned.append((component, host_copy(state, copier)))
         return CheckpointSnapshot(step, self.topology, saved, owned)
 
     def save(self, writer: Any) -> None:

@@ -14,12 +14,14 @@ inside the checkpoint's temporary directory (``.tmp-checkpoint-000400/trainer.pt
 
 from __future__ import annotations
 
+import functools
 import os
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge.checkpoint.io import (
+    DEFAULT_HASH,
     commit_directory,
     fsync_tree_dirs,
     map_files,
@@ -80,9 +82,10 @@ class CheckpointStorage:
         if tokenizer is not None:
             tokenizer.save_pretrained(directory)
 
-    def hash_files(self, paths: list[Path]) -> list[tuple[int, str]]:
-        """fsync every file and return its (size, sha256)."""
-        return map_files(sync_and_hash, paths)
+    def hash_files(self, paths: list[Path], algorithm: str = DEFAULT_HASH) -> list[tuple[int, str]]:
+        """fsync every file and return its (size, hex digest of ``algorithm``), a few files at
+        a time."""
+        return map_files(functools.partial(sync_and_hash, algorithm=algorithm), paths)
 
     def write_manifest(self, path: Path, data: bytes) -> None:
         """Write ``manifest.json`` atomically, then fsync every directory of the checkpoint."""

@@ -18,6 +18,8 @@ from torch import nn
 
 from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
 from forge.checkpoint.io import (
+    DEFAULT_HASH,
+    HASH_ALGORITHMS,
     TEMP_PREFIX,
     CheckpointError,
     directory_bytes,
@@ -79,6 +81,10 @@ class CheckpointWriter:
     injected, so a writer running outside the training thread can meet over its own process
     group.
 
+    ``hash_algorithm`` names the manifest's integrity hash (``sha256``, or ``xxh3_128``: far
+    faster on large checkpoints); validation reads the name from the manifest, so checkpoints
+    of either kind verify.
+
     Every file operation goes through ``storage`` (forge/checkpoint/storage.py; by default the
     process's, the local filesystem), which tests wrap to fail or die at a chosen operation.
     """
@@ -94,6 +100,7 @@ class CheckpointWriter:
         any_failed: Callable[[bool], bool] | None = None,
         trainer: str = "plain",
         storage: CheckpointStorage | None = None,
+        hash_algorithm: str = DEFAULT_HASH,
     ) -> None:
         if world_size < 1 or not 0 <= rank < world_size:
             raise ValueError(f"rank {rank} is not in a world of size {world_size}")
@@ -108,6 +115,11 @@ class CheckpointWriter:
         self.world_size = world_size
         self.trainer = trainer
         self.storage = storage if storage is not None else default_storage()
+        if hash_algorithm not in HASH_ALGORITHMS:
+            raise ValueError(
+                f"unknown checkpoint hash {hash_algorithm!r}; use one of {list(HASH_ALGORITHMS)}"
+            )
+        self.hash_algorithm = hash_algorithm  # named in each file's manifest entry
         self.final_path = self.checkpoints_dir / checkpoint_name(step)
         self.path = self.checkpoints_dir / f"{TEMP_PREFIX}{self.final_path.name}"
         self._barrier_fn = barrier
@@ -240,7 +252,7 @@ class CheckpointWriter:
                     f"checkpoint {self.final_path.name}: component '{component}' is missing "
                     f"{missing} (a rank did not write its file); the checkpoint is not saved"
                 )
-        records = self.storage.hash_files([self.path / n for n in names])
+        records = self.storage.hash_files([self.path / n for n in names], self.hash_algorithm)
         manifest = CheckpointManifest(
             step=self.step,
             epoch=self._epoch,
@@ -250,8 +262,8 @@ class CheckpointWriter:
             created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
             metrics=self._metrics,
             files={
-                n: FileEntry(size=size, sha256=sha)
-                for n, (size, sha) in zip(names, records, strict=True)
+                n: FileEntry(size=size, **{self.hash_algorithm: digest})  # type: ignore[typeddict-item]
+                for n, (size, digest) in zip(names, records, strict=True)
             },
             extra=self._extra,
         )

@@ -205,6 +205,8 @@ class TrainingArguments(StepChecks, RunChecks):
     # ---- forge's own
     device: str = "auto"
     save_final_checkpoint: bool = True
+    async_save: bool = False
+    checkpoint_hash: str = "sha256"
     early_stopping_patience: int | None = None
     early_stopping_threshold: float = 0.0
     skip_nonfinite: bool = True

@@ -102,6 +102,7 @@ OTHER_HF_INTEGRATIONS = (
 
 STRATEGIES = ("steps", "epoch", "no")
 SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
+CHECKPOINT_HASHES = ("sha256", "xxh3_128")  # forge.checkpoint.io.HASH_ALGORITHMS
 SAMPLING = ("random", "sequential")
 LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 TOKEN_COUNTS = ("no", "all", "non_padding")

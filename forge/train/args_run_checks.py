@@ -9,6 +9,7 @@ from os import PathLike
 
 from forge.extras import install_command, is_installed
 from forge.train.args_names import (
+    CHECKPOINT_HASHES,
     DDP_BACKENDS,
     DEVICE_PATTERN,
     INTEGRATIONS,
@@ -118,10 +119,16 @@ class RunChecks(ValueChecks):
 
     def _check_saving(self, p: list[str]) -> None:
         self._choice("save_strategy", SAVE_STRATEGIES, p)
+        self._choice("checkpoint_hash", CHECKPOINT_HASHES, p)
         if self.save_strategy == "steps":
             self._interval("save_steps", p, 'set it or use save_strategy: "no"')
         self._optional_int("save_total_limit", p, minimum=1, fix="use null to keep all")
-        for name in ("save_final_checkpoint", "save_only_model", "enable_jit_checkpoint"):
+        for name in (
+            "save_final_checkpoint",
+            "save_only_model",
+            "enable_jit_checkpoint",
+            "async_save",
+        ):
             self._bool(name, p)
         for name in ("ignore_data_skip", "restore_callback_states_from_checkpoint"):
             self._bool(name, p)

@@ -21,6 +21,7 @@ first resumed step in registration order, random generators last.
 
 from __future__ import annotations
 
+import copy
 import functools
 import gc
 import itertools
@@ -57,6 +58,8 @@ from forge.checkpoint import (
     unwrap_model,
 )
 from forge.checkpoint.adapter import AdapterWeights
+from forge.checkpoint.background import BackgroundCommit
+from forge.checkpoint.snapshot import HostCopier, HostStaging, stepped_by
 from forge.data import trainer_loaders
 from forge.data.columns import ModelInputs
 from forge.errors import UsageError
@@ -262,6 +265,10 @@ class BaseTrainer:
         # what the checkpoint being snapshotted records of the loop's state (itself as the last
         # checkpoint, and as the best if it is): the live state changes only once it is committed
         self._saving: dict[str, Any] = {}
+        self._commits = BackgroundCommit()  # async_save: the commit in flight, if any
+        self._copy_gate = HostCopier()  # async_save: the snapshot copies still to be made
+        self._staging: HostStaging | None = None  # async_save on CUDA: reused pinned buffers
+        self._commit_group: Any = None  # async_save, distributed: the commit's own gloo group
         self._eval_model: nn.Module | None = None
         self._in_train = False
         self._counts_flops = False  # the model estimates its floating-point operations
@@ -334,8 +341,11 @@ class BaseTrainer:
                 if checkpoint is not None:
                     self._load_checkpoint(checkpoint.path)
                 with self._signals:
-                    return self._train_loop()
+                    output = self._train_loop()
+                self.wait_for_checkpoint()
+                return output
             finally:
+                self._commits.wait_quietly()  # a failed run still finishes the commit in flight
                 self._in_train = False
                 self.release_wrappers()
 
@@ -421,6 +431,7 @@ class BaseTrainer:
         """
         args, state, control, every = self.args, self.state, self.control, self._every
         step = state.global_step
+        self._commits.raise_if_failed()  # an async commit that failed ends the run here
         if epoch_end:
             log = args.logging_strategy == "epoch"
             evaluate = args.eval_strategy == "epoch" and state.epoch >= args.eval_delay
@@ -458,6 +469,7 @@ class BaseTrainer:
             signum = int(self._agree_max(signum)) if synced else 0
         if signum:
             checkpoint = self.save_checkpoint()
+            self.wait_for_checkpoint()
             self._call("on_train_end", interrupted=signum)
             raise TrainingInterrupted(signum, self.state.global_step, str(checkpoint))
         return self.state.global_step >= self.max_steps or self.control.should_training_stop
@@ -471,6 +483,7 @@ class BaseTrainer:
             self._evaluate_in_training()
         if args.save_final_checkpoint:
             self.save_checkpoint()
+        self.wait_for_checkpoint()  # the best checkpoint and run.json are final from here on
         self._settle()
         summary = self._train_summary(steps, run_tally)
         if steps:  # a run resumed at its end trained nothing to summarise
@@ -742,6 +755,7 @@ class BaseTrainer:
         Returns whether the step was applied: True, or a bool tensor on the device where the
         decision was taken there (a grad scaler also skips steps whose gradients overflow).
         """
+        self._copy_gate.wait_copied()  # an async save still copying what this step changes
         applied: torch.Tensor | bool = True
         if self.scaler is not None:  # its step skips gradients that are not finite
             applied = torch.isfinite(step.grad_norm)
@@ -839,6 +853,19 @@ class BaseTrainer:
         self._tally = Tally()
         self._last_eval, self._last_save_step = (None, {}), None
         self.build_checkpoint_registry()
+        self._setup_async_save()
+
+    def _setup_async_save(self) -> None:
+        """``async_save``: pinned staging buffers on CUDA, and a gloo group of every rank for
+        the background commit's meetings (created here, by every rank, in the same order)."""
+        self._commits, self._copy_gate = BackgroundCommit(), HostCopier()
+        self._staging, self._commit_group = None, None
+        if not self.args.async_save:
+            return
+        if self.device.type == "cuda":
+            self._staging = HostStaging()
+        if self.topology.distributed and torch.distributed.is_initialized():
+            self._commit_group = torch.distributed.new_group(backend="gloo")
 
     def setup_optimizer(self) -> None:
         """The optimizer over the model's parameters, and the grad scaler (fp16); the
@@ -1198,42 +1225,81 @@ class BaseTrainer:
         then ``_on_commit`` records it as the last (and perhaps best) checkpoint, rotates old
         ones and calls ``on_save`` (which updates ``run.json``): a save that fails or is killed
         before its rename changes none of them.
+
+        With ``async_save`` the loop waits only for the snapshot: the commit and ``_on_commit``
+        run on a background thread (forge/checkpoint/background.py), and the path returned is
+        where the checkpoint will be once committed. Either way a save first waits for the
+        previous one, whose outcome (last and best checkpoint) this one builds on.
         """
+        self.wait_for_checkpoint()
         state = self.state
         step = state.global_step
         if self._last_save_step == step and state.last_checkpoint:
             return Path(state.last_checkpoint)  # already saved at this step
         metrics = self._last_eval[1] if self._last_eval[0] == step else {}
         recorded = self._recorded_by(self.checkpoints_dir / checkpoint_name(step), metrics)
-        snapshot = self.snapshot_checkpoint(recorded, metrics)
-        final = self.commit_checkpoint(snapshot)
-        self._on_commit(snapshot, final, recorded)
-        return final
+        copier = self._host_copier()
+        snapshot = self.snapshot_checkpoint(recorded, metrics, copier)
+        if not self.args.async_save:
+            final = self.commit_checkpoint(snapshot)
+            self._on_commit(snapshot, final, recorded)
+            return final
+
+        def commit() -> None:
+            copier.copy_deferred()  # first, while the loop runs the next forward and backward
+            final = self.commit_checkpoint(snapshot, any_failed=self._commit_any_failed)
+            self._on_commit(snapshot, final, recorded)
+
+        self._commits.submit(commit, checkpoint_name(step))
+        self._copy_gate = copier  # the next optimizer step waits for the deferred copies
+        return self.checkpoints_dir / checkpoint_name(step)
+
+    def _host_copier(self) -> HostCopier:
+        """How this save's snapshot copies tensors (forge/checkpoint/snapshot.py). A synchronous
+        commit ends before the next optimizer step: CPU state needs no copy. An async one must
+        copy (the optimizer steps change parameters and moments in place before the commit
+        ends), but the parameters and the optimizer's state change only in the optimizer step:
+        their copies run on the commit thread, while the loop computes the next step's forward
+        and backward, and the next optimizer step waits for them."""
+        if not self.args.async_save:
+            return HostCopier(copy_cpu=False)
+        if self._staging is not None:
+            self._staging.reuse()  # the previous commit is done: its buffers are free
+        return HostCopier(staging=self._staging, deferrable=stepped_by(self.optimizer))
+
+    def wait_for_checkpoint(self) -> None:
+        """Block until no checkpoint commit is in flight (``async_save``); raise its failure."""
+        self._commits.wait()
 
     def snapshot_checkpoint(
-        self, recorded: dict[str, Any], metrics: dict[str, float]
+        self, recorded: dict[str, Any], metrics: dict[str, float], copier: HostCopier | None = None
     ) -> CheckpointSnapshot:
         """Phase 1, every rank, in the training thread: every component's state copied to host
         memory (nothing is written). The trainer's own counters in it carry ``recorded``
         without the live state taking them."""
         self._saving = recorded
         try:
-            snapshot = self.checkpoint_registry.snapshot(self.state.global_step)
+            snapshot = self.checkpoint_registry.snapshot(self.state.global_step, copier)
         finally:
             self._saving = {}
         snapshot.epoch, snapshot.metrics = self.state.epoch, dict(metrics)
         return snapshot
 
-    def commit_checkpoint(self, snapshot: CheckpointSnapshot) -> Path:
+    def commit_checkpoint(
+        self, snapshot: CheckpointSnapshot, any_failed: Callable[[bool], bool] | None = None
+    ) -> Path:
         """Phase 2: write ``snapshot`` as a checkpoint (files, hashes, fsync, manifest, rename).
 
         It reads nothing of the live trainer or model but the model's config and the tokenizer
         (written beside the weights), so it could run outside the training thread. Its only collectives are the writer's three meetings
         (``any_failed``, an all-reduce of "did this rank fail": after rank 0 creates the
         temporary directory, after every rank has written, after rank 0's rename); when it
-        returns, every rank knows the checkpoint is in place.
+        returns, every rank knows the checkpoint is in place. A background commit passes
+        ``any_failed`` over its own process group, so its meetings never interleave with the
+        training thread's collectives.
         """
-        any_failed = self._any_rank_failed if self.topology.distributed else None
+        if any_failed is None and self.topology.distributed:
+            any_failed = self._any_rank_failed
         with CheckpointWriter(
             self.checkpoints_dir,
             snapshot.step,
@@ -1241,6 +1307,7 @@ class BaseTrainer:
             world_size=self.topology.world_size,
             any_failed=any_failed,
             trainer=self.trainer_kind,
+            hash_algorithm=self.args.checkpoint_hash,
         ) as writer:
             snapshot.write(writer)
         return writer.final_path
@@ -1249,7 +1316,10 @@ class BaseTrainer:
         self, snapshot: CheckpointSnapshot, final: Path, recorded: dict[str, Any]
     ) -> None:
         """Phase 3, every rank, after the checkpoint's rename: the loop's state takes what the
-        checkpoint recorded; rank 0 rotates old checkpoints (never the best); ``on_save``."""
+        checkpoint recorded; rank 0 rotates old checkpoints (never the best); ``on_save``.
+
+        Callbacks see the state as it was at the snapshot (its step and epoch), not the live
+        one, which an async commit's loop has moved on from."""
         args, state = self.args, self.state
         for name, value in recorded.items():
             setattr(state, name, value)
@@ -1257,10 +1327,22 @@ class BaseTrainer:
         if self.is_main_process and args.save_total_limit:
             protect = [state.best_checkpoint] if state.best_checkpoint else []
             rotate_checkpoints(self.checkpoints_dir, args.save_total_limit, protect=protect)
-        self._call("on_save", checkpoint_path=final, metrics=snapshot.metrics)
+        saved = copy.copy(state)
+        saved.global_step, saved.epoch = snapshot.step, snapshot.epoch
+        self._call("on_save", state=saved, checkpoint_path=final, metrics=snapshot.metrics)
 
     def _any_rank_failed(self, failed: bool) -> bool:
         return bool(self._agree_max(1.0 if failed else 0.0))
+
+    def _commit_any_failed(self, failed: bool) -> bool:
+        """The background commit's meeting: over its own gloo group, on host tensors."""
+        if self._commit_group is None:
+            return failed
+        flag = torch.tensor([1.0 if failed else 0.0])
+        torch.distributed.all_reduce(
+            flag, op=torch.distributed.ReduceOp.MAX, group=self._commit_group
+        )
+        return bool(flag.item())
 
     def _recorded_by(self, checkpoint: Path, metrics: dict[str, float]) -> dict[str, Any]:
         """What saving ``checkpoint`` changes in the loop's state: it becomes the last
@@ -1476,12 +1558,13 @@ class BaseTrainer:
         if self.is_main_process:
             logger.log(level, message, *values)
 
-    def _call(self, event: str, **kwargs: Any) -> None:
-        """Run a callback hook; hooks also get the model, optimizer and scheduler (as HF's)."""
+    def _call(self, event: str, *, state: TrainerState | None = None, **kwargs: Any) -> None:
+        """Run a callback hook; hooks also get the model, optimizer and scheduler (as HF's).
+        ``state``: what the hook sees instead of the live state (a save's, at its snapshot)."""
         self.callback_handler.call(
             event,
             self.args,
-            self.state,
+            state if state is not None else self.state,
             self.control,
             model=self.model,
             optimizer=self.optimizer,

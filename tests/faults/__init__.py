@@ -151,8 +151,8 @@ class FaultyStorage(CheckpointStorage):
             self._record(path)
         self.point("after:model", directory)
 
-    def hash_files(self, paths: list[Path]) -> list[tuple[int, str]]:
-        return self.inner.hash_files(paths)
+    def hash_files(self, paths: list[Path], algorithm: str = "sha256") -> list[tuple[int, str]]:
+        return self.inner.hash_files(paths, algorithm)
 
     def write_manifest(self, path: Path, data: bytes) -> None:
         self.point("before-manifest", path)

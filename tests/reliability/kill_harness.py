@@ -71,6 +71,15 @@ TRAINERS = [
     TrainerCase("pipeline-2", "pipeline", 2),  # 2 stages of 2 layers each
 ]
 
+# The same jobs with ``async_save: true``: every save's files, manifest and rename happen on
+# a background thread while the loop trains on, so a kill lands inside an async commit.
+ASYNC = ("--set", "trainer.args.async_save=true")
+ASYNC_TRAINERS = [
+    TrainerCase(f"{case.name}-async", case.config, case.nproc, (*case.defines, *ASYNC))
+    for case in TRAINERS
+]
+ALL_TRAINERS = [*TRAINERS, *ASYNC_TRAINERS]
+
 KINDS_ONE = ["after-file", "random", "before-manifest", "after-file", "rotation", "before-rename"]
 KINDS_MANY = [*KINDS_ONE, "one-rank"]
 
@@ -503,11 +512,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--kills", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--trainers", default=",".join(c.name for c in TRAINERS))
+    parser.add_argument(
+        "--trainers",
+        default=",".join(c.name for c in TRAINERS),
+        help=f"comma-separated, of {', '.join(c.name for c in ALL_TRAINERS)}",
+    )
     parser.add_argument("--report", help="write the results here as JSON")
     parser.add_argument("--workdir", help="where runs go (default: a temporary directory)")
     args = parser.parse_args(argv)
-    chosen = [c for c in TRAINERS if c.name in args.trainers.split(",")]
+    chosen = [c for c in ALL_TRAINERS if c.name in args.trainers.split(",")]
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="forge-kills-"))
     results = [run_trainer(case, workdir, kills=args.kills, seed=args.seed) for case in chosen]
     if args.report:
