@@ -284,6 +284,12 @@ class RunChecks(ValueChecks):
         self._int("ddp_timeout", p, minimum=1)
         sharded, problems = parse_fsdp(self.fsdp, self.fsdp_config, self.config_key)
         p.extend(problems)
+        if sharded is not None and getattr(self, "async_save", False) is True:
+            p.append(
+                f"{self._key('async_save')}: saves under fsdp are synchronous for now (the "
+                "background commit's deferred copies do not handle sharded DTensor state); "
+                "set async_save: false, or train with DDP (fsdp: null)"
+            )
         if sharded is not None and self.ema_decay not in (None, 0, 0.0):
             p.append(
                 f"{self._key('ema_decay')}: a moving average of the weights is not kept under "

@@ -70,3 +70,12 @@ def test_a_moving_average_is_refused_under_fsdp():
         TrainingArguments(output_dir="out", fsdp="full_shard", ema_decay=0.99)
     TrainingArguments(output_dir="out", fsdp="full_shard", ema_decay=0)  # 0 is off
     TrainingArguments(output_dir="out", ema_decay=0.99)
+
+
+def test_an_async_save_is_refused_under_fsdp():
+    # its deferred copies ran into FSDP's DTensor storage ("invalid python storage") at the save
+    with pytest.raises(
+        TrainingArgumentsError, match="async_save: saves under fsdp are synchronous"
+    ):
+        TrainingArguments(output_dir="out", fsdp="full_shard", async_save=True)
+    TrainingArguments(output_dir="out", fsdp="full_shard", async_save=False)

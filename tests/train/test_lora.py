@@ -344,3 +344,15 @@ def test_a_moving_average_with_lora_covers_the_adapter_and_resumes_exactly(base_
     lora_trainer(out, base_dir, ema_decay=0.9).train(resume_from_checkpoint=True)
     resumed = read_ema_state(checkpoint_dir(out, 8))
     assert all(torch.equal(average[name], resumed[name]) for name in average)
+
+
+def test_an_async_save_writes_the_same_adapter_checkpoints(trained, base_dir, tmp_path):
+    out, _ = trained
+    lora_trainer(tmp_path / "async", base_dir, async_save=True).train()
+    for step in (4, 8):
+        ckpt = checkpoint_dir(tmp_path / "async", step)
+        assert validate_checkpoint(ckpt) == []
+        mine = load_file(ckpt / "adapter_model.safetensors")
+        theirs = load_file(checkpoint_dir(out, step) / "adapter_model.safetensors")
+        assert mine.keys() == theirs.keys()
+        assert all(torch.equal(mine[k], theirs[k]) for k in mine)
