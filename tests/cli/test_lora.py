@@ -33,6 +33,7 @@ def runs(tmp_path_factory):
     return project, base_run, project / "output" / "lora" / "run_001"
 
 
+@pytest.mark.slow  # shares a ~35 s fixture; tests/train/test_lora.py covers it in process
 def test_the_base_is_referenced_once_and_checkpoints_hold_the_adapter(runs):
     _, base_run, run = runs
     base_ckpt = base_run / "checkpoints" / "checkpoint-000002"
@@ -53,6 +54,7 @@ def test_the_base_is_referenced_once_and_checkpoints_hold_the_adapter(runs):
     assert json.loads((run / "run.json").read_text())["best"]["metric"] == "eval_loss"
 
 
+@pytest.mark.slow  # shares a ~35 s fixture; tests/train/test_lora.py covers it in process
 def test_generate_evaluate_and_predict_use_a_lora_checkpoint(runs, tmp_path):
     _, _, run = runs
     ckpt = run / "checkpoints" / "checkpoint-000010"
@@ -79,6 +81,7 @@ def test_generate_evaluate_and_predict_use_a_lora_checkpoint(runs, tmp_path):
     assert "prediction" in json.loads(output.read_text())
 
 
+@pytest.mark.slow  # shares a ~35 s fixture; tests/train/test_lora.py covers it in process
 def test_a_target_that_matches_nothing_is_refused_before_the_run_starts(runs):
     project, base_run, _ = runs
     data = {k: SMALL_LM[k] for k in ("block_size", "max_files")}
@@ -93,6 +96,7 @@ def test_a_target_that_matches_nothing_is_refused_before_the_run_starts(runs):
     assert sorted(p.name for p in (project / "output" / "lora").iterdir()) == ["run_001"]
 
 
+@pytest.mark.slow  # shares a ~35 s fixture; tests/train/test_lora.py covers it in process
 def test_export_merge_lora_and_refusals(runs, tmp_path):
     _, base_run, run = runs
     ckpt = run / "checkpoints" / "checkpoint-000010"
@@ -105,6 +109,7 @@ def test_export_merge_lora_and_refusals(runs, tmp_path):
     assert "holds no adapter" in refused.stderr and "Traceback" not in refused.stderr
 
 
+@pytest.mark.slow  # shares a ~35 s fixture; tests/train/test_lora.py covers it in process
 def test_a_resume_whose_base_changed_is_refused_naming_it(runs):
     project, base_run, run = runs
     base_ckpt = (base_run / "checkpoints" / "checkpoint-000002").resolve()

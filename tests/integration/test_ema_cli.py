@@ -27,6 +27,7 @@ def final_checkpoint(run_dir: Path) -> Path:
     return run_dir / "checkpoints" / "checkpoint-000040"
 
 
+@pytest.mark.slow  # ~60 s; tests/train/test_ema.py resumes the average exactly in process
 def test_the_average_survives_sigkill_and_resume_and_exports(project, tmp_path):
     straight = run_forge("train", "-p", str(project), *SMALL, *EMA)
     assert straight.returncode == 0, straight.stderr
