@@ -163,3 +163,31 @@ def assert_same_training(a: Trainer, b: Trainer) -> None:
         a.optimizer.state_dict()["state"], b.optimizer.state_dict()["state"], "optimizer"
     )
     assert a.lr_scheduler.state_dict()["last_epoch"] == b.lr_scheduler.state_dict()["last_epoch"]
+
+
+def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 900) -> str:
+    """``script args`` on ``nproc`` real processes under torchrun (gloo); its output. Fails with
+    that output on a non-zero exit; after ``timeout`` seconds ends torchrun and its workers
+    (their own session) and fails."""
+    import subprocess
+    import sys
+
+    repo = Path(__file__).resolve().parents[2]
+    env = dict(os.environ, PYTHONPATH=str(repo), OMP_NUM_THREADS="1")
+    env.pop("WORLD_SIZE", None)
+    command = [
+        sys.executable, "-m", "torch.distributed.run", "--standalone",
+        f"--nproc_per_node={nproc}", str(script), *args,
+    ]  # fmt: skip
+    proc = subprocess.Popen(
+        command, cwd=repo, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True,
+    )  # fmt: skip
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"torchrun {script.name} timed out:\n{output}") from None
+    assert proc.returncode == 0, output
+    return output

@@ -9,10 +9,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +22,7 @@ from tests.train.common import (
     component_state,
     make_args,
     make_trainer,
+    run_torchrun,
 )
 from tests.train.components_script import ShadowCallback, ShadowWeights, run
 
@@ -36,24 +33,7 @@ SCRIPT = Path(__file__).with_name("components_script.py")
 def torchrun(output_dir: Path, kind: str, **extra) -> None:
     """components_script.py on 2 processes (a pipeline of 2 stages)."""
     output_dir.mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(SCRIPT), str(output_dir), kind, json.dumps(extra),
-    ]  # fmt: skip
-    # a session of its own, so a timeout can end the workers along with torchrun
-    proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"torchrun timed out:\n{output}") from None
-    assert proc.returncode == 0, output
+    run_torchrun(SCRIPT, str(output_dir), kind, json.dumps(extra))
 
 
 def shadow(output_dir: Path, rank: int, tag: str) -> tuple[int, dict[str, torch.Tensor]]:

@@ -3,10 +3,6 @@
 from __future__ import annotations
 
 import logging
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -19,6 +15,7 @@ from tests.train.common import (
     component_state,
     make_args,
     make_trainer,
+    run_torchrun,
 )
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -28,25 +25,7 @@ SCRIPT = Path(__file__).with_name("ddp_resume_script.py")
 
 
 def torchrun(mode: str, output_dir: Path) -> str:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-        str(SCRIPT), mode, str(output_dir),
-    ]  # fmt: skip
-    # a session of its own, so a timeout can end the workers along with torchrun
-    proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=600)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"torchrun {mode} timed out:\n{output}") from None
-    assert proc.returncode == 0, output
-    return output
+    return run_torchrun(SCRIPT, mode, str(output_dir), timeout=600)
 
 
 def final_state(output_dir: Path) -> dict:

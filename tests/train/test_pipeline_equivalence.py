@@ -11,15 +11,12 @@ more than the tolerance from step 2 on.
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.train.common import run_torchrun
 from tests.train.pipeline_script import STEPS, train
 
 pytestmark = pytest.mark.integration
@@ -29,24 +26,7 @@ SCRIPT = Path(__file__).with_name("pipeline_script.py")
 
 
 def torchrun(output_dir: Path, nproc: int, kind: str, **extra) -> None:
-    env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS="1")
-    env.pop("WORLD_SIZE", None)
-    command = [
-        sys.executable, "-m", "torch.distributed.run", "--standalone",
-        f"--nproc_per_node={nproc}", str(SCRIPT), str(output_dir), kind, json.dumps(extra),
-    ]  # fmt: skip
-    # a session of its own, so a timeout can end the workers along with torchrun
-    proc = subprocess.Popen(
-        command, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        start_new_session=True,
-    )  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=900)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"torchrun timed out:\n{output}") from None
-    assert proc.returncode == 0, output
+    run_torchrun(SCRIPT, str(output_dir), kind, json.dumps(extra), nproc=nproc)
 
 
 def step_losses(output_dir: Path) -> list[float]:
