@@ -106,7 +106,7 @@ class ModelParts:
     def _call_problems(self, model: nn.Module, layers: nn.Module, key: str) -> list[str]:
         """Whether a stage can call these layers as the unsplit model does."""
         found = []
-        hf = _hf_config(model)
+        hf = _hf_config(model, self.layers)
         given = set(_layer_keywords(hf is not None, self.rotary is not None))
         for layer in {type(layer): layer for layer in layers}.values():
             needs = [n for n in _required_keywords(layer) if n not in given]
@@ -139,11 +139,18 @@ _MASKS = {
 }
 
 
-def _hf_config(model: nn.Module) -> Any:
-    """The Hugging Face config of ``model`` (its layers take masks and positions), else None."""
+def _hf_config(model: nn.Module, layers: str = "") -> Any:
+    """The Hugging Face config of the model whose ``layers`` these are (its layers take masks
+    and positions), else None: ``model`` itself, or the Hugging Face model a wrapper holds on
+    the way to its layers (``lm.model`` for ``lm.model.layers``)."""
     from forge.train.stage_init import _is_hf_model
 
-    return model.config if _is_hf_model(model) else None
+    names = layers.split(".")[:-1] if layers else []
+    for depth in range(len(names), -1, -1):
+        owner = model.get_submodule(".".join(names[:depth])) if depth else model
+        if _is_hf_model(owner):
+            return owner.config
+    return None
 
 
 def _layer_keywords(hf: bool, rotary: bool) -> tuple[str, ...]:
@@ -387,7 +394,7 @@ class StageModule(nn.Module):
             nn.ModuleList(model.get_submodule(name) for name in parts.head) if spec.last else None
         )
         self.rotary = model.get_submodule(parts.rotary) if parts.rotary else None
-        self.config = _hf_config(model)
+        self.config = _hf_config(model, parts.layers)
         given = _layer_keywords(self.config is not None, self.rotary is not None)
         self._keywords = [_accepted(layer, given) for layer in self.layers]
 
