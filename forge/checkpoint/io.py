@@ -83,12 +83,20 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def write_file_durably(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` and fsync it (no rename; the directory is still temporary)."""
+def write_file_durably(
+    path: Path, data: bytes, hash_algorithm: str | None = None
+) -> tuple[int, str] | None:
+    """Write ``data`` to ``path`` and fsync it (no rename; the directory is still temporary).
+    With ``hash_algorithm``, returns the file's (size, hex digest), hashed from ``data``."""
     with open(path, "wb") as f:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+    if hash_algorithm is None:
+        return None
+    digest = new_digest(hash_algorithm)
+    digest.update(data)
+    return len(data), digest.hexdigest()
 
 
 def write_file_atomically(path: Path, data: bytes) -> None:
@@ -100,11 +108,12 @@ def write_file_atomically(path: Path, data: bytes) -> None:
 
 
 # The integrity hashes a manifest may name, each with the length of its hex digest. sha256
-# is what every forge checkpoint had until xxh3_128 (xxhash: ten times faster and more; it
-# detects corruption and truncation, not tampering, which no hash in the manifest stops anyway)
-# was added; a manifest names its algorithm in each file's entry, so both verify.
+# is what every forge checkpoint had until xxh3_128 (xxhash: about 19 GB/s on one core here
+# against sha256's 1.7; it detects corruption and truncation, not tampering, which no hash in
+# the manifest stops anyway) became the default; a manifest names its algorithm in each
+# file's entry, so checkpoints of either kind verify.
 HASH_ALGORITHMS = {"sha256": 64, "xxh3_128": 32}
-DEFAULT_HASH = "sha256"
+DEFAULT_HASH = "xxh3_128"
 
 
 def new_digest(algorithm: str = DEFAULT_HASH) -> Any:
@@ -126,6 +135,35 @@ def _read_into(f: Any, digest: Any) -> int:
         digest.update(view[:n])
         size += n
     return size
+
+
+class HashingFile:
+    """A binary file that hashes every byte written through it: the digest of a file is
+    computed while it is written, in the same pass over memory, instead of reading it back.
+
+    ``record()`` gives (size, hex digest) once writing is done. ``torch.save`` accepts it as
+    its file (it only calls ``write`` and ``flush``).
+    """
+
+    def __init__(self, file: Any, algorithm: str = DEFAULT_HASH) -> None:
+        self._file = file
+        self._digest = new_digest(algorithm)
+        self.size = 0
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        if not view.c_contiguous or view.format != "B":
+            view = view.cast("B") if view.c_contiguous else memoryview(bytes(view))
+        self._digest.update(view)
+        self._file.write(view)
+        self.size += view.nbytes
+        return view.nbytes
+
+    def flush(self) -> None:
+        self._file.flush()
+
+    def record(self) -> tuple[int, str]:
+        return self.size, self._digest.hexdigest()
 
 
 def sync_and_hash(path: Path, algorithm: str = DEFAULT_HASH) -> tuple[int, str]:
@@ -447,8 +485,14 @@ def save_model_weights(
         )
 
 
-def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict | None) -> None:
-    """Write one safetensors file; tensors that share storage are stored as separate copies."""
+def save_tensors(
+    path: Path,
+    tensors: Mapping[str, torch.Tensor],
+    metadata: dict | None,
+    hash_algorithm: str | None = None,
+) -> tuple[int, str] | None:
+    """Write one safetensors file, fsynced; tensors that share storage are stored as separate
+    copies. With ``hash_algorithm``, returns the file's (size, hex digest)."""
     from safetensors.torch import save
 
     seen: set[tuple[int, int]] = set()
@@ -460,7 +504,8 @@ def save_tensors(path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict
             tensor = tensor.clone()
         seen.add(key)
         prepared[name] = tensor.contiguous().cpu()
-    write_file_durably(path, save(prepared, metadata={"format": "pt", **(metadata or {})}))
+    data = save(prepared, metadata={"format": "pt", **(metadata or {})})
+    return write_file_durably(path, data, hash_algorithm)
 
 
 def read_safetensors_header(path: Path) -> dict[str, Any]:

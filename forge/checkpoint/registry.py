@@ -42,7 +42,7 @@ from enum import Enum
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-from forge.checkpoint.io import HEADER_KEY, CheckpointError, list_files, load_torch_state
+from forge.checkpoint.io import HEADER_KEY, CheckpointError, load_torch_state
 from forge.checkpoint.layout import (
     FORMAT_VERSION,
     CheckpointManifest,
@@ -215,7 +215,9 @@ class CheckpointSnapshot:
         """
         topo = self.topology
         weights_files: dict[str, list[str]] = {}
-        for component, state in self.owned:
+        # state files first: they go to writer threads, while the weights (a model's
+        # save_pretrained) are written in this thread at the same time
+        for component, state in sorted(self.owned, key=lambda owned: owned[0].weights):
             if component.weights:
                 weights_files[component.name] = self._write_weights(writer, component, state)
             else:
@@ -251,9 +253,9 @@ class CheckpointSnapshot:
             component.obj.write(writer, state, shard_weights_name(topo.rank, topo.world_size))
             return []
         if topo.num_stages == 1:
-            before = set(list_files(writer.path))
+            mark = writer.mark()
             component.obj.write(writer, state, None)
-            return sorted(set(list_files(writer.path)) - before)
+            return writer.files_since(mark)
         component.obj.write(writer, state, stage_weights_name(topo.stage, topo.num_stages))
         if topo.rank == 0:
             writer.index_weights(

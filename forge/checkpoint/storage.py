@@ -9,7 +9,10 @@ torchrun), by installing it as the process default with ``use_storage`` before t
 Each method is one step of a commit, named so that a wrapper can say "after this file",
 "before the manifest" or "before the rename" without knowing how the writer works. Paths are
 inside the checkpoint's temporary directory (``.tmp-checkpoint-000400/trainer.pt``) except for
-``start`` and ``rename``.
+``start`` and ``rename``. The file writes may run on several threads at once (a writer writes
+the files of one checkpoint in parallel); given ``hash_algorithm`` they return the file's
+(size, hex digest), hashed while writing; a write that returns None has its file read back and
+hashed at commit instead.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from forge.checkpoint.io import (
     DEFAULT_HASH,
+    HashingFile,
     commit_directory,
     fsync_tree_dirs,
     map_files,
@@ -48,24 +52,35 @@ class CheckpointStorage:
         sweep_temp_dirs(checkpoints_dir)
         path.mkdir()
 
-    def write_torch(self, path: Path, obj: Any) -> None:
-        """``torch.save`` ``obj`` to ``path``, fsynced."""
+    def write_torch(
+        self, path: Path, obj: Any, *, hash_algorithm: str | None = None
+    ) -> tuple[int, str] | None:
+        """``torch.save`` ``obj`` to ``path``, fsynced (hashed as it is written)."""
         import torch
 
         with open(path, "wb") as f:
-            torch.save(obj, f)
+            sink = HashingFile(f, hash_algorithm) if hash_algorithm else f
+            torch.save(obj, sink)
             f.flush()
             os.fsync(f.fileno())
+        return sink.record() if isinstance(sink, HashingFile) else None
 
-    def write_bytes(self, path: Path, data: bytes) -> None:
+    def write_bytes(
+        self, path: Path, data: bytes, *, hash_algorithm: str | None = None
+    ) -> tuple[int, str] | None:
         """Write ``data`` to ``path``, fsynced."""
-        write_file_durably(path, data)
+        return write_file_durably(path, data, hash_algorithm)
 
     def write_tensors(
-        self, path: Path, tensors: Mapping[str, torch.Tensor], metadata: dict | None
-    ) -> None:
+        self,
+        path: Path,
+        tensors: Mapping[str, torch.Tensor],
+        metadata: dict | None,
+        *,
+        hash_algorithm: str | None = None,
+    ) -> tuple[int, str] | None:
         """One safetensors file, fsynced."""
-        save_tensors(path, tensors, metadata)
+        return save_tensors(path, tensors, metadata, hash_algorithm)
 
     def write_model(
         self,

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import logging
 import os
 import shutil
 from collections.abc import Callable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import AbstractContextManager
 from datetime import datetime, timezone
 from pathlib import Path, PurePosixPath
@@ -22,6 +24,7 @@ from forge.checkpoint.io import (
     HASH_ALGORITHMS,
     TEMP_PREFIX,
     CheckpointError,
+    DiskFullError,
     directory_bytes,
     disk_full_guard,
     estimate_checkpoint_bytes,
@@ -42,6 +45,12 @@ from forge.checkpoint.weights import directory_mismatch, weight_files
 from forge.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
+
+# Threads that write (and fsync, and hash) the files of one checkpoint at once: enough to keep
+# a disk's queue full while the page cache takes the next file, few enough for a small machine.
+FILE_WRITERS = max(2, min(4, os.cpu_count() or 1))
+# What a rank other than 0 leaves in the temporary directory: the hashes of its files.
+RECORDS_PREFIX = ".hashes-rank-"
 
 
 def _json_default(value: Any) -> Any:
@@ -81,9 +90,19 @@ class CheckpointWriter:
     injected, so a writer running outside the training thread can meet over its own process
     group.
 
-    ``hash_algorithm`` names the manifest's integrity hash (``sha256``, or ``xxh3_128``: far
-    faster on large checkpoints); validation reads the name from the manifest, so checkpoints
-    of either kind verify.
+    ``hash_algorithm`` names the manifest's integrity hash (``xxh3_128``, the default, or
+    ``sha256``); validation reads the name from the manifest, so checkpoints of either kind
+    verify.
+
+    Files are written in parallel: ``save_torch`` and ``save_safetensors`` hand their file to
+    a few writer threads and return at once (what they were given must not change until the
+    context exits), while ``save_model`` (and the small ``save_json``) write in the calling
+    thread; each file is fsynced by the thread that wrote it and hashed as it is written (a
+    whole model's files, which ``save_pretrained`` writes, are read back on a writer thread),
+    so the commit only reads back files no thread recorded. Every rank other than 0 leaves
+    its records beside its files for rank 0 (``.hashes-rank-00001.json``, removed at commit),
+    so no file is read twice. The context's exit waits for every write; a failed write fails
+    the save (the lack of space first, when several fail).
 
     Every file operation goes through ``storage`` (forge/checkpoint/storage.py; by default the
     process's, the local filesystem), which tests wrap to fail or die at a chosen operation.
@@ -134,6 +153,9 @@ class CheckpointWriter:
         self._components: dict[str, Any] = {}
         self._weights_index: list[str] = []
         self._extra: dict[str, Any] = {}
+        self._pool: ThreadPoolExecutor | None = None
+        self._jobs: list[tuple[str, Future]] = []  # (file name, its write), in order
+        self._records: dict[str, tuple[int, str]] = {}  # file -> (size, digest), hashed
 
     @property
     def is_main(self) -> bool:
@@ -202,24 +224,31 @@ class CheckpointWriter:
         exc: BaseException | None,
         tb: TracebackType | None,
     ) -> bool:
+        # no thread may still write into a directory that is aborted or committed
+        write_error = self._finish_writes()
         if exc is not None and not isinstance(exc, Exception):
             self._abort()  # KeyboardInterrupt, SystemExit: no meeting, the job is ending
             return False
+        failure = exc if exc is not None else write_error
+        if failure is None and not self.is_main:
+            failure = self._leave_records()
         # every rank has written its files, or says it failed
-        if self._any_failed(exc is not None):
+        if self._any_failed(failure is not None):
             self._abort()
-            if isinstance(exc, OSError):
-                raise self._fail(exc, "write") from exc
+            if isinstance(failure, OSError):
+                raise self._fail(failure, "write") from failure
             if exc is not None:
                 return False
+            if failure is not None:
+                raise failure
             raise self._other_rank_failed("writing")
         error: Exception | None = None
         if self.is_main:
             try:
                 with self._space_guard("commit"):
                     self._commit()
-            except Exception as failure:  # re-raised after the others know
-                error = failure
+            except Exception as commit_failure:  # re-raised after the others know
+                error = commit_failure
                 self._abort()
         if self._any_failed(error is not None):  # the checkpoint is in place, or not
             if isinstance(error, OSError):
@@ -228,6 +257,77 @@ class CheckpointWriter:
                 raise error
             raise self._other_rank_failed("committing")
         return False
+
+    # -- parallel writes -------------------------------------------------------------------
+
+    def _submit(self, name: str, job: Callable[[], dict[str, tuple[int, str]] | None]) -> None:
+        """Write ``name`` on a writer thread; ``job`` returns {file: (size, digest)} or None."""
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(FILE_WRITERS, thread_name_prefix="forge-write")
+        self._jobs.append((name, self._pool.submit(job)))
+
+    def mark(self) -> tuple[set[str], int]:
+        """Where the checkpoint stands now, for ``files_since``."""
+        return set(list_files(self.path)), len(self._jobs)
+
+    def files_since(self, mark: tuple[set[str], int]) -> list[str]:
+        """The files written since ``mark`` (by the calling thread, or handed to a writer
+        thread since), not those that writer threads were already writing then."""
+        before, jobs = mark
+        earlier = {name for name, _ in self._jobs[:jobs]}
+        later = {name for name, _ in self._jobs[jobs:]}
+        return sorted((set(list_files(self.path)) | later) - before - earlier)
+
+    def _finish_writes(self) -> Exception | None:
+        """Wait for every write of this rank; the error to report, if one failed (a full disk
+        before the others: it explains them, as they may have failed on its cleanup)."""
+        errors: list[Exception] = []
+        for _, future in self._jobs:
+            try:
+                records = future.result()
+            except Exception as exc:
+                errors.append(exc)
+                continue
+            if records:
+                self._records.update(records)
+        self._jobs.clear()
+        if self._pool is not None:
+            self._pool.shutdown()
+            self._pool = None
+        full = [e for e in errors if isinstance(e, DiskFullError)]
+        return (full or errors or [None])[0]
+
+    def _leave_records(self) -> Exception | None:
+        """A rank other than 0: its files' sizes and hashes, for rank 0's manifest."""
+        if not self._records:
+            return None
+        name = f"{RECORDS_PREFIX}{self.rank:05d}.json"
+        data = {"algorithm": self.hash_algorithm, "files": self._records}
+        try:
+            with self._space_guard(f"write {name} of"):
+                self.storage.write_bytes(self.path / name, _dumps(data))
+        except Exception as exc:
+            return exc
+        return None
+
+    def _gather_records(self) -> dict[str, tuple[int, str]]:
+        """Rank 0: its own records and those the other ranks left (whose files are removed);
+        a record whose size is not the file's is dropped (the file is hashed again)."""
+        records = dict(self._records)
+        for path in sorted(self.path.glob(f"{RECORDS_PREFIX}*.json")):
+            try:
+                data = json.loads(path.read_text())
+                if data.get("algorithm") == self.hash_algorithm:
+                    records.update({n: (int(r[0]), str(r[1])) for n, r in data["files"].items()})
+            except (OSError, ValueError, KeyError, TypeError, IndexError):
+                pass  # the files it names are hashed here instead
+            path.unlink()
+        kept = {}
+        for name, (size, digest) in records.items():
+            target = self.path / name
+            if target.is_file() and target.stat().st_size == size:
+                kept[name] = (size, digest)
+        return kept
 
     def _abort(self) -> None:
         if self.is_main and self.path.exists():
@@ -244,6 +344,7 @@ class CheckpointWriter:
                 )
             write_weights_index(self.path, self._weights_index)
         self._check_hf_directory()
+        recorded = self._gather_records()
         names = [n for n in list_files(self.path) if n != MANIFEST_NAME]
         for component, entry in self._components.items():
             missing = [f for f in entry["files"] if f not in names]
@@ -252,7 +353,13 @@ class CheckpointWriter:
                     f"checkpoint {self.final_path.name}: component '{component}' is missing "
                     f"{missing} (a rank did not write its file); the checkpoint is not saved"
                 )
-        records = self.storage.hash_files([self.path / n for n in names], self.hash_algorithm)
+        unrecorded = [n for n in names if n not in recorded]
+        if unrecorded:
+            hashed = self.storage.hash_files(
+                [self.path / n for n in unrecorded], self.hash_algorithm
+            )
+            recorded.update(zip(unrecorded, hashed, strict=True))
+        records = [recorded[n] for n in names]
         manifest = CheckpointManifest(
             step=self.step,
             epoch=self._epoch,
@@ -327,6 +434,7 @@ class CheckpointWriter:
         if not self.is_main:
             return
         weights = state_dict if state_dict is not None else unwrap_model(model).state_dict()
+        mark = self.mark()
         try:
             with self._space_guard("write the model of", weights):
                 self.storage.write_model(
@@ -338,24 +446,53 @@ class CheckpointWriter:
                 )
         except OSError as exc:
             raise self._fail(exc, "write the model of") from exc
+        written = self.files_since(mark)
+
+        def sync_and_hash() -> dict[str, tuple[int, str]]:
+            # fsynced and read back on a writer thread, while the caller goes on
+            paths = [self.path / name for name in written]
+            hashed = self.storage.hash_files(paths, self.hash_algorithm)
+            return dict(zip(written, hashed, strict=True))
+
+        if written:
+            self._submit(written[0], sync_and_hash)
+
+    def _write(self, name: str, doing: str, pending: Any, write: Callable[..., Any]) -> None:
+        """Hand one file to a writer thread: ``write(hash_algorithm=...)`` under the disk-full
+        guard, its OSError explained."""
+
+        def job() -> dict[str, tuple[int, str]] | None:
+            try:
+                with self._space_guard(doing, pending):
+                    record = write(hash_algorithm=self.hash_algorithm)
+            except OSError as exc:
+                raise self._fail(exc, doing) from exc
+            return {name: record} if record is not None else None
+
+        self._submit(name, job)
 
     def save_torch(self, name: str, obj: Any) -> None:
-        """``torch.save`` ``obj`` as ``name``, on the calling rank (rank 0 for shared state)."""
+        """``torch.save`` ``obj`` as ``name``, on the calling rank (rank 0 for shared state);
+        written on a writer thread: ``obj`` must not change until the context exits."""
         target = self._target(name)
-        try:
-            with self._space_guard(f"write {name} of", obj):
-                self.storage.write_torch(target, obj)
-        except OSError as exc:
-            raise self._fail(exc, f"write {name} of") from exc
+        self._write(
+            name, f"write {name} of", obj, functools.partial(self.storage.write_torch, target, obj)
+        )
 
     def save_json(self, name: str, obj: Any) -> None:
-        """Write ``obj`` as JSON to ``name``, on the calling rank."""
+        """Write ``obj`` as JSON to ``name``, on the calling rank, in the calling thread (a
+        small file: a thread would cost more than it saves)."""
         target = self._target(name)
+        doing = f"write {name} of"
         try:
-            with self._space_guard(f"write {name} of"):
-                self.storage.write_bytes(target, _dumps(obj))
+            with self._space_guard(doing):
+                record = self.storage.write_bytes(
+                    target, _dumps(obj), hash_algorithm=self.hash_algorithm
+                )
         except OSError as exc:
-            raise self._fail(exc, f"write {name} of") from exc
+            raise self._fail(exc, doing) from exc
+        if record is not None:
+            self._records[name] = record
 
     def save_safetensors(
         self, name: str, tensors: Mapping[str, torch.Tensor], *, metadata: dict | None = None
@@ -367,11 +504,8 @@ class CheckpointWriter:
         """
         target = self._target(name)
         metadata = {STEP_METADATA: str(self.step), **(metadata or {})}  # checked on validation
-        try:
-            with self._space_guard(f"write {name} of", tensors):
-                self.storage.write_tensors(target, tensors, metadata)
-        except OSError as exc:
-            raise self._fail(exc, f"write {name} of") from exc
+        write = functools.partial(self.storage.write_tensors, target, tensors, metadata)
+        self._write(name, f"write {name} of", tensors, write)
 
     def index_weights(self, weight_files: list[str]) -> None:
         """Rank 0: at commit, index these safetensors files (written by any rank) as one model

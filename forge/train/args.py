@@ -206,7 +206,7 @@ class TrainingArguments(StepChecks, RunChecks):
     device: str = "auto"
     save_final_checkpoint: bool = True
     async_save: bool = False
-    checkpoint_hash: str = "sha256"
+    checkpoint_hash: str = "xxh3_128"
     early_stopping_patience: int | None = None
     early_stopping_threshold: float = 0.0
     skip_nonfinite: bool = True

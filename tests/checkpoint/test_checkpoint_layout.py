@@ -42,7 +42,7 @@ def test_manifest_lists_every_file_with_size_and_hash(write_checkpoint) -> None:
     assert sorted(manifest.files) == on_disk
     assert {"model.safetensors", "training.pt", "data-rank-00000.pt"} <= set(on_disk)
     for name, entry in manifest.files.items():
-        assert (entry["size"], entry["sha256"]) == sync_and_hash(path / name)
+        assert (entry["size"], entry["xxh3_128"]) == sync_and_hash(path / name)
     assert manifest.step == 400
     assert manifest.format_version == 2  # components and topology (forge/checkpoint/registry.py)
     assert manifest.trainer == "plain"
@@ -76,7 +76,7 @@ def test_altered_byte_is_a_hash_mismatch(write_checkpoint) -> None:
     data = bytearray(state.read_bytes())
     data[len(data) // 2] ^= 0xFF
     state.write_bytes(bytes(data))
-    assert validate_checkpoint(path) == ["training.pt: sha256 mismatch"]
+    assert validate_checkpoint(path) == ["training.pt: xxh3_128 mismatch"]
     assert validate_checkpoint(path, verify_hashes=False) == []
 
 

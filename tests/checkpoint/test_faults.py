@@ -60,8 +60,10 @@ def test_a_kill_point_ends_the_process_mid_save(tmp_path):
     assert result.returncode == -signal.SIGKILL, result.stderr
     assert [c.step for c in find_checkpoints(tmp_path)] == [1]
     written = {p.name for p in (tmp_path / ".tmp-checkpoint-000002").iterdir()}
-    assert "trainer.pt" in written  # killed right after it, before the next file
-    assert not written & {"rng-rank-00000.pt", "manifest.json"}
+    # killed right after it: the files written beside it on other writer threads may be there
+    # or not (a checkpoint's files are written in parallel), the manifest is not
+    assert "trainer.pt" in written
+    assert "manifest.json" not in written
 
 
 def test_a_bad_spec_is_named():

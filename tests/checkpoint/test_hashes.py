@@ -54,8 +54,9 @@ def test_the_digests_are_the_libraries_own(tmp_path):
     path.write_bytes(b"forge" * 1000)
     import xxhash
 
-    assert hash_file(path) == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert hash_file(path, "sha256") == hashlib.sha256(path.read_bytes()).hexdigest()
     assert hash_file(path, "xxh3_128") == xxhash.xxh3_128(path.read_bytes()).hexdigest()
+    assert hash_file(path) == hash_file(path, "xxh3_128")  # the default since it is faster
 
 
 @pytest.mark.parametrize(

@@ -25,7 +25,7 @@ from forge.checkpoint import (
     read_manifest,
     validate_checkpoint,
 )
-from forge.checkpoint.io import sync_and_hash
+from forge.checkpoint.io import DEFAULT_HASH, sync_and_hash
 from forge.train.topology import Topology
 from tests.checkpoint.conftest import Value
 
@@ -84,7 +84,7 @@ def rehash(path: Path) -> None:
     raw = json.loads((path / "manifest.json").read_text())
     for name in raw["files"]:
         size, sha = sync_and_hash(path / name)
-        raw["files"][name] = {"size": size, "sha256": sha}
+        raw["files"][name] = {"size": size, DEFAULT_HASH: sha}
     (path / "manifest.json").write_text(json.dumps(raw))
 
 

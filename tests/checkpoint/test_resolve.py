@@ -74,7 +74,7 @@ def test_a_run_or_its_checkpoints_directory_gives_the_newest_valid_one(tmp_path,
     make_checkpoint(checkpoints, 30, valid=False)
     with caplog.at_level(logging.WARNING, logger="forge.checkpoint"):
         assert resolve_checkpoint(run_dir).path == second
-    assert "skipping checkpoint-000030: state.json: sha256 mismatch" in caplog.text
+    assert "skipping checkpoint-000030: state.json: xxh3_128 mismatch" in caplog.text
     assert resolve_checkpoint(checkpoints).path == second
     assert resume_checkpoint(run_dir, tmp_path).path == second
 
@@ -116,7 +116,8 @@ def test_what_names_no_valid_checkpoint_is_a_located_error(tmp_path):
     with pytest.raises(CheckpointNotFound) as error:
         resolve_checkpoint(broken)
     assert (
-        str(error.value) == f"{broken} is not a valid checkpoint:\n  - state.json: sha256 mismatch"
+        str(error.value)
+        == f"{broken} is not a valid checkpoint:\n  - state.json: xxh3_128 mismatch"
     )
     with pytest.raises(CheckpointNotFound, match=f"cannot resume from {broken}:\n  - state.json"):
         resume_checkpoint(broken, tmp_path)

@@ -39,7 +39,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from forge.checkpoint.io import TEMP_PREFIX
+from forge.checkpoint.io import DEFAULT_HASH, TEMP_PREFIX
 from forge.checkpoint.layout import parse_checkpoint_step
 from forge.checkpoint.storage import CheckpointStorage, default_storage
 
@@ -129,20 +129,25 @@ class FaultyStorage(CheckpointStorage):
         self.point("start", path)
         self.inner.start(checkpoints_dir, path)
 
-    def write_torch(self, path: Path, obj: Any) -> None:
-        self.inner.write_torch(path, obj)
+    def write_torch(self, path: Path, obj: Any, **kwargs: Any) -> Any:
+        record = self.inner.write_torch(path, obj, **kwargs)
         self._record(path)
         self.point(f"after:{_in_checkpoint(path)}", path)
+        return record
 
-    def write_bytes(self, path: Path, data: bytes) -> None:
-        self.inner.write_bytes(path, data)
+    def write_bytes(self, path: Path, data: bytes, **kwargs: Any) -> Any:
+        record = self.inner.write_bytes(path, data, **kwargs)
         self._record(path)
         self.point(f"after:{_in_checkpoint(path)}", path)
+        return record
 
-    def write_tensors(self, path: Path, tensors: Mapping[str, Any], metadata: dict | None) -> None:
-        self.inner.write_tensors(path, tensors, metadata)
+    def write_tensors(
+        self, path: Path, tensors: Mapping[str, Any], metadata: dict | None, **kwargs: Any
+    ) -> Any:
+        record = self.inner.write_tensors(path, tensors, metadata, **kwargs)
         self._record(path)
         self.point(f"after:{_in_checkpoint(path)}", path)
+        return record
 
     def write_model(self, directory: Path, model: Any, state_dict: Any, **kwargs: Any) -> None:
         before = set(directory.iterdir())
@@ -151,7 +156,7 @@ class FaultyStorage(CheckpointStorage):
             self._record(path)
         self.point("after:model", directory)
 
-    def hash_files(self, paths: list[Path], algorithm: str = "sha256") -> list[tuple[int, str]]:
+    def hash_files(self, paths: list[Path], algorithm: str = DEFAULT_HASH) -> list[tuple[int, str]]:
         return self.inner.hash_files(paths, algorithm)
 
     def write_manifest(self, path: Path, data: bytes) -> None:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from forge.checkpoint.io import sync_and_hash
+from forge.checkpoint.io import DEFAULT_HASH, sync_and_hash
 from forge.checkpoint.resolve import resume_checkpoint
 from tests.helpers import run_forge
 
@@ -23,7 +23,7 @@ def rehash(checkpoint: Path, *names: str) -> None:
     manifest = json.loads((checkpoint / "manifest.json").read_text())
     for name in names:
         size, sha = sync_and_hash(checkpoint / name)
-        manifest["files"][name] = {"size": size, "sha256": sha}
+        manifest["files"][name] = {"size": size, DEFAULT_HASH: sha}
     (checkpoint / "manifest.json").write_text(json.dumps(manifest, indent=2))
 
 
@@ -43,7 +43,7 @@ def altered(ckpt: Path) -> str:
     data = bytearray((ckpt / "optimizer.pt").read_bytes())
     data[len(data) // 2] ^= 0x55  # same size, other bytes
     (ckpt / "optimizer.pt").write_bytes(bytes(data))
-    return "optimizer.pt: sha256 mismatch"
+    return "optimizer.pt: xxh3_128 mismatch"
 
 
 def missing_file(ckpt: Path) -> str:

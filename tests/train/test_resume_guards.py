@@ -45,7 +45,7 @@ def test_resume_true_skips_a_corrupted_newest_checkpoint(tmp_path, caplog):
 
     assert start.steps == [10]
     assert resumed.state.resumed_from == str(checkpoint_dir(out, 10))
-    assert f"skipping {newest.name}: {weights[0]}: sha256 mismatch" in caplog.text
+    assert f"skipping {newest.name}: {weights[0]}: xxh3_128 mismatch" in caplog.text
     assert resumed.state.global_step == 20
     assert validate_checkpoint(newest) == []  # saved again, whole
 
