@@ -60,6 +60,15 @@ class BackgroundCommit:
         if self._error is not None and not self.in_flight:
             self.wait()
 
+    def failure(self) -> BaseException | None:
+        """Wait for the commit in flight; its failure (or a finished one's), without raising
+        it: once, as ``wait`` would have raised it."""
+        try:
+            self.wait()
+        except BaseException as exc:
+            return exc
+        return None
+
     def wait_quietly(self) -> None:
         """On the way out of a failed run: let the commit in flight finish, log its failure
         (the run's own error is the one reported)."""

@@ -51,6 +51,8 @@ logger = logging.getLogger(__name__)
 FILE_WRITERS = max(2, min(4, os.cpu_count() or 1))
 # What a rank other than 0 leaves in the temporary directory: the hashes of its files.
 RECORDS_PREFIX = ".hashes-rank-"
+# Where rank 0 writes a whole model before moving its files into the checkpoint.
+MODEL_STAGING = ".model"
 
 
 def _json_default(value: Any) -> Any:
@@ -156,6 +158,7 @@ class CheckpointWriter:
         self._pool: ThreadPoolExecutor | None = None
         self._jobs: list[tuple[str, Future]] = []  # (file name, its write), in order
         self._records: dict[str, tuple[int, str]] = {}  # file -> (size, digest), hashed
+        self._written: list[str] = []  # every file this rank writes, in order
 
     @property
     def is_main(self) -> bool:
@@ -265,18 +268,15 @@ class CheckpointWriter:
         if self._pool is None:
             self._pool = ThreadPoolExecutor(FILE_WRITERS, thread_name_prefix="forge-write")
         self._jobs.append((name, self._pool.submit(job)))
+        self._written.append(name)
 
-    def mark(self) -> tuple[set[str], int]:
-        """Where the checkpoint stands now, for ``files_since``."""
-        return set(list_files(self.path)), len(self._jobs)
+    def mark(self) -> int:
+        """Where this rank's writes stand now, for ``files_since``."""
+        return len(self._written)
 
-    def files_since(self, mark: tuple[set[str], int]) -> list[str]:
-        """The files written since ``mark`` (by the calling thread, or handed to a writer
-        thread since), not those that writer threads were already writing then."""
-        before, jobs = mark
-        earlier = {name for name, _ in self._jobs[:jobs]}
-        later = {name for name, _ in self._jobs[jobs:]}
-        return sorted((set(list_files(self.path)) | later) - before - earlier)
+    def files_since(self, mark: int) -> list[str]:
+        """The files this rank has written (or handed to a writer thread) since ``mark``."""
+        return sorted(self._written[mark:])
 
     def _finish_writes(self) -> Exception | None:
         """Wait for every write of this rank; the error to report, if one failed (a full disk
@@ -434,19 +434,27 @@ class CheckpointWriter:
         if not self.is_main:
             return
         weights = state_dict if state_dict is not None else unwrap_model(model).state_dict()
-        mark = self.mark()
+        # into a directory of its own first: what save_pretrained wrote is then known exactly,
+        # whatever other ranks and threads write into the checkpoint meanwhile
+        staging = self.path / MODEL_STAGING
         try:
             with self._space_guard("write the model of", weights):
+                staging.mkdir()
                 self.storage.write_model(
-                    self.path,
+                    staging,
                     model,
                     weights,
                     tokenizer=tokenizer,
                     max_shard_size=max_shard_size,
                 )
+                written = list_files(staging)
+                for name in written:
+                    (self.path / name).parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(staging / name, self.path / name)
+                shutil.rmtree(staging)
         except OSError as exc:
             raise self._fail(exc, "write the model of") from exc
-        written = self.files_since(mark)
+        self._written.extend(written)
 
         def sync_and_hash() -> dict[str, tuple[int, str]]:
             # fsynced and read back on a writer thread, while the caller goes on
@@ -491,6 +499,7 @@ class CheckpointWriter:
                 )
         except OSError as exc:
             raise self._fail(exc, doing) from exc
+        self._written.append(name)
         if record is not None:
             self._records[name] = record
 

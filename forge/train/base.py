@@ -344,6 +344,15 @@ class BaseTrainer:
                     output = self._train_loop()
                 self.wait_for_checkpoint()
                 return output
+            except Exception as error:
+                # A background commit that failed is why the run stops, even where the training
+                # thread fails first: another rank that stopped for it breaks this rank's next
+                # collective, whose error says nothing of the cause.
+                failure = self._commits.failure()
+                if isinstance(failure, Exception):
+                    logger.debug("the training thread stopped with: %s", error)
+                    raise failure from error
+                raise
             finally:
                 self._commits.wait_quietly()  # a failed run still finishes the commit in flight
                 self._in_train = False

@@ -17,6 +17,7 @@ import pytest
 
 from forge.checkpoint import find_checkpoints, read_manifest, validate_checkpoint
 from forge.checkpoint.io import directory_bytes, free_bytes
+from tests.faults import fault_env
 from tests.helpers import run_forge
 from tests.integration.conftest import SMALL
 from tests.integration.test_disk_full_cli import _LOG_ROOM, _fill
@@ -80,3 +81,45 @@ def test_async_save_on_the_command_line_trains_and_resumes(warm_project, tmp_pat
     assert steps[-1] == 30
     for info in find_checkpoints(run_dir / "checkpoints", verify_hashes=True):
         assert info.valid, info.problems
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("failing_rank", [1, 0])
+def test_a_failed_async_write_on_one_rank_fails_every_rank(
+    warm_project, tmp_path, failing_rank
+) -> None:
+    """2 processes: one rank's background commit of step 20 fails while both train on. Every
+    rank stops (run_forge's timeout would fail the test on a hang), the run fails with the
+    failing rank's message, and the step-10 checkpoint stays valid and resumes."""
+    project = tmp_path / "tiny_lm"
+    shutil.copytree(warm_project, project)
+    point = f"after:rng-rank-{failing_rank:05d}.pt"
+    result = run_forge(
+        "train",
+        "-p",
+        str(project),
+        *SMALL,
+        *ASYNC,
+        "-D",
+        "max_steps=40",
+        "--nproc",
+        "2",
+        env=fault_env(fail=f"{point}@20:{failing_rank}"),
+        timeout=300,
+    )
+    assert result.returncode == 1, result.stderr
+    prefix = "[rank 1] " if failing_rank else ""
+    assert f"{prefix}error: could not write rng-rank-{failing_rank:05d}.pt" in result.stderr
+    assert f"injected at {point} of step 20 on rank {failing_rank}" in result.stderr
+    assert "Traceback" not in result.stderr
+    run_dir = Path(result.stdout.splitlines()[0])
+    checkpoints = run_dir / "checkpoints"
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "failed" and record["error_kind"] == "runtime"
+    assert [c["step"] for c in record["checkpoints"]] == [10]
+    assert sorted(os.listdir(checkpoints)) == ["checkpoint-000010"]  # nothing half-written
+    assert validate_checkpoint(checkpoints / "checkpoint-000010") == []
+
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir), "--nproc", "2")
+    assert resumed.returncode == 0, resumed.stderr
+    assert f"resumed from {checkpoints / 'checkpoint-000010'} at step 10" in resumed.stderr
