@@ -4,7 +4,8 @@ For Llama-style models of about 1M, 100M and 500M parameters with AdamW state, o
 directory, each save timed in this process (median of ``--repeat``, the spread beside it):
 
 * forge's synchronous save (snapshot + commit, as the trainer calls it: safetensors weights,
-  optimizer and RNG state, fsync, hashes, manifest, rename), with sha256 and with xxh3_128;
+  optimizer and RNG state, fsync, hashes, manifest, rename), with the default hash (xxh3_128)
+  and with sha256;
 * the same bytes written raw with fsync (the disk's own speed for this checkpoint);
 * ``torch.save`` of the same state, with and without fsync;
 * Hugging Face ``Trainer._save_checkpoint`` and Accelerate ``save_state`` of the same model
@@ -53,6 +54,7 @@ from forge.checkpoint import (
     Scope,
 )
 from forge.checkpoint.background import BackgroundCommit
+from forge.checkpoint.io import DEFAULT_HASH
 from forge.checkpoint.snapshot import HostCopier, stepped_by
 from forge.train.topology import Topology
 
@@ -220,7 +222,7 @@ def measure_size(size: str, repeat: int, workdir: Path, log) -> dict[str, Any]:
         k: []
         for k in (
             "forge_sync",
-            "forge_sync_xxh3",
+            "forge_sync_sha256",
             "raw_fsync",
             "torch_save",
             "torch_save_fsync",
@@ -242,13 +244,13 @@ def measure_size(size: str, repeat: int, workdir: Path, log) -> dict[str, Any]:
             accel = accelerate_setup(model, optimizer)
         except Exception as exc:
             log(f"  Accelerate unavailable: {exc}")
-        forge_sync(registry, root, 1, "sha256")  # warm-up: first imports, first allocations
+        forge_sync(registry, root, 1, DEFAULT_HASH)  # warm-up: first imports, allocations
         shutil.rmtree(root / "checkpoint-000001")
         for round_ in range(1, repeat + 1):
             step = round_ * 10
             # every contender starts with no dirty pages, so none pays another's writeback
             os.sync()
-            times["forge_sync"].append(forge_sync(registry, root, step, "sha256"))
+            times["forge_sync"].append(forge_sync(registry, root, step, DEFAULT_HASH))
             checkpoint = root / f"checkpoint-{step:06d}"
             nbytes = sum(f.stat().st_size for f in checkpoint.rglob("*") if f.is_file())
             shutil.rmtree(checkpoint)
@@ -260,11 +262,11 @@ def measure_size(size: str, repeat: int, workdir: Path, log) -> dict[str, Any]:
             for path in root.glob("raw-*.bin"):
                 path.unlink()
             os.sync()
-            times["forge_sync_xxh3"].append(forge_sync(registry, root, step, "xxh3_128"))
+            times["forge_sync_sha256"].append(forge_sync(registry, root, step, "sha256"))
             shutil.rmtree(checkpoint)
             os.sync()
             blocked, computing = forge_async_blocked(
-                model, optimizer, registry, root, step, "xxh3_128"
+                model, optimizer, registry, root, step, DEFAULT_HASH
             )
             times["async_blocked"].append(blocked)
             times["next_forward_backward"].append(computing)
@@ -384,8 +386,8 @@ def ratios_of(size: dict[str, Any]) -> dict[str, float]:
     found = {
         "save_vs_raw": t["forge_sync"] / t["raw_fsync"],
         "save_vs_torch_save_fsync": t["forge_sync"] / t["torch_save_fsync"],
-        "save_xxh3_vs_raw": t["forge_sync_xxh3"] / t["raw_fsync"],
-        "save_xxh3_vs_torch_save_fsync": t["forge_sync_xxh3"] / t["torch_save_fsync"],
+        "save_sha256_vs_raw": t["forge_sync_sha256"] / t["raw_fsync"],
+        "save_sha256_vs_torch_save_fsync": t["forge_sync_sha256"] / t["torch_save_fsync"],
         "async_block_vs_sync": t["async_blocked"] / t["forge_sync"],
     }
     if "hf_trainer" in t:
