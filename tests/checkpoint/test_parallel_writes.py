@@ -1,0 +1,112 @@
+"""A checkpoint's files written in parallel and hashed while written: the commit reads back only
+what no writer thread hashed (a model's ``save_pretrained`` files), ranks hand rank 0 their
+hashes instead of having their files read again, and a record that does not fit its file is
+not trusted."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import torch
+from checkpoint_helpers import tiny_llama
+
+from forge.checkpoint import CheckpointWriter, read_manifest, validate_checkpoint
+from forge.checkpoint.storage import CheckpointStorage
+
+
+class ReadBack(CheckpointStorage):
+    """The local filesystem, noting every file the commit reads back to hash; ``lie`` makes
+    the hashes recorded while writing wrong for the files of that rank."""
+
+    def __init__(self, lie: int | None = None) -> None:
+        self.read_back: list[str] = []
+        self.lie = lie
+
+    def hash_files(self, paths, algorithm="xxh3_128"):
+        self.read_back += [p.name for p in paths]
+        return super().hash_files(paths, algorithm)
+
+    def write_torch(self, path, obj, **kwargs):
+        record = super().write_torch(path, obj, **kwargs)
+        if record is not None and self.lie is not None and f"rank-{self.lie:05d}" in path.name:
+            return record[0] + 1, "0" * len(record[1])  # a size that is not the file's
+        return record
+
+
+def two_ranks(root: Path, storage: CheckpointStorage, step: int = 5) -> Path:
+    """Ranks 0 and 1 as two threads of this process, meeting through a barrier."""
+    barrier, failed = threading.Barrier(2), [False, False]
+    errors: list[BaseException] = []
+
+    def meet(rank: int):
+        def any_failed(mine: bool) -> bool:
+            failed[rank] = mine
+            barrier.wait()
+            result = any(failed)
+            barrier.wait()
+            return result
+
+        return any_failed
+
+    def run(rank: int) -> None:
+        try:
+            with CheckpointWriter(
+                root, step, rank=rank, world_size=2, any_failed=meet(rank), storage=storage
+            ) as writer:
+                writer.save_torch(f"state-rank-{rank:05d}.pt", {"x": torch.arange(1000 + rank)})
+                if rank == 1:
+                    writer.save_safetensors("stage-1.safetensors", {"w": torch.ones(64, 64)})
+        except BaseException as exc:
+            errors.append(exc)
+            barrier.abort()
+
+    threads = [threading.Thread(target=run, args=(rank,)) for rank in (0, 1)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert not errors, errors
+    return root / f"checkpoint-{step:06d}"
+
+
+def test_files_are_hashed_while_written_and_only_the_models_are_read_back(tmp_path):
+    storage = ReadBack()
+    model = tiny_llama(0)
+    with CheckpointWriter(tmp_path, 3, storage=storage) as writer:
+        writer.save_torch("optimizer.pt", {"moments": torch.randn(256, 256)})
+        writer.save_model(model)
+        writer.save_json("trainer_state.json", {"step": 3})
+        writer.save_safetensors("ema.safetensors", {"w": torch.randn(32, 32)})
+    checkpoint = tmp_path / "checkpoint-000003"
+    assert validate_checkpoint(checkpoint) == []
+    files = set(read_manifest(checkpoint).files)
+    assert {"optimizer.pt", "model.safetensors", "trainer_state.json", "config.json"} <= files
+    assert not any(name.startswith(".") for name in files)  # no staging left, no records
+    # what save_pretrained wrote was read back once; no other file was
+    assert "model.safetensors" in storage.read_back
+    assert not {"optimizer.pt", "trainer_state.json", "ema.safetensors"} & set(storage.read_back)
+    assert len(storage.read_back) == len(set(storage.read_back))
+
+
+def test_another_ranks_hashes_reach_the_manifest_without_its_files_being_read(tmp_path):
+    storage = ReadBack()
+    checkpoint = two_ranks(tmp_path, storage)
+    assert validate_checkpoint(checkpoint) == []
+    assert {"state-rank-00000.pt", "state-rank-00001.pt", "stage-1.safetensors"} == set(
+        read_manifest(checkpoint).files
+    )
+    assert storage.read_back == []
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "manifest.json",
+        "stage-1.safetensors",
+        "state-rank-00000.pt",
+        "state-rank-00001.pt",
+    ]
+
+
+def test_a_record_that_does_not_fit_its_file_is_hashed_again(tmp_path):
+    storage = ReadBack(lie=1)
+    checkpoint = two_ranks(tmp_path, storage)
+    assert storage.read_back == ["state-rank-00001.pt"]  # not the other rank's wrong hash
+    assert validate_checkpoint(checkpoint) == []
