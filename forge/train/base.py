@@ -473,6 +473,7 @@ class BaseTrainer:
         at a step that has ``synced`` anyway (it logged, evaluated or saved): a signal stops
         such a job within ``logging_steps`` steps. torchrun passes signals to every rank.
         """
+        self._finish_commit(synced)
         signum = self._signals.received
         if self.topology.distributed:
             signum = int(self._agree_max(signum)) if synced else 0
@@ -482,6 +483,22 @@ class BaseTrainer:
             self._call("on_train_end", interrupted=signum)
             raise TrainingInterrupted(signum, self.state.global_step, str(checkpoint))
         return self.state.global_step >= self.max_steps or self.control.should_training_stop
+
+    def _finish_commit(self, synced: bool) -> None:
+        """``async_save``: what follows a background commit that has ended (last and best
+        checkpoint, rotation, ``on_save``), in the training thread. Every rank of a job runs it
+        at the same step, so callbacks act alike on all of them: at a step that has ``synced``
+        anyway, once all agree that their commit ended (a collective, only while one is
+        pending). A failed commit is raised at once, on any step."""
+        commits = self._commits
+        if not commits.pending:
+            return
+        if not self.topology.distributed:
+            commits.poll()
+            return
+        commits.raise_if_failed()
+        if synced and not self._agree_max(0.0 if commits.ended else 1.0):
+            commits.wait()
 
     def _finish(self, steps: int, run_tally: Tally) -> TrainOutput:
         args, state = self.args, self.state
@@ -1235,9 +1252,10 @@ class BaseTrainer:
         ones and calls ``on_save`` (which updates ``run.json``): a save that fails or is killed
         before its rename changes none of them.
 
-        With ``async_save`` the loop waits only for the snapshot: the commit and ``_on_commit``
-        run on a background thread (forge/checkpoint/background.py), and the path returned is
-        where the checkpoint will be once committed. Either way a save first waits for the
+        With ``async_save`` the loop waits only for the snapshot: the commit runs on a
+        background thread (forge/checkpoint/background.py) and ``_on_commit`` back in the
+        training thread once it ended (``_finish_commit``, or the next wait); the path returned
+        is where the checkpoint will be once committed. Either way a save first waits for the
         previous one, whose outcome (last and best checkpoint) this one builds on.
         """
         self.wait_for_checkpoint()
@@ -1254,14 +1272,18 @@ class BaseTrainer:
             self._on_commit(snapshot, final, recorded)
             return final
 
+        final = self.checkpoints_dir / checkpoint_name(step)
+
         def commit() -> None:
             copier.copy_deferred()  # first, while the loop runs the next forward and backward
-            final = self.commit_checkpoint(snapshot, any_failed=self._commit_any_failed)
+            self.commit_checkpoint(snapshot, any_failed=self._commit_any_failed)
+
+        def then() -> None:  # back in the training thread (BackgroundCommit.poll / wait)
             self._on_commit(snapshot, final, recorded)
 
-        self._commits.submit(commit, checkpoint_name(step))
+        self._commits.submit(commit, checkpoint_name(step), then=then)
         self._copy_gate = copier  # the next optimizer step waits for the deferred copies
-        return self.checkpoints_dir / checkpoint_name(step)
+        return final
 
     def _host_copier(self) -> HostCopier:
         """How this save's snapshot copies tensors (forge/checkpoint/snapshot.py). A synchronous
@@ -1427,6 +1449,10 @@ class BaseTrainer:
         """
         metrics = self.evaluator.evaluate(eval_dataset, ignore_keys, metric_key_prefix)
         if self._in_train:
+            if self.args.metric_for_best_model:
+                # the best metric so far is the one the save in flight records: an async
+                # commit must have given it to the state before this evaluation is judged
+                self.wait_for_checkpoint()
             metrics["epoch"] = self.state.epoch
             self.evaluator.check_best_metric(metrics)
         self._last_eval = (self.state.global_step, metrics)

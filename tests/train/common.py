@@ -114,10 +114,16 @@ class StopAtStep(TrainerCallback):
 
 
 class StopAfterSave(TrainerCallback):
-    """Stops right after the checkpoint of ``step`` is saved (e.g. an epoch-end save)."""
+    """Stops right after the checkpoint of ``step`` is saved (e.g. an epoch-end save).
+
+    Only with synchronous saves: under ``async_save`` ``on_save`` comes once the commit has
+    ended, a step or more later, and the run would stop there instead."""
 
     def __init__(self, step: int) -> None:
         self.step = step
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        assert args.async_save is False, "StopAfterSave needs async_save=False"
 
     def on_save(self, args, state, control, checkpoint_path=None, metrics=None, **kwargs):
         if state.global_step == self.step:

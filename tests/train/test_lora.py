@@ -131,7 +131,7 @@ def test_a_base_on_disk_is_referenced_once_with_its_hash(trained, base_dir):
 def test_resume_is_bit_exact(trained, base_dir, tmp_path):
     _, straight = trained
     out = tmp_path / "run"
-    lora_trainer(out, base_dir, callbacks=[StopAfterSave(4)]).train()
+    lora_trainer(out, base_dir, callbacks=[StopAfterSave(4)], async_save=False).train()
     assert not checkpoint_dir(out, 6).exists()
     resumed = lora_trainer(out, base_dir)
     resumed.train(resume_from_checkpoint=True)
@@ -142,7 +142,9 @@ def test_resume_is_bit_exact(trained, base_dir, tmp_path):
 def test_the_accelerate_trainer_saves_the_adapter_and_resumes_exactly(trained, base_dir, tmp_path):
     _, straight = trained
     out = tmp_path / "run"
-    lora_trainer(out, base_dir, trainer_cls=AccelTrainer, callbacks=[StopAfterSave(4)]).train()
+    lora_trainer(
+        out, base_dir, trainer_cls=AccelTrainer, callbacks=[StopAfterSave(4)], async_save=False
+    ).train()
     names = {p.name for p in checkpoint_dir(out, 4).iterdir()}
     assert "adapter_model.safetensors" in names and "model.safetensors" not in names
     resumed = lora_trainer(out, base_dir, trainer_cls=AccelTrainer)
@@ -340,7 +342,9 @@ def test_a_moving_average_with_lora_covers_the_adapter_and_resumes_exactly(base_
     # it moved: peft starts every lora_B at zero
     assert any(average[n].abs().sum() > 0 for n in average if "lora_B" in n)
     out = tmp_path / "run"
-    lora_trainer(out, base_dir, ema_decay=0.9, callbacks=[StopAfterSave(4)]).train()
+    lora_trainer(
+        out, base_dir, ema_decay=0.9, callbacks=[StopAfterSave(4)], async_save=False
+    ).train()
     lora_trainer(out, base_dir, ema_decay=0.9).train(resume_from_checkpoint=True)
     resumed = read_ema_state(checkpoint_dir(out, 8))
     assert all(torch.equal(average[name], resumed[name]) for name in average)

@@ -310,7 +310,7 @@ def test_a_stage_checkpoint_resumes_exactly_and_loads_into_the_plain_trainer(tmp
     straight = make_trainer(pipeline_args(tmp_path / "a", **common), trainer_cls=PipelineTrainer)
     straight.train()
     first = make_trainer(
-        pipeline_args(tmp_path / "b", **common),
+        pipeline_args(tmp_path / "b", **common, async_save=False),
         trainer_cls=PipelineTrainer,
         callbacks=[StopAfterSave(4)],
     )

@@ -99,7 +99,7 @@ def test_resume_from_an_epoch_end_checkpoint_with_cosine_is_bit_identical(tmp_pa
     straight = train_straight(tmp_path / "straight", **overrides)
     out = tmp_path / "run"
     first = make_trainer(
-        resume_args(out, **overrides),
+        resume_args(out, **overrides, async_save=False),
         train_size=TRAIN_SIZE,
         eval_size=16,
         callbacks=[StopAfterSave(15)],
