@@ -205,7 +205,8 @@ class TrainingArguments(StepChecks, RunChecks):
     # ---- forge's own
     device: str = "auto"
     save_final_checkpoint: bool = True
-    async_save: bool = False
+    # None: on, except under fsdp (whose saves are synchronous); true / false to choose
+    async_save: bool | None = None
     checkpoint_hash: str = "xxh3_128"
     early_stopping_patience: int | None = None
     early_stopping_threshold: float = 0.0

@@ -127,9 +127,10 @@ class RunChecks(ValueChecks):
             "save_final_checkpoint",
             "save_only_model",
             "enable_jit_checkpoint",
-            "async_save",
         ):
             self._bool(name, p)
+        if self.async_save is not None:  # None: the default, settled with the parallelism
+            self._bool("async_save", p)
         for name in ("ignore_data_skip", "restore_callback_states_from_checkpoint"):
             self._bool(name, p)
         for f in fields(self):
@@ -284,6 +285,8 @@ class RunChecks(ValueChecks):
         self._int("ddp_timeout", p, minimum=1)
         sharded, problems = parse_fsdp(self.fsdp, self.fsdp_config, self.config_key)
         p.extend(problems)
+        if getattr(self, "async_save", False) is None:  # the default: on where it can be
+            self.async_save = sharded is None
         if sharded is not None and getattr(self, "async_save", False) is True:
             p.append(
                 f"{self._key('async_save')}: saves under fsdp are synchronous for now (the "

@@ -64,11 +64,13 @@ class TrainerCase:
     defines: tuple[str, ...] = ()
 
 
+# Synchronous saves, chosen explicitly (async_save is on by default).
+SYNC = ("--set", "trainer.args.async_save=false")
 TRAINERS = [
-    TrainerCase("plain-1", "train", 1),
-    TrainerCase("plain-2", "train", 2),
-    TrainerCase("accel-2", "accel", 2),
-    TrainerCase("pipeline-2", "pipeline", 2),  # 2 stages of 2 layers each
+    TrainerCase("plain-1", "train", 1, SYNC),
+    TrainerCase("plain-2", "train", 2, SYNC),
+    TrainerCase("accel-2", "accel", 2, SYNC),
+    TrainerCase("pipeline-2", "pipeline", 2, SYNC),  # 2 stages of 2 layers each
 ]
 
 # The same jobs with ``async_save: true``: every save's files, manifest and rename happen on

@@ -168,6 +168,13 @@ def test_a_signal_waits_for_the_async_commit(tmp_path):
     assert steps == [4, 6]
 
 
+def test_async_save_is_on_unless_chosen_off_or_under_fsdp(tmp_path):
+    assert make_args(tmp_path).async_save is True
+    assert make_args(tmp_path, async_save=False).async_save is False
+    sharded = make_args(tmp_path, fsdp="full_shard")
+    assert sharded.async_save is False  # fsdp's saves are synchronous: the default follows
+
+
 def test_async_save_must_be_a_boolean(tmp_path):
     with pytest.raises(TrainingArgumentsError, match="async_save must be true or false"):
         make_args(tmp_path, async_save="yes")
