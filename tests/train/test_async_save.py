@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 from pathlib import Path
 
 import pytest
@@ -46,9 +47,11 @@ class SeenOnSave(TrainerCallback):
 
     def __init__(self) -> None:
         self.calls: list[tuple[int, str, dict]] = []
+        self.threads: set[str] = set()
 
     def on_save(self, args, state, control, checkpoint_path=None, metrics=None, **kwargs):
         self.calls.append((state.global_step, Path(checkpoint_path).name, dict(metrics or {})))
+        self.threads.add(threading.current_thread().name)
 
 
 def _run(run_dir: Path, *, async_save: bool, max_steps: int = 12, callbacks=(), **overrides):
@@ -102,6 +105,8 @@ def test_async_saves_write_what_sync_saves_write(tmp_path):
         (12, "checkpoint-000012"),
     ]
     assert [metrics["eval_round"] for _, _, metrics in seen.calls] == [1.0, 2.0, 3.0]
+    # callbacks run in the training thread, never on the commit's
+    assert seen.threads == {threading.current_thread().name}
     record = RunRecord.load(tmp_path / "async").data
     assert [c["step"] for c in record["checkpoints"]] == [4, 8, 12]
     assert record["best"]["checkpoint"] == "checkpoints/checkpoint-000012"
