@@ -302,10 +302,11 @@ def test_stop_and_resume_is_bit_identical_for_two_stages(straight, project, sig)
 
 @pytest.mark.slow
 def test_a_stage_killed_during_a_save_leaves_the_previous_checkpoint_to_resume(project):
-    # stage 1 (rank 1) dies in the step-20 save after writing its weight and optimizer shards
+    # stage 1 (rank 1) dies in the step-20 save right after writing its weight shard (its
+    # other files are written beside it, on other writer threads)
     died = run_forge(
         "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2",
-        env=fault_env(kill="after:optimizer-stage-00001-of-00002.pt@20:1"),
+        env=fault_env(kill="after:model-stage-00001-of-00002.safetensors@20:1"),
     )  # fmt: skip
     assert died.returncode != 0
     run_dir = Path(died.stdout.splitlines()[0])
