@@ -263,12 +263,21 @@ class CheckpointWriter:
 
     # -- parallel writes -------------------------------------------------------------------
 
-    def _submit(self, name: str, job: Callable[[], dict[str, tuple[int, str]] | None]) -> None:
-        """Write ``name`` on a writer thread; ``job`` returns {file: (size, digest)} or None."""
+    def _submit(
+        self,
+        name: str,
+        job: Callable[[], dict[str, tuple[int, str]] | None],
+        *,
+        writes: bool = True,
+    ) -> None:
+        """Run ``job`` for file ``name`` on a writer thread (``writes``: it writes the file,
+        else it only hashes files written already); it returns {file: (size, digest)} or
+        None."""
         if self._pool is None:
             self._pool = ThreadPoolExecutor(FILE_WRITERS, thread_name_prefix="forge-write")
         self._jobs.append((name, self._pool.submit(job)))
-        self._written.append(name)
+        if writes:
+            self._written.append(name)
 
     def mark(self) -> int:
         """Where this rank's writes stand now, for ``files_since``."""
@@ -463,7 +472,7 @@ class CheckpointWriter:
             return dict(zip(written, hashed, strict=True))
 
         if written:
-            self._submit(written[0], sync_and_hash)
+            self._submit(written[0], sync_and_hash, writes=False)
 
     def _write(self, name: str, doing: str, pending: Any, write: Callable[..., Any]) -> None:
         """Hand one file to a writer thread: ``write(hash_algorithm=...)`` under the disk-full

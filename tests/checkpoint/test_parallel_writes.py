@@ -75,7 +75,9 @@ def test_files_are_hashed_while_written_and_only_the_models_are_read_back(tmp_pa
     model = tiny_llama(0)
     with CheckpointWriter(tmp_path, 3, storage=storage) as writer:
         writer.save_torch("optimizer.pt", {"moments": torch.randn(256, 256)})
+        mark = writer.mark()
         writer.save_model(model)
+        model_files = writer.files_since(mark)  # what the manifest lists as the model's
         writer.save_json("trainer_state.json", {"step": 3})
         writer.save_safetensors("ema.safetensors", {"w": torch.randn(32, 32)})
     checkpoint = tmp_path / "checkpoint-000003"
@@ -87,6 +89,10 @@ def test_files_are_hashed_while_written_and_only_the_models_are_read_back(tmp_pa
     assert "model.safetensors" in storage.read_back
     assert not {"optimizer.pt", "trainer_state.json", "ema.safetensors"} & set(storage.read_back)
     assert len(storage.read_back) == len(set(storage.read_back))
+    # exactly the model's files, each once, not the optimizer written meanwhile
+    assert model_files == sorted(set(model_files))
+    assert {"model.safetensors", "config.json"} <= set(model_files)
+    assert "optimizer.pt" not in model_files
 
 
 def test_another_ranks_hashes_reach_the_manifest_without_its_files_being_read(tmp_path):
