@@ -95,10 +95,26 @@ def write_json_atomic(path: Path, data: Any) -> None:
         raise
 
 
+# what run.json records the versions of, and `forge env` prints
+PACKAGES = (
+    "forge",
+    "torch",
+    "transformers",
+    "accelerate",
+    "torchdata",
+    "tokenizers",
+    "safetensors",
+    "peft",
+    "jinja2",
+    "pyyaml",
+    "tqdm",
+    "tensorboard",
+    "numpy",
+)
+
+
 def package_versions() -> dict[str, str]:
     from importlib import metadata
-
-    from forge.envinfo import PACKAGES
 
     versions = {"python": sys.version.split()[0]}
     for name in PACKAGES:

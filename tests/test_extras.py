@@ -24,7 +24,7 @@ def no_datasets(monkeypatch) -> None:
 
 def blank_project(tmp_path: Path, data_py: str, dataset_yaml: str) -> Path:
     """A project as `forge new NAME --from blank` writes it, with a model and a dataset."""
-    from forge.scaffold import new_project
+    from forge.cli.new import new_project
 
     project = new_project("proj", tmp_path, "blank")
     (project / "data.py").write_text(data_py)

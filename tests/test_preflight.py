@@ -7,9 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from forge.cli.new import new_project
 from forge.config import ConfigError, load_config, load_project
 from forge.preflight import check_training_contract
-from forge.scaffold import new_project
 from forge.worker import build_variables
 from tests.cli.test_preflight import PLAIN_DATA, PLAIN_MODEL
 

@@ -256,7 +256,7 @@ def test_library_sets_variables_only_as_defaults(root, template):
 def shipped_configs(tmp_path: Path) -> list[tuple]:
     """(project, config) for every config of a copy of each shipped project and of a project
     made from each scaffold, all under `tmp_path`."""
-    from forge.scaffold import SCAFFOLDS, new_project
+    from forge.cli.new import SCAFFOLDS, new_project
 
     roots = []
     for root in PROJECTS:

@@ -216,9 +216,9 @@ def _join(args: argparse.Namespace, project: Project, nproc: int, nodes, rest, r
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    from forge.cli.length_note import length_note
     from forge.cluster import ONE_NODE
     from forge.launch import launch_training, resolve_max_restarts, resolve_nproc
-    from forge.plan import length_note
     from forge.preflight import check_training_contract
     from forge.runs import claim_run, config_output_dir, create_run, discard_unstarted_run
     from forge.worker import build_variables
@@ -563,7 +563,7 @@ def _tree_bytes(path: Path) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.generate import generate_text
+    from forge.cli.generate import generate_text
 
     checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, models=True).path
     logger.info("generating from %s", checkpoint)
@@ -585,7 +585,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from forge.export import export_model, pretrained_loader
+    from forge.cli.export import export_model, pretrained_loader
 
     output = Path(args.output)
     export_model(
@@ -609,7 +609,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.predict import evaluate_checkpoint
+    from forge.cli.predict import evaluate_checkpoint
 
     checkpoint = resolve_checkpoint(args.checkpoint, best=args.best).path
     what = "the moving average of the weights of " if args.ema else ""
@@ -630,7 +630,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.predict import predict_file
+    from forge.cli.predict import predict_file
 
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--batch-size and --max-new-tokens must be positive integers")
@@ -653,7 +653,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
 
 
 def cmd_new(args: argparse.Namespace) -> int:
-    from forge.scaffold import new_project
+    from forge.cli.new import new_project
 
     parent = Path(args.parent or ".")
     target = new_project(args.name, parent, args.template)
@@ -666,7 +666,7 @@ def cmd_new(args: argparse.Namespace) -> int:
 
 
 def cmd_new_config(args: argparse.Namespace) -> int:
-    from forge.scaffold import new_config
+    from forge.cli.new import new_config
 
     project = _project(args)
     path = new_config(project, args.name, args.extends)
@@ -731,7 +731,7 @@ def _run_dir(project: Project, run: str | None) -> Path:
 
 
 def cmd_plot(args: argparse.Namespace) -> int:
-    from forge.plot import save_plot
+    from forge.cli.plot import save_plot
 
     project = _project(args)
     run_dir = _run_dir(project, args.run)
@@ -742,7 +742,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
 
 
 def cmd_tb(args: argparse.Namespace) -> int:
-    from forge.plot import require_tensorboard, tensorboard_command
+    from forge.cli.plot import require_tensorboard, tensorboard_command
     from forge.runs import RunError
 
     project = _project(args)
@@ -761,7 +761,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
 
 
 def cmd_env(args: argparse.Namespace) -> int:
-    from forge.envinfo import environment_report
+    from forge.cli.env import environment_report
 
     for key, value in environment_report():
         print(f"{key + ':':24s} {value}")

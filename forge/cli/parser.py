@@ -10,7 +10,7 @@ import argparse
 import textwrap
 
 from forge import __version__
-from forge.scaffold import SCAFFOLDS
+from forge.cli.new import SCAFFOLDS
 
 EXAMPLES = {
     "ls": """

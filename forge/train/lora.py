@@ -144,7 +144,7 @@ def base_skeleton(path: str | os.PathLike | None) -> nn.Module:
 
 def load_base_tokenizer(path: str | os.PathLike | None) -> Any:
     """The tokenizer saved with the base model (its directory's tokenizer files)."""
-    from forge.predict import checkpoint_tokenizer
+    from forge.cli.predict import checkpoint_tokenizer
 
     return checkpoint_tokenizer(_resolve_base(path))
 

@@ -27,7 +27,7 @@ def resumed_run(tmp_path_factory):
 
 
 def test_figure_has_one_line_per_metric_and_marks_the_resume(resumed_run):
-    from forge.plot import plot_run
+    from forge.cli.plot import plot_run
 
     _, run_dir = resumed_run
     figure = plot_run(run_dir, ["loss", "eval_loss", "learning_rate"])

@@ -25,9 +25,9 @@ from transformers import (
 
 from forge.checkpoint import CheckpointError, validate_checkpoint
 from forge.checkpoint.adapter import BaseChanged
+from forge.cli.export import export_model
 from forge.data import CausalLMCollator
 from forge.errors import UsageError
-from forge.export import export_model
 from forge.train import AccelTrainer, AccelTrainingArguments, Trainer, TrainingArgumentsError
 from forge.train.lora import default_target_modules, load_base_model
 from tests.train.common import (

@@ -7,8 +7,8 @@ from pathlib import Path
 
 import pytest
 
+from forge.cli.new import new_config, new_project
 from forge.config import load_config, load_project
-from forge.scaffold import new_config, new_project
 from tests.cli.small_lm import SMALL_LM, defines
 from tests.helpers import TINY_LM, run_forge
 

@@ -4,7 +4,7 @@ A forge checkpoint of a transformers model is a Hugging Face model directory: it
 built from its config and filled by forge's weights reader (forge.checkpoint.weights), then
 transformers' ``generate`` samples. A LoRA checkpoint's model is its base with the adapter
 merged in (forge.checkpoint.adapter). Any other model is
-built through its run's config (forge.predict). A checkpoint of a model that does not generate
+built through its run's config (forge.cli.predict). A checkpoint of a model that does not generate
 (a classifier) is refused with a pointer to ``forge predict``.
 """
 
@@ -14,14 +14,14 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from forge.errors import UsageError
-from forge.predict import (
+from forge.cli.predict import (
     checkpoint_tokenizer,
     continue_with_module,
     model_kind,
     model_through_run,
     module_logits,
 )
+from forge.errors import UsageError
 
 logger = logging.getLogger(__name__)
 

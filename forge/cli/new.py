@@ -15,7 +15,7 @@ import yaml
 from forge.config import ConfigError, Project, load_config
 from forge.errors import UsageError
 
-SCAFFOLDS_DIR = Path(__file__).parent / "scaffolds"
+SCAFFOLDS_DIR = Path(__file__).parent.parent / "scaffolds"
 SCAFFOLDS = {
     "tiny_lm": "a ~1.3M-parameter Llama-style LM on the Python standard library's source",
     "classifier": "an MLP classifier (model.py) on a synthetic, seeded dataset (data.py)",

@@ -8,21 +8,7 @@ import sys
 from collections.abc import Iterator
 from importlib import metadata
 
-PACKAGES = (
-    "forge",
-    "torch",
-    "transformers",
-    "accelerate",
-    "torchdata",
-    "tokenizers",
-    "safetensors",
-    "peft",
-    "jinja2",
-    "pyyaml",
-    "tqdm",
-    "tensorboard",
-    "numpy",
-)
+from forge.runs import PACKAGES
 
 
 def environment_report() -> Iterator[tuple[str, str]]:

@@ -1,4 +1,4 @@
-"""forge.predict on Hugging Face model directories: a causal LM continues each input, a model
+"""forge.cli.predict on Hugging Face model directories: a causal LM continues each input, a model
 that is neither a classifier nor a causal LM is refused, and inputs are read with located
 errors. (A classifier's labels are tested end to end in tests/cli/test_evaluate_predict.py.)"""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
+from forge.cli.predict import predict_file, read_inputs
 from forge.data.tokenizer import train_bpe_tokenizer
 from forge.errors import RuntimeFailure, UsageError
-from forge.predict import predict_file, read_inputs
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 20
 
@@ -137,7 +137,7 @@ def greedy(model, tokenizer, text, n):
 
 
 def test_a_plain_causal_lm_is_built_from_its_run_and_continues_each_text(plain_runs, tmp_path):
-    from forge.generate import generate_text
+    from forge.cli.generate import generate_text
 
     run_dir = plain_runs["lm"]
     ckpt = newest(run_dir)
@@ -185,7 +185,7 @@ def test_a_plain_classifier_labels_each_input_with_its_own_label_names(plain_run
 @pytest.mark.parametrize("config", ["lm", "pipeline"])
 def test_evaluate_gives_the_checkpoints_metrics_at_its_step(plain_runs, config, caplog):
     from forge.checkpoint import read_manifest
-    from forge.predict import evaluate_checkpoint
+    from forge.cli.predict import evaluate_checkpoint
 
     ckpt = newest(plain_runs[config])
     saved = read_manifest(ckpt).metrics  # the evaluation at step 4, before this save
