@@ -189,8 +189,8 @@ def train_in_process(root: Path, config: str, overrides: list[str] = ()) -> Path
     """Train ``config`` of the project at ``root`` here, as ``forge train`` does for one
     process; returns the run directory."""
     from forge.config import load_config, load_project
+    from forge.launch.worker import run_worker
     from forge.runs import config_output_dir, create_run
-    from forge.worker import run_worker
 
     project = load_project(root)
     cfg = load_config(project, config, variables={}, overrides=list(overrides))

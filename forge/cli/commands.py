@@ -168,7 +168,7 @@ def cmd_vars(args: argparse.Namespace) -> int:
 
 
 def cmd_build(args: argparse.Namespace) -> int:
-    from forge.worker import build_variables
+    from forge.launch.worker import build_variables
 
     project = _project(args)
     name, cfg = _load(args, project)
@@ -181,7 +181,7 @@ def cmd_build(args: argparse.Namespace) -> int:
 def _nodes(args: argparse.Namespace):
     """This node's view of the job (forge's flags, options after --, SLURM) and the torchrun
     arguments left to pass on."""
-    from forge.cluster import resolve_nodes
+    from forge.launch.cluster import resolve_nodes
 
     return resolve_nodes(
         nnodes=args.nnodes,
@@ -199,7 +199,7 @@ _NODE_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "master_addr", "master_po
 def _join(args: argparse.Namespace, project: Project, nproc: int, nodes, rest, restarts) -> int:
     """A node other than node 0: start this node's workers, which learn the run from node 0's;
     the run directory goes to stdout once known (after the job)."""
-    from forge.launch import join_job
+    from forge.launch.torchrun import join_job
 
     code, run_dir = join_job(
         project,
@@ -217,11 +217,11 @@ def _join(args: argparse.Namespace, project: Project, nproc: int, nodes, rest, r
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forge.cli.length_note import length_note
-    from forge.cluster import ONE_NODE
-    from forge.launch import launch_training, resolve_max_restarts, resolve_nproc
-    from forge.preflight import check_training_contract
+    from forge.launch.cluster import ONE_NODE
+    from forge.launch.preflight import check_training_contract
+    from forge.launch.torchrun import launch_training, resolve_max_restarts, resolve_nproc
+    from forge.launch.worker import build_variables
     from forge.runs import claim_run, config_output_dir, create_run, discard_unstarted_run
-    from forge.worker import build_variables
 
     project = _project(args)
     name, cfg = _load(args, project)
@@ -250,7 +250,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     length = length_note(cfg)
     if args.dry_run:
-        from forge.job_plan import make_plan
+        from forge.launch.job_plan import make_plan
 
         nproc = topology.world_size if topology.distributed else nproc
         per_node = f" per node, {nodes.describe()}," if nodes.multinode else ""
@@ -317,9 +317,9 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
     """``accelerate launch -m forge.cli train ...``: rank 0 creates the run, each rank trains."""
-    from forge.launch import join_launched_job, leave_launched_job
+    from forge.launch.torchrun import join_launched_job, leave_launched_job
+    from forge.launch.worker import run_worker
     from forge.runs import claim_run, discard_unstarted_run
-    from forge.worker import run_worker
 
     run_dir = join_launched_job(make_run if topology.is_main else None, topology)
     lock = None
@@ -343,7 +343,7 @@ def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
-    from forge.launch import resolve_max_restarts
+    from forge.launch.torchrun import resolve_max_restarts
     from forge.runs import claim_run, find_run, stale_running_note
 
     project = _project(args)
@@ -351,7 +351,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     nodes, torchrun_args = _nodes(args)
     args.torchrun_args = torchrun_args
     if not nodes.creates_run:  # node 0 finds, claims and resolves the run; --set is its too
-        from forge.launch import resolve_nproc
+        from forge.launch.torchrun import resolve_nproc
 
         nproc = resolve_nproc(args.nproc, default=_recorded_nproc(project, args, nodes.nnodes))
         return _join(args, project, nproc, nodes, torchrun_args, max_restarts)
@@ -387,10 +387,10 @@ def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> 
 
 def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, nodes) -> int:
     from forge.checkpoint.resolve import CheckpointNotFound, resume_checkpoint
-    from forge.launch import launch_training, resolve_nproc
-    from forge.preflight import check_training_contract
+    from forge.launch.preflight import check_training_contract
+    from forge.launch.torchrun import launch_training, resolve_nproc
+    from forge.launch.worker import build_variables
     from forge.runs import RunRecord, nothing_to_resume, parse_run_config, record_resume
-    from forge.worker import build_variables
 
     from_checkpoint = Path(args.from_checkpoint).resolve() if args.from_checkpoint else None
     try:  # validated (hashed) here, once: the training processes take it as it is
@@ -438,15 +438,15 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    from forge.launch import stop_with_parent
-    from forge.worker import run_worker
+    from forge.launch.torchrun import stop_with_parent
+    from forge.launch.worker import run_worker
 
     stop_with_parent(signal.SIGKILL)  # a worker whose torchrun is gone stops at once
     project = load_project(Path(args.project).resolve())
     run_dir = Path(args.run_dir) if args.run_dir else None
     resume = args.resume_from
     if args.agree_at:  # a job of several nodes: the run is node 0's to name
-        from forge.multinode import agree_on_run
+        from forge.launch.multinode import agree_on_run
 
         tell = Path(args.tell_run_dir) if args.tell_run_dir else None
         run_dir, resume = agree_on_run(args.agree_at, run_dir, resume, tell_run_dir=tell)

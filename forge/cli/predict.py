@@ -74,8 +74,8 @@ def run_of_checkpoint(checkpoint: Path) -> Path:
 def _load_run(checkpoint: Path, allow: list[str]) -> tuple[Any, Any, Any]:
     """The run's record, project and checked config."""
     from forge.config import load_project
+    from forge.launch.worker import load_run_config
     from forge.runs import RunRecord
-    from forge.worker import load_run_config
 
     run_dir = run_of_checkpoint(checkpoint)
     record = RunRecord.load(run_dir)
@@ -95,8 +95,8 @@ def evaluate_checkpoint(
     weights the checkpoint holds (``ema_decay``); a checkpoint without one is refused.
     """
     from forge.checkpoint import CheckpointError
+    from forge.launch.worker import build_variables
     from forge.train.ema import load_ema_weights, read_ema_state
-    from forge.worker import build_variables
 
     average = None
     if ema:  # before anything is built: a checkpoint without an average is refused at once
@@ -161,7 +161,7 @@ def build_checkpoint_model(checkpoint: Path, allow: list[str] = ()) -> Any:
 
     from forge.checkpoint import load_model_weights
     from forge.config.graph import CallNode
-    from forge.worker import build_variables
+    from forge.launch.worker import build_variables
 
     record, project, cfg = _load_run(checkpoint, allow)
     trainer_node = cfg.targets.get("trainer")

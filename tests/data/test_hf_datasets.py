@@ -9,7 +9,7 @@ import logging
 import pytest
 
 from forge.config import load_config, load_project
-from forge.worker import build_variables
+from forge.launch.worker import build_variables
 
 datasets = pytest.importorskip("datasets")
 

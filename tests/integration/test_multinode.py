@@ -159,7 +159,7 @@ def test_a_node_that_cannot_see_the_run_stops_the_job_with_one_message(project):
 
 
 def slurm_port() -> int:
-    """A free port in the range forge derives from SLURM_JOB_ID (forge/cluster.py)."""
+    """A free port in the range forge derives from SLURM_JOB_ID (forge/launch/cluster.py)."""
     for port in range(29500 + os.getpid() % 1000, 31500):
         with socket.socket() as probe:
             try:

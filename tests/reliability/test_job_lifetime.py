@@ -1,9 +1,10 @@
 """A `forge train --nproc 2` job lives and dies with its `forge` process, for every trainer.
 
 torchrun and each worker run in a session of their own, so SIGKILL to the forge process, or to
-its process group (what `kill -9 -PGID` and schedulers do), reaches none of them: forge/launch.py
-has them stop when their parent dies. They must train no further, `run.json` must say what
-happened, and `forge resume` right after must continue the run from its newest checkpoint.
+its process group (what `kill -9 -PGID` and schedulers do), reaches none of them:
+forge/launch/torchrun.py has them stop when their parent dies. They must train no further,
+`run.json` must say what happened, and `forge resume` right after must continue the run from
+its newest checkpoint.
 SIGTERM and Ctrl-C still save first and end with one message; a rank or a torchrun that dies
 marks the run failed, naming it.
 

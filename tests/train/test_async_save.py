@@ -25,10 +25,10 @@ from forge.checkpoint import (
     validate_checkpoint,
 )
 from forge.checkpoint.background import BackgroundCommit
+from forge.launch.worker import make_run_record_callback
 from forge.runs import RunRecord
 from forge.train import TrainerCallback, TrainingArgumentsError
 from forge.train.signals import TrainingInterrupted
-from forge.worker import make_run_record_callback
 from tests.faults import inject
 from tests.train.common import SignalAtStep, assert_same_tensors, make_args, make_trainer
 from tests.train.test_save_phases import (

@@ -32,10 +32,10 @@ from forge.checkpoint import (
     read_manifest,
     validate_checkpoint,
 )
+from forge.launch.worker import make_run_record_callback
 from forge.runs import RunRecord
 from forge.train import TrainerCallback
 from forge.train.topology import Topology
-from forge.worker import make_run_record_callback
 from tests.faults import fault_env, inject
 from tests.helpers import REPO
 from tests.train.common import assert_same_tensors, make_args, make_trainer, tiny_llama_config

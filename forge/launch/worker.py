@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.errors import EXIT_USAGE, exit_code_for
-from forge.multinode import peer_loss
+from forge.launch.multinode import peer_loss
 from forge.runs import RunRecord, hold_training_lock, now_iso, resume_command
 from forge.train.topology import Topology
 

@@ -36,8 +36,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from forge.cluster import ONE_NODE, Nodes
 from forge.errors import EXIT_FAILURE, EXIT_USAGE, UsageError
+from forge.launch.cluster import ONE_NODE, Nodes
 from forge.runs import resume_command
 from forge.train.topology import Topology
 
@@ -94,7 +94,7 @@ def torchrun_command(
 
     On one node torchrun runs ``--standalone``; a job of several nodes meets at ``nodes``'s
     c10d rendezvous. ``run_dir`` is None on a node that did not create the run: its workers
-    learn the run (and the checkpoint to resume from) from node 0's (forge/multinode.py), and
+    learn the run (and the checkpoint to resume from) from node 0's (forge/launch/multinode.py), and
     the first of them writes the run directory to ``tell_run_dir`` for this node's forge.
     """
     command = [sys.executable, "-m", "forge.launch"]
@@ -146,13 +146,13 @@ def launch_training(
 
     With ``max_restarts`` the job always runs under torchrun, whose elastic agent starts the
     workers again (up to that many times) when one dies; they continue from the run's newest
-    checkpoint (forge/worker.py). Returns the exit code: 0 completed, 2 config error, 128+N
+    checkpoint (forge/launch/worker.py). Returns the exit code: 0 completed, 2 config error, 128+N
     stopped by signal N, else 1. ``run_dir`` None: a node that joins a job of several nodes
     (:func:`join_job`).
     """
     single = nproc == 1 and not nodes.multinode
     if single and not torchrun_args and not max_restarts and run_dir is not None:
-        from forge.worker import run_worker
+        from forge.launch.worker import run_worker
 
         return run_worker(run_dir, project, resume_from=resume_from, allow=list(allow))
     command = torchrun_command(
@@ -511,7 +511,3 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_FAILURE
     signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
     return EXIT_OK
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""The nodes of a job (forge/cluster.py) and the torchrun command each node runs: forge's
+"""The nodes of a job (forge/launch/cluster.py) and the torchrun command each node runs: forge's
 flags, the same options after ``--``, and SLURM's variables (a faked SLURM environment).
 
 Real processes on two simulated nodes: tests/integration/test_multinode.py (slow)."""
@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from forge.cli import main
-from forge.cluster import ONE_NODE, Nodes, first_host, resolve_nodes, slurm_nodes
 from forge.errors import UsageError
-from forge.launch import resolve_nproc, torchrun_command
+from forge.launch.cluster import ONE_NODE, Nodes, first_host, resolve_nodes, slurm_nodes
+from forge.launch.torchrun import resolve_nproc, torchrun_command
 
 # what `srun --nodes 2 --ntasks-per-node=1 forge train ...` gives the task on the second node
 SLURM = {
@@ -139,7 +139,7 @@ def test_the_cli_refuses_a_node_job_without_an_endpoint_before_anything_runs(
     for key in SLURM:
         monkeypatch.delenv(key, raising=False)
     code = main(
-        ["train", "-p", str(Path(__file__).parents[1] / "projects" / "tiny_lm"), "--nnodes", "2"]
+        ["train", "-p", str(Path(__file__).parents[2] / "projects" / "tiny_lm"), "--nnodes", "2"]
     )
     assert code == 2
     assert "needs the rendezvous address every node reaches" in capsys.readouterr().err

@@ -9,8 +9,8 @@ import pytest
 
 from forge.cli.new import new_project
 from forge.config import ConfigError, load_config, load_project
-from forge.preflight import check_training_contract
-from forge.worker import build_variables
+from forge.launch.preflight import check_training_contract
+from forge.launch.worker import build_variables
 from tests.cli.test_preflight import PLAIN_DATA, PLAIN_MODEL
 
 TUPLES = "data_collator: &data_collator !singleton:forge.data:TupleCollator {names: [x, y]}"

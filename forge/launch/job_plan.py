@@ -242,7 +242,7 @@ def make_plan(
 
     from forge.config.build import Materializer
     from forge.config.graph import CallNode
-    from forge.preflight import _resolver
+    from forge.launch.preflight import _resolver
 
     trainer = cfg.targets.get("trainer")
     if not isinstance(trainer, CallNode) or not isinstance(trainer.kwargs.get("args"), CallNode):

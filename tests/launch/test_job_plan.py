@@ -1,4 +1,4 @@
-"""The figures `forge train --dry-run` prints (forge/job_plan.py) against the real thing:
+"""The figures `forge train --dry-run` prints (forge/launch/job_plan.py) against the real thing:
 parameters counted on the meta device against the built model, the memory formula against a
 real optimizer's state, steps per epoch against forge's loader, per-stage parameters against
 the pipeline's split; and the dry run builds no run directory and writes only data to stdout.
@@ -16,13 +16,13 @@ from torch import nn
 from forge.cli import main
 from forge.config import load_config, load_project
 from forge.config.build import Materializer
-from forge.job_plan import (
+from forge.launch.job_plan import (
     count_parameters,
     optimizer_states,
     rank_memory,
     steps_per_epoch,
 )
-from forge.preflight import _resolver
+from forge.launch.preflight import _resolver
 from tests.helpers import TINY_LM
 from tests.integration.conftest import SMALL
 
@@ -40,7 +40,7 @@ def project(tmp_path_factory):
 
 
 def materialize(cfg, node):
-    from forge.worker import build_variables
+    from forge.launch.worker import build_variables
 
     variables = build_variables(cfg.project.output_dir / "build", cfg.project, "train")
     return Materializer(_resolver(cfg, []).resolve, variables, cfg.describe_loc).value(node)

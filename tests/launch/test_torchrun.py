@@ -1,4 +1,4 @@
-"""forge/launch.py with real processes: a training process stops when the process that
+"""forge/launch/torchrun.py with real processes: a training process stops when the process that
 started it dies (the kernel's parent-death signal on Linux, a watching thread elsewhere), and
 torchrun's agent settles ``run.json`` when a rank dies without rank 0 saying why.
 
@@ -15,7 +15,7 @@ import time
 
 import pytest
 
-from forge.launch import PARENT_ENV
+from forge.launch.torchrun import PARENT_ENV
 from tests.helpers import REPO
 from tests.reliability.procs import alive
 
@@ -24,7 +24,7 @@ from tests.reliability.procs import alive
 CHILD = """
 import os, signal, sys, time
 from pathlib import Path
-import forge.launch as launch
+import forge.launch.torchrun as launch
 if sys.argv[2] == "thread":  # the portable watch, as where there is no prctl
     launch._kernel_signals_parent_death = lambda signum: False
 launch.stop_with_parent(signal.SIGKILL)
@@ -110,7 +110,7 @@ def test_a_rank_that_dies_marks_the_run_failed_naming_it(tmp_path):
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
     agent = python(
-        "from forge.launch import main; raise SystemExit(main())",
+        "from forge.launch.torchrun import main; raise SystemExit(main())",
         f"--run-dir={run_dir}",
         f"--project={tmp_path}",
         "--nproc_per_node=2",

@@ -1,0 +1,10 @@
+"""Starting a training job: the processes each rank runs, where they run and what is checked
+before any of them starts.
+
+``torchrun`` launches the job here (one process) or under torchrun, forwarding signals, and
+is what ``python -m forge.launch`` runs: torchrun's agent as forge starts it. ``cluster``
+reads the nodes of a job (``--nnodes``, SLURM); ``multinode`` lets the nodes of one job agree
+on its run; ``worker`` is the training process of one rank, which dies with its launcher;
+``preflight`` checks the model/data contract before a run directory is created, and
+``job_plan`` is what ``forge train --dry-run`` prints. Nothing here imports forge.cli.
+"""
