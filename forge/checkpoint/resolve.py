@@ -20,8 +20,8 @@ restarted, ``forge generate`` / ``evaluate`` / ``predict`` / ``export``. What ma
 The answer is a :class:`Checkpoint` (its path and manifest) whose manifest, sizes and hashes
 have been checked, once: a command hashes a checkpoint one time, and hands the
 :class:`Checkpoint` on (to the trainer, to the worker it starts) rather than its path. Anything
-else raises :class:`CheckpointNotFound` (or UsageError for options that contradict each other)
-naming what was given, the path, why, and what to do.
+else raises :class:`CheckpointNotFound` (or :class:`CheckpointUsageError` for options that
+contradict each other) naming what was given, the path, why, and what to do.
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from forge.checkpoint.layout import (
     parse_checkpoint_step,
     resume_search_dirs,
 )
-from forge.errors import UsageError
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +51,11 @@ PROJECT_FILE = "meta.yaml"
 class CheckpointNotFound(CheckpointError):
     """What was given names no valid checkpoint; the message says which path, why, and what
     to do. Nothing was changed."""
+
+
+class CheckpointUsageError(CheckpointError):
+    """The options given contradict what the path is (``--best`` with a checkpoint): a usage
+    error, exit 2 (the CLI maps it by class name, forge.error_kinds). Nothing was changed."""
 
 
 @dataclass(frozen=True)
@@ -115,7 +119,7 @@ def resolve_checkpoint(
     """
     if isinstance(given, Checkpoint):
         if best:
-            raise UsageError(_best_of_a_checkpoint(given.path))
+            raise CheckpointUsageError(_best_of_a_checkpoint(given.path))
         return given
     path = Path(given)
     if not path.exists():
@@ -129,11 +133,11 @@ def resolve_checkpoint(
         )
     if _is_checkpoint(path):
         if best:
-            raise UsageError(_best_of_a_checkpoint(path))
+            raise CheckpointUsageError(_best_of_a_checkpoint(path))
         return check_checkpoint(path, verify_hashes=verify_hashes)
     if models and _is_model_directory(path):
         if best:
-            raise UsageError(_best_of_a_checkpoint(path))
+            raise CheckpointUsageError(_best_of_a_checkpoint(path))
         logger.debug("%s: a model directory, not a forge checkpoint: nothing to validate", path)
         return Checkpoint(path, None, hashes_verified=False)
     if (path / PROJECT_FILE).is_file():

@@ -17,8 +17,8 @@ import logging
 import sys
 
 from forge.cli.commands import COMMANDS
+from forge.cli.exits import EXIT_USAGE, exit_code_for, is_expected
 from forge.cli.parser import build_parser, split_torchrun_args
-from forge.errors import EXIT_USAGE, exit_code_for, is_expected
 from forge.extras import missing_package_hint
 
 __all__ = ["main"]

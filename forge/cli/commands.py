@@ -16,15 +16,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from forge.cli.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError, exit_code_for
 from forge.config import ConfigError, Project, find_project, load_config, load_project
 from forge.config import parse_define as _parse_define
 from forge.config.analysis import unused_variables
-from forge.errors import EXIT_USAGE, UsageError, exit_code_for
 from forge.train.topology import Topology
 
 logger = logging.getLogger("forge")
-
-EXIT_OK, EXIT_FAILURE = 0, 1
 
 
 # --------------------------------------------------------------------------- helpers

@@ -26,7 +26,7 @@ from typing import Any
 from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
 from forge.checkpoint.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX_NAME
 from forge.checkpoint.layout import MANIFEST_NAME
-from forge.errors import RuntimeFailure, UsageError
+from forge.cli.exits import RuntimeFailure, UsageError
 
 logger = logging.getLogger(__name__)
 

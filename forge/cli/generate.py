@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from forge.cli.exits import UsageError
 from forge.cli.predict import (
     checkpoint_tokenizer,
     continue_with_module,
@@ -21,7 +22,6 @@ from forge.cli.predict import (
     model_through_run,
     module_logits,
 )
-from forge.errors import UsageError
 
 logger = logging.getLogger(__name__)
 

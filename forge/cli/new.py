@@ -12,8 +12,8 @@ from pathlib import Path
 
 import yaml
 
+from forge.cli.exits import UsageError
 from forge.config import ConfigError, Project, load_config
-from forge.errors import UsageError
 
 SCAFFOLDS_DIR = Path(__file__).parent.parent / "scaffolds"
 SCAFFOLDS = {

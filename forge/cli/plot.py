@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from forge.errors import UsageError
+from forge.cli.exits import UsageError
 from forge.extras import install_command
 from forge.runs import RunError, RunRecord
 

@@ -21,7 +21,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from forge.errors import RuntimeFailure, UsageError
+from forge.cli.exits import RuntimeFailure, UsageError
 
 logger = logging.getLogger(__name__)
 

@@ -22,7 +22,7 @@ import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
-from forge.errors import UsageError
+from forge.launch.errors import LaunchUsageError
 
 DEFAULT_PORT = 29500  # torchrun's own default for the endpoint
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 29500, 2000  # a port per job, so jobs sharing a node differ
@@ -82,13 +82,13 @@ def first_host(nodelist: str) -> str:
     text = nodelist.strip()
     match = re.match(r"([^,\[]*)(?:\[([^\]]*)\])?", text)
     if not text or match is None or not (match.group(1) or match.group(2)):
-        raise UsageError(f"SLURM_JOB_NODELIST={nodelist!r} names no host")
+        raise LaunchUsageError(f"SLURM_JOB_NODELIST={nodelist!r} names no host")
     prefix, ranges = match.group(1), match.group(2)
     if ranges is None:
         return prefix
     first = ranges.split(",")[0].split("-")[0].strip()
     if not first:
-        raise UsageError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot read its first host")
+        raise LaunchUsageError(f"SLURM_JOB_NODELIST={nodelist!r}: cannot read its first host")
     return prefix + first  # the range keeps its zero padding: node[01-04] starts at node01
 
 
@@ -96,15 +96,15 @@ def _int(value: str | None, name: str, *, low: int) -> int:
     try:
         number = int(value or "")
     except ValueError:
-        raise UsageError(f"{name} must be an integer (got {value!r})") from None
+        raise LaunchUsageError(f"{name} must be an integer (got {value!r})") from None
     if number < low:
-        raise UsageError(f"{name} must be at least {low} (got {number})")
+        raise LaunchUsageError(f"{name} must be at least {low} (got {number})")
     return number
 
 
 def slurm_nodes(env: Mapping[str, str]) -> Nodes | None:
     """The job's nodes from SLURM's variables, inside an ``srun`` step; None outside SLURM
-    or in an allocation of one node. Raises UsageError where forge cannot run as started."""
+    or in an allocation of one node. Raises LaunchUsageError where forge cannot run as started."""
     if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
         return None
     nnodes = _int(env["SLURM_NNODES"], "SLURM_NNODES", low=1)
@@ -112,14 +112,14 @@ def slurm_nodes(env: Mapping[str, str]) -> Nodes | None:
         return None
     in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
     if not in_step:  # the batch script itself, on the first node only
-        raise UsageError(
+        raise LaunchUsageError(
             f"this SLURM job has {nnodes} nodes but forge was not started by srun, so it "
             "would run on one of them and wait for the rest: start it with "
             "`srun --ntasks-per-node=1 forge train ...`, or pass --nnodes 1 to train here only"
         )
     ntasks = _int(env.get("SLURM_NTASKS", str(nnodes)), "SLURM_NTASKS", low=1)
     if ntasks != nnodes:
-        raise UsageError(
+        raise LaunchUsageError(
             f"srun started {ntasks} tasks on {nnodes} nodes; forge starts the processes of "
             "its node itself (one per GPU with --nproc auto), so it needs one task per node: "
             "`srun --ntasks-per-node=1 forge train ...`"
@@ -146,7 +146,7 @@ def take_node_options(torchrun_args: Sequence[str]) -> tuple[dict[str, str], lis
         if flag in spelled:
             if not eq:
                 if index + 1 >= len(words):
-                    raise UsageError(f"torchrun option {flag} after -- needs a value")
+                    raise LaunchUsageError(f"torchrun option {flag} after -- needs a value")
                 index += 1
                 value = words[index]
             found[spelled[flag]] = value
@@ -181,17 +181,17 @@ def resolve_nodes(
     }
     for key, value in given.items():
         if flags[key] is not None:
-            raise UsageError(
+            raise LaunchUsageError(
                 f"give --{key.replace('_', '-')} once: to forge, or to torchrun after --"
             )
         flags[key] = value
     if flags["nnodes"] is not None and not str(flags["nnodes"]).isdigit():
-        raise UsageError(
+        raise LaunchUsageError(
             f"--nnodes must be a positive integer (got {flags['nnodes']!r}); an elastic range "
             "(MIN:MAX) is not supported: every node must know the job's size to agree on its run"
         )
     if flags["rdzv_endpoint"] and (flags["master_addr"] or flags["master_port"]):
-        raise UsageError(
+        raise LaunchUsageError(
             "give the rendezvous once: --rdzv-endpoint HOST:PORT, or --master-addr HOST "
             "with --master-port PORT (the same thing under torchrun's older names)"
         )
@@ -199,21 +199,21 @@ def resolve_nodes(
     if flags["nnodes"] is None or int(flags["nnodes"]) > 1:
         try:
             slurm = slurm_nodes(env)
-        except UsageError:
+        except LaunchUsageError:
             if flags["nnodes"] is None:  # SLURM's count is the one to go by, and it is wrong
                 raise
     nodes_count = int(flags["nnodes"]) if flags["nnodes"] is not None else None
     if nodes_count is None:
         nodes_count = slurm.nnodes if slurm else 1
     if nodes_count < 1:
-        raise UsageError(f"--nnodes must be a positive integer (got {nodes_count})")
+        raise LaunchUsageError(f"--nnodes must be a positive integer (got {nodes_count})")
     rank_value = flags["node_rank"]
     if rank_value is None:
         rank = slurm.node_rank if slurm else 0
     else:
         rank = _int(str(rank_value), "--node-rank", low=0)
     if rank >= nodes_count:
-        raise UsageError(
+        raise LaunchUsageError(
             f"--node-rank {rank} is not below --nnodes {nodes_count} (nodes count from 0)"
         )
     endpoint = flags["rdzv_endpoint"]
@@ -221,17 +221,17 @@ def resolve_nodes(
         port = _int(str(flags["master_port"] or DEFAULT_PORT), "--master-port", low=1)
         endpoint = f"{flags['master_addr']}:{port}"
     elif endpoint is None and flags["master_port"]:
-        raise UsageError("--master-port needs --master-addr (the host of node 0)")
+        raise LaunchUsageError("--master-port needs --master-addr (the host of node 0)")
     if endpoint is None and slurm is not None:
         endpoint = slurm.endpoint
     if nodes_count == 1:
         if endpoint:
-            raise UsageError(
+            raise LaunchUsageError(
                 "a rendezvous endpoint is for a job of several nodes; add --nnodes N, or drop it"
             )
         return ONE_NODE, rest
     if endpoint is None:
-        raise UsageError(
+        raise LaunchUsageError(
             f"a job of {nodes_count} nodes needs the rendezvous address every node reaches: "
             "--rdzv-endpoint HOST:PORT (HOST is node 0, PORT a free port), the same on every node"
         )

@@ -22,7 +22,7 @@ import os
 import socket
 from pathlib import Path
 
-from forge.errors import UsageError
+from forge.launch.errors import LaunchUsageError
 from forge.runs import RunError
 from forge.train.topology import Topology
 
@@ -43,7 +43,7 @@ def agree_on_run(
 
     ``run_dir`` is given on node 0's workers, None on the others. ``tell_run_dir``: a file
     this node's forge reads after the job (written by the node's first worker). Raises
-    UsageError (the same on every rank) when a rank cannot see the run.
+    LaunchUsageError (the same on every rank) when a rank cannot see the run.
     """
     from torch.distributed import TCPStore
 
@@ -85,7 +85,7 @@ def agree_on_run(
         ) from None
     failed = [p for p in problems if p]
     if failed:
-        raise UsageError(failed[0])
+        raise LaunchUsageError(failed[0])
     if tell_run_dir is not None and topology.local_rank == 0:
         tell_run_dir.write_text(str(learned))
     if run_dir is None:

@@ -36,14 +36,15 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from forge.errors import EXIT_FAILURE, EXIT_USAGE, UsageError
 from forge.launch.cluster import ONE_NODE, Nodes
+from forge.launch.errors import LaunchUsageError
 from forge.runs import resume_command
 from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
 
-EXIT_OK = 0
+# the CLI's exit codes (forge/cli/exits.py), which a launched job ends with
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 PARENT_ENV = "FORGE_PARENT_PID"  # the launcher a training process must not outlive
 LAUNCHER_DIED = signal.SIGUSR1  # what the agent receives when forge dies (torch leaves it be)
@@ -62,9 +63,11 @@ def resolve_nproc(value: str | None, default: int = 1) -> int:
     try:
         n = int(value)
     except ValueError as err:
-        raise UsageError(f"--nproc must be a positive integer or 'auto' (got {value!r})") from err
+        raise LaunchUsageError(
+            f"--nproc must be a positive integer or 'auto' (got {value!r})"
+        ) from err
     if n < 1:
-        raise UsageError(f"--nproc must be a positive integer or 'auto' (got {value!r})")
+        raise LaunchUsageError(f"--nproc must be a positive integer or 'auto' (got {value!r})")
     return n
 
 
@@ -73,7 +76,7 @@ def resolve_max_restarts(value: int | None) -> int:
     if value is None:
         return 0
     if value < 0:
-        raise UsageError(f"--max-restarts must be 0 or a positive integer (got {value})")
+        raise LaunchUsageError(f"--max-restarts must be 0 or a positive integer (got {value})")
     return value
 
 
@@ -107,7 +110,7 @@ def torchrun_command(
         command.append("--standalone")
     if max_restarts:
         if any(a.startswith(("--max-restarts", "--max_restarts")) for a in torchrun_args):
-            raise UsageError("give --max-restarts once: to forge, or to torchrun after --")
+            raise LaunchUsageError("give --max-restarts once: to forge, or to torchrun after --")
         command.append(f"--max-restarts={max_restarts}")
     command += list(torchrun_args)
     command += ["-m", "forge.cli", "_worker", "-p", str(project_root)]
@@ -233,7 +236,7 @@ def join_launched_job(make_run: Callable[[], Path] | None, topology: Topology) -
     import torch.distributed as dist
 
     if dist.is_initialized():
-        raise UsageError("forge train must start before any torch.distributed process group")
+        raise LaunchUsageError("forge train must start before any torch.distributed process group")
     backend = "gloo"
     if torch.cuda.is_available():
         torch.cuda.set_device(topology.local_rank)
@@ -250,7 +253,7 @@ def join_launched_job(make_run: Callable[[], Path] | None, topology: Topology) -
     dist.broadcast_object_list(box, src=0)
     if box[0].startswith("error: "):
         leave_launched_job(ok=False)
-        raise UsageError(f"rank 0 could not create the run ({box[0][7:]})")
+        raise LaunchUsageError(f"rank 0 could not create the run ({box[0][7:]})")
     return Path(box[0])
 
 

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge.config import ConfigError, Problem, Project, parse_config
-from forge.errors import EXIT_USAGE, exit_code_for
+from forge.error_kinds import is_usage_error
 from forge.launch.multinode import peer_loss
 from forge.runs import RunRecord, hold_training_lock, now_iso, resume_command
 from forge.train.topology import Topology
@@ -185,7 +185,7 @@ def run_worker(
         if rank == 0:
             record = RunRecord.load(run_dir)
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
-            kind = "usage" if exit_code_for(err) == EXIT_USAGE else "runtime"
+            kind = "usage" if is_usage_error(err) else "runtime"
             if lost is None or record.data.get("status") != "killed":  # the cause is kept
                 record.set_status(
                     status,

@@ -62,7 +62,6 @@ from forge.checkpoint.background import BackgroundCommit
 from forge.checkpoint.snapshot import HostCopier, HostStaging, stepped_by
 from forge.data import trainer_loaders
 from forge.data.columns import ModelInputs
-from forge.errors import UsageError
 from forge.train import dist
 from forge.train.adapters import (
     loss_from_outputs,
@@ -953,13 +952,13 @@ class BaseTrainer:
     def _record_lora_base(self, model: nn.Module) -> dict[str, Any]:
         """Rank 0 records (or, resuming, checks) the run's base; every rank gets the record,
         or the refusal."""
-        from forge.train.lora import record_base
+        from forge.train.lora import LoraUsageError, record_base
 
         record, error = None, None
         if self.is_main_process:
             try:
                 record = record_base(model, self.args.output_dir)
-            except (CheckpointError, UsageError) as exc:
+            except (CheckpointError, LoraUsageError) as exc:
                 error = exc
         record, error = dist.broadcast_object((record, error))
         if error is not None:

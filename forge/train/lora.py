@@ -38,7 +38,6 @@ from forge.checkpoint.adapter import (
 )
 from forge.checkpoint.io import CheckpointError
 from forge.config.errors import short_list
-from forge.errors import UsageError
 from forge.suggest import suggestion
 from forge.train.args import TrainingArgumentsError
 
@@ -47,6 +46,13 @@ logger = logging.getLogger(__name__)
 BASE_RECORD_FILE = "base_model.json"
 BASE_COPY_DIR = "base_model"
 PEFT_KEY = "trainer.peft_config"
+
+
+class LoraUsageError(Exception):
+    """The base model given cannot be fine-tuned as asked (none given, not a transformers
+    model's directory, quantisation without a GPU or bitsandbytes, another base than the run's):
+    a usage error, exit 2 (the CLI maps it by class name, forge.error_kinds)."""
+
 
 #: (family, attention projections, MLP projections): the names LoRA adapts by default. A model
 #: is of the first family whose attention names it has all of (as leaf layers LoRA can adapt).
@@ -71,7 +77,7 @@ def _resolve_base(path: str | os.PathLike | None) -> Path:
     from forge.checkpoint.resolve import resolve_checkpoint
 
     if path is None or str(path) == "":
-        raise UsageError(
+        raise LoraUsageError(
             "a LoRA config fine-tunes the model given with -D base_model=PATH (a forge "
             "checkpoint or run, a forge export, or a local Hugging Face model directory)"
         )
@@ -104,7 +110,7 @@ def load_base_model(
     directory = _resolve_base(path)
     quantized = _quantization(directory, load_in_4bit, load_in_8bit)
     if quantized and not torch.cuda.is_available():
-        raise UsageError(
+        raise LoraUsageError(
             f"base_model {directory}: {quantized} quantises the base with bitsandbytes (QLoRA), "
             "which needs a CUDA GPU; this machine has none. Fine-tune the unquantised base "
             "(drop load_in_4bit / load_in_8bit), or run on a GPU"
@@ -115,7 +121,7 @@ def load_base_model(
         return model
     problem = hf_directory_problem(directory)
     if problem is not None:
-        raise UsageError(
+        raise LoraUsageError(
             f"base_model {directory} is not a Hugging Face model directory ({problem}); LoRA "
             "fine-tunes a transformers model: give a checkpoint of one, or its forge export"
         )
@@ -167,7 +173,7 @@ def _load_quantized(directory: Path, four_bit: bool) -> nn.Module:  # pragma: no
     import importlib.util
 
     if importlib.util.find_spec("bitsandbytes") is None:
-        raise UsageError(
+        raise LoraUsageError(
             "load_in_4bit / load_in_8bit need the bitsandbytes package; pip install bitsandbytes"
         )
     from peft import prepare_model_for_kbit_training
@@ -318,7 +324,7 @@ def record_base(model: nn.Module, run_dir: str | os.PathLike) -> dict[str, Any]:
     if record_file.is_file():
         record = json.loads(record_file.read_text())
         if source is not None and not record.get("copied") and Path(record["path"]) != source:
-            raise UsageError(
+            raise LoraUsageError(
                 f"run {run_dir} fine-tunes the base model {record['path']}, and this job loaded "
                 f"{source}; resume with the run's own base, or start a new run"
             )

@@ -13,11 +13,11 @@ from forge.checkpoint import CheckpointWriter
 from forge.checkpoint.resolve import (
     Checkpoint,
     CheckpointNotFound,
+    CheckpointUsageError,
     Restart,
     resolve_checkpoint,
     resume_checkpoint,
 )
-from forge.errors import UsageError
 from forge.runs import RunRecord
 
 
@@ -98,7 +98,9 @@ def test_best_is_the_runs_best_and_refused_for_a_checkpoint(tmp_path):
     newest = make_checkpoint(run_dir / "checkpoints", 20)
     assert resolve_checkpoint(run_dir, best=True).path == best.resolve()
     assert resolve_checkpoint(run_dir).path == newest
-    with pytest.raises(UsageError, match="--best picks a run's best checkpoint, and .* is a"):
+    with pytest.raises(
+        CheckpointUsageError, match="--best picks a run's best checkpoint, and .* is a"
+    ):
         resolve_checkpoint(newest, best=True)
     without = make_run(tmp_path, "run_002")
     make_checkpoint(without / "checkpoints", 10)

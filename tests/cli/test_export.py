@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from forge.checkpoint import CheckpointWriter
+from forge.cli.exits import RuntimeFailure, UsageError
 from forge.cli.export import export_model
-from forge.errors import RuntimeFailure, UsageError
 from tests.train.common import tiny_llama_config
 
 

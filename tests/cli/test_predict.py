@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
+from forge.cli.exits import RuntimeFailure, UsageError
 from forge.cli.predict import predict_file, read_inputs
 from forge.data.tokenizer import train_bpe_tokenizer
-from forge.errors import RuntimeFailure, UsageError
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 20
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from forge.cli import main
-from forge.errors import UsageError
 from forge.launch.cluster import ONE_NODE, Nodes, first_host, resolve_nodes, slurm_nodes
+from forge.launch.errors import LaunchUsageError
 from forge.launch.torchrun import resolve_nproc, torchrun_command
 
 # what `srun --nodes 2 --ntasks-per-node=1 forge train ...` gives the task on the second node
@@ -52,10 +52,14 @@ def test_a_faked_slurm_step_gives_nodes_endpoint_and_rendezvous_id():
 
 
 def test_slurm_one_task_per_gpu_or_no_srun_is_refused_with_the_fix():
-    with pytest.raises(UsageError, match=r"srun started 8 tasks on 2 nodes.*--ntasks-per-node=1"):
+    with pytest.raises(
+        LaunchUsageError, match=r"srun started 8 tasks on 2 nodes.*--ntasks-per-node=1"
+    ):
         slurm_nodes({**SLURM, "SLURM_NTASKS": "8"})
     batch_script = {k: v for k, v in SLURM.items() if k != "SLURM_STEP_ID"}
-    with pytest.raises(UsageError, match=r"not started by srun.*--nnodes 1 to train here only"):
+    with pytest.raises(
+        LaunchUsageError, match=r"not started by srun.*--nnodes 1 to train here only"
+    ):
         slurm_nodes(batch_script)
     nodes, _ = resolve_nodes(nnodes=1, env=batch_script)  # the way out the message names
     assert nodes == ONE_NODE
@@ -93,7 +97,7 @@ def test_master_addr_and_port_are_the_endpoint_and_options_after_dashes_are_read
     ],
 )
 def test_node_options_that_cannot_make_a_job_are_refused(kwargs, message):
-    with pytest.raises(UsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
+    with pytest.raises(LaunchUsageError, match=message.replace("(", r"\(").replace(")", r"\)")):
         resolve_nodes(env={}, **kwargs)
 
 
@@ -128,7 +132,7 @@ def test_nproc_auto_is_one_process_per_gpu_or_one_on_a_cpu_machine():
 
     assert resolve_nproc("auto") == max(torch.cuda.device_count(), 1)
     assert resolve_nproc(None, default=3) == 3
-    with pytest.raises(UsageError, match="positive integer or 'auto'"):
+    with pytest.raises(LaunchUsageError, match="positive integer or 'auto'"):
         resolve_nproc("0")
 
 

@@ -11,8 +11,8 @@ import torch
 from torch import nn
 
 from forge.checkpoint import CheckpointError, read_manifest
+from forge.cli.exits import UsageError
 from forge.cli.export import export_model
-from forge.errors import UsageError
 from forge.train import (
     AccelTrainer,
     PipelineTrainer,

@@ -25,11 +25,11 @@ from transformers import (
 
 from forge.checkpoint import CheckpointError, validate_checkpoint
 from forge.checkpoint.adapter import BaseChanged
+from forge.cli.exits import UsageError
 from forge.cli.export import export_model
 from forge.data import CausalLMCollator
-from forge.errors import UsageError
 from forge.train import AccelTrainer, AccelTrainingArguments, Trainer, TrainingArgumentsError
-from forge.train.lora import default_target_modules, load_base_model
+from forge.train.lora import LoraUsageError, default_target_modules, load_base_model
 from tests.train.common import (
     VOCAB,
     StopAfterSave,
@@ -300,14 +300,14 @@ def test_the_pipeline_trainer_refuses_lora_at_construction(tmp_path):
 
 def test_a_quantised_base_is_refused_without_a_gpu(base_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(UsageError, match="needs a CUDA GPU"):
+    with pytest.raises(LoraUsageError, match="needs a CUDA GPU"):
         load_base_model(base_dir, load_in_4bit=True)
 
 
 def test_a_base_that_is_no_model_directory_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match="no such"):
         load_base_model(tmp_path / "missing")
-    with pytest.raises(UsageError, match="-D base_model=PATH"):
+    with pytest.raises(LoraUsageError, match="-D base_model=PATH"):
         load_base_model(None)
 
 

@@ -1,12 +1,14 @@
-"""Exception kinds the CLI turns into messages and exit codes (no tracebacks unless -v)."""
+"""Exception kinds the CLI turns into messages and exit codes (no tracebacks unless -v).
+
+Only the CLI turns errors into exit codes. Errors are matched by class name
+(forge.error_kinds) so that classifying an error never imports torch.
+"""
 
 from __future__ import annotations
 
-EXIT_FAILURE, EXIT_USAGE = 1, 2
+from forge.error_kinds import RUNTIME_ERRORS, USAGE_ERRORS, is_usage_error
 
-# Matched by class name so that classifying an error never imports torch.
-_USAGE = {"UsageError", "ConfigError", "TrainingArgumentsError"}
-_RUNTIME = {"RuntimeFailure", "RunError", "CheckpointError"}
+EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 
 class UsageError(Exception):
@@ -19,8 +21,7 @@ class RuntimeFailure(Exception):
 
 def exit_code_for(err: BaseException) -> int:
     """2 for usage/config errors, 1 for everything else."""
-    names = {cls.__name__ for cls in type(err).__mro__}
-    if names & _USAGE:
+    if is_usage_error(err):
         return EXIT_USAGE
     return EXIT_FAILURE
 
@@ -28,4 +29,4 @@ def exit_code_for(err: BaseException) -> int:
 def is_expected(err: BaseException) -> bool:
     """True for errors whose message is the whole story (no traceback needed)."""
     names = {cls.__name__ for cls in type(err).__mro__}
-    return bool(names & (_USAGE | _RUNTIME))
+    return bool(names & (USAGE_ERRORS | RUNTIME_ERRORS))
