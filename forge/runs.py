@@ -18,11 +18,13 @@ import shlex
 import socket
 import subprocess
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+
+from forge.checkpoint.io import write_json_atomic
+from forge.checkpoint.resolve import CheckpointNotFound, use_run_lookup
 
 try:
     import fcntl
@@ -78,21 +80,6 @@ def _created_ns(run_dir: Path) -> int:
         return RunRecord.load(run_dir).data.get("created_ns", 0)
     except RunError:
         return 0  # a damaged record sorts first; `forge runs` reports it
-
-
-def write_json_atomic(path: Path, data: Any) -> None:
-    """Write JSON next to ``path`` and rename it into place, so readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as handle:
-            json.dump(data, handle, indent=2, sort_keys=False)
-            handle.write("\n")
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 # what run.json records the versions of, and `forge env` prints
@@ -296,6 +283,37 @@ def best_checkpoint(run_dir: Path) -> Path:
             "checkpoint of the run, or the run without --best for its newest"
         )
     return path
+
+
+class ProjectRuns:
+    """A project's newest run and a run's best checkpoint, as forge.checkpoint.resolve asks for
+    them (its ``RunLookup``): that layer knows checkpoints, not ``run.json`` or projects."""
+
+    def newest_run(self, project_dir: Path) -> Path:
+        """A project's newest run (any config)."""
+        from forge.config import load_project
+
+        output = load_project(project_dir.resolve()).output_dir
+        runs = all_run_dirs(output)
+        if not runs:
+            raise CheckpointNotFound(
+                f"{project_dir}: the project has no runs under {output}; train one with "
+                f"`forge train -p {project_dir}`, or give a run or checkpoint directory"
+            )
+        return runs[-1]
+
+    def best_checkpoint(self, run_dir: Path) -> Path:
+        """The run's best checkpoint as ``run.json`` records it (``RUN/best`` links to it)."""
+        try:
+            return best_checkpoint(run_dir)
+        except RunError as exc:
+            raise CheckpointNotFound(f"--best: {exc}") from None
+
+
+PROJECT_RUNS = ProjectRuns()
+# a resolution that names no lookup (the trainer's resume_from_checkpoint, LoRA's base_model)
+# reads project directories and --best through this one wherever forge.runs is loaded
+use_run_lookup(PROJECT_RUNS)
 
 
 def create_run(

@@ -17,6 +17,7 @@ import pickle
 import re
 import shutil
 import struct
+import tempfile
 import uuid
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -105,6 +106,21 @@ def write_file_atomically(path: Path, data: bytes) -> None:
     write_file_durably(tmp, data)
     os.replace(tmp, path)
     fsync_dir(path.parent)
+
+
+def write_json_atomic(path: Path, data: Any) -> None:
+    """Write JSON next to ``path`` and rename it into place, so readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "w") as handle:
+            json.dump(data, handle, indent=2, sort_keys=False)
+            handle.write("\n")
+            handle.flush()
+            os.fsync(handle.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
 
 
 # The integrity hashes a manifest may name, each with the length of its hex digest. sha256

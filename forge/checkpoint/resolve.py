@@ -22,6 +22,11 @@ have been checked, once: a command hashes a checkpoint one time, and hands the
 :class:`Checkpoint` on (to the trainer, to the worker it starts) rather than its path. Anything
 else raises :class:`CheckpointNotFound` (or :class:`CheckpointUsageError` for options that
 contradict each other) naming what was given, the path, why, and what to do.
+
+Which run of a project is newest and which checkpoint of a run is best are known to the layer
+that keeps runs (``run.json``, projects): this one asks a :class:`RunLookup` for them, the one
+passed as ``runs=`` or else the one forge.runs installs when it is imported
+(:func:`use_run_lookup`).
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 from forge.checkpoint.hf import CONFIG_NAME
 from forge.checkpoint.io import ADAPTER_CONFIG, CheckpointError
@@ -56,6 +62,29 @@ class CheckpointNotFound(CheckpointError):
 class CheckpointUsageError(CheckpointError):
     """The options given contradict what the path is (``--best`` with a checkpoint): a usage
     error, exit 2 (the CLI maps it by class name, forge.error_kinds). Nothing was changed."""
+
+
+class RunLookup(Protocol):
+    """What the resolver asks of the layer that keeps runs (forge.runs.PROJECT_RUNS). Each
+    raises CheckpointNotFound saying why there is none."""
+
+    def newest_run(self, project_dir: Path) -> Path:
+        """A project's newest run (any config)."""
+
+    def best_checkpoint(self, run_dir: Path) -> Path:
+        """The run's best checkpoint as ``run.json`` records it (``RUN/best`` links to it)."""
+
+
+_runs: RunLookup | None = None
+
+
+def use_run_lookup(runs: RunLookup | None) -> RunLookup | None:
+    """Make ``runs`` what a resolution without ``runs=`` asks (forge.runs installs its own when
+    it is imported, so the trainer's ``resume_from_checkpoint`` and LoRA's ``base_model`` read
+    a project directory too); returns the previous one, to put back."""
+    global _runs
+    previous, _runs = _runs, runs
+    return previous
 
 
 @dataclass(frozen=True)
@@ -110,12 +139,15 @@ def resolve_checkpoint(
     best: bool = False,
     models: bool = False,
     verify_hashes: bool = True,
+    runs: RunLookup | None = None,
 ) -> Checkpoint:
     """What a user typed where a checkpoint is expected, as a validated checkpoint.
 
     ``given`` is a checkpoint directory, a run directory, a run's ``checkpoints/`` directory
     or a project directory (its newest run); ``best`` asks for a run's best checkpoint;
     ``models`` also takes a Hugging Face model directory, as it is (no manifest to check).
+    ``runs`` finds a project's newest run and a run's best checkpoint (None: the one installed
+    with :func:`use_run_lookup`).
     """
     if isinstance(given, Checkpoint):
         if best:
@@ -141,9 +173,10 @@ def resolve_checkpoint(
         logger.debug("%s: a model directory, not a forge checkpoint: nothing to validate", path)
         return Checkpoint(path, None, hashes_verified=False)
     if (path / PROJECT_FILE).is_file():
-        path = _newest_run(path)
+        path = _run_lookup(runs, path).newest_run(path)
     if best:
-        return check_checkpoint(_best_path(path), verify_hashes=verify_hashes)
+        best_path = _run_lookup(runs, path).best_checkpoint(path)
+        return check_checkpoint(best_path, verify_hashes=verify_hashes)
     found = newest_checkpoint(path, verify_hashes=verify_hashes)
     if found is None:
         where = path / "checkpoints" if (path / "checkpoints").is_dir() else path
@@ -155,7 +188,10 @@ def resolve_checkpoint(
 
 
 def resume_checkpoint(
-    resume: bool | str | os.PathLike | Checkpoint | Restart | None, output_dir: str | os.PathLike
+    resume: bool | str | os.PathLike | Checkpoint | Restart | None,
+    output_dir: str | os.PathLike,
+    *,
+    runs: RunLookup | None = None,
 ) -> Checkpoint | None:
     """The checkpoint a trainer's ``resume_from_checkpoint`` names, or None (start fresh).
 
@@ -163,7 +199,8 @@ def resume_checkpoint(
     ``run_*`` directories (a warning and None when there is none). A :class:`Checkpoint`: as
     it is (validated already). A :class:`Restart`: the run's newest, else its first. A path:
     as :func:`resolve_checkpoint` reads it (no model directories: a resume needs a forge
-    checkpoint); one that names no valid checkpoint raises CheckpointNotFound.
+    checkpoint); one that names no valid checkpoint raises CheckpointNotFound. ``runs`` as
+    :func:`resolve_checkpoint` takes it.
     """
     if resume is None or resume is False:
         return None
@@ -184,7 +221,7 @@ def resume_checkpoint(
         return found
     path = Path(resume)
     if not _is_checkpoint(path):
-        return resolve_checkpoint(path)  # a run, checkpoints or project directory
+        return resolve_checkpoint(path, runs=runs)  # a run, checkpoints or project directory
     try:
         return check_checkpoint(path)
     except CheckpointNotFound as exc:
@@ -232,26 +269,12 @@ def _best_of_a_checkpoint(path: Path) -> str:
     )
 
 
-def _best_path(run_dir: Path) -> Path:
-    """The run's best checkpoint as ``run.json`` records it (``RUN/best`` links to it)."""
-    from forge.runs import RunError, best_checkpoint
-
-    try:
-        return best_checkpoint(run_dir)
-    except RunError as exc:
-        raise CheckpointNotFound(f"--best: {exc}") from None
-
-
-def _newest_run(project_dir: Path) -> Path:
-    """A project's newest run (any config)."""
-    from forge.config import load_project
-    from forge.runs import all_run_dirs
-
-    output = load_project(project_dir.resolve()).output_dir
-    runs = all_run_dirs(output)
-    if not runs:
+def _run_lookup(runs: RunLookup | None, path: Path) -> RunLookup:
+    found = runs if runs is not None else _runs
+    if found is None:
         raise CheckpointNotFound(
-            f"{project_dir}: the project has no runs under {output}; train one with "
-            f"`forge train -p {project_dir}`, or give a run or checkpoint directory"
+            f"{path}: a project's newest run and a run's best checkpoint are found by "
+            "forge.runs, which this process has not imported; import it, or give a run or "
+            "checkpoint directory"
         )
-    return runs[-1]
+    return found

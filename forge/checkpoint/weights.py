@@ -9,7 +9,8 @@ a model by name (bit-exact; a pipeline stage reads only its own names),
 :func:`load_adapter_weights` puts a LoRA checkpoint's adapter (peft's layout) into a peft
 model, :func:`load_pretrained` builds a Hugging Face directory's model and fills it that way, and
 :func:`hf_directory_problem` says whether ``from_pretrained`` of the directory's config would
-load them in full (forge.checkpoint.hf knows which names an architecture has).
+load them in full (forge.checkpoint.hf knows which names an architecture has), and
+:func:`checkpoint_tokenizer` reads the tokenizer saved beside them.
 """
 
 from __future__ import annotations
@@ -312,3 +313,16 @@ def load_pretrained(directory: str | os.PathLike, auto_class: Any) -> nn.Module:
     if model.can_generate() and (directory / GENERATION_CONFIG_NAME).is_file():
         model.generation_config = GenerationConfig.from_pretrained(directory)
     return model.eval()
+
+
+def checkpoint_tokenizer(checkpoint: Path) -> Any:
+    """The tokenizer saved in a checkpoint (the trainer's), or a clear refusal."""
+    from transformers import AutoTokenizer
+
+    if not any(
+        (checkpoint / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
+    ):
+        raise CheckpointError(
+            f"{checkpoint} holds no tokenizer files; give the trainer a tokenizer to save"
+        )
+    return AutoTokenizer.from_pretrained(checkpoint)

@@ -388,11 +388,17 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
     from forge.launch.preflight import check_training_contract
     from forge.launch.torchrun import launch_training, resolve_nproc
     from forge.launch.worker import build_variables
-    from forge.runs import RunRecord, nothing_to_resume, parse_run_config, record_resume
+    from forge.runs import (
+        PROJECT_RUNS,
+        RunRecord,
+        nothing_to_resume,
+        parse_run_config,
+        record_resume,
+    )
 
     from_checkpoint = Path(args.from_checkpoint).resolve() if args.from_checkpoint else None
     try:  # validated (hashed) here, once: the training processes take it as it is
-        checkpoint = resume_checkpoint(from_checkpoint or run_dir, run_dir)
+        checkpoint = resume_checkpoint(from_checkpoint or run_dir, run_dir, runs=PROJECT_RUNS)
     except CheckpointNotFound as err:
         hint = (
             "" if from_checkpoint else " Start a new run with `forge train`, or pass --from CKPT."
@@ -562,8 +568,11 @@ def _tree_bytes(path: Path) -> int:
 def cmd_generate(args: argparse.Namespace) -> int:
     from forge.checkpoint.resolve import resolve_checkpoint
     from forge.cli.generate import generate_text
+    from forge.runs import PROJECT_RUNS
 
-    checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, models=True).path
+    checkpoint = resolve_checkpoint(
+        args.checkpoint, best=args.best, models=True, runs=PROJECT_RUNS
+    ).path
     logger.info("generating from %s", checkpoint)
     texts = generate_text(
         checkpoint,
@@ -608,8 +617,9 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
     from forge.checkpoint.resolve import resolve_checkpoint
     from forge.cli.predict import evaluate_checkpoint
+    from forge.runs import PROJECT_RUNS
 
-    checkpoint = resolve_checkpoint(args.checkpoint, best=args.best).path
+    checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, runs=PROJECT_RUNS).path
     what = "the moving average of the weights of " if args.ema else ""
     logger.info("evaluating %s%s on the %s split", what, checkpoint, args.split)
     metrics = evaluate_checkpoint(checkpoint, args.split, args.allow or [], ema=args.ema)
@@ -629,10 +639,13 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 def cmd_predict(args: argparse.Namespace) -> int:
     from forge.checkpoint.resolve import resolve_checkpoint
     from forge.cli.predict import predict_file
+    from forge.runs import PROJECT_RUNS
 
     if args.batch_size < 1 or args.max_new_tokens < 1:
         raise UsageError("--batch-size and --max-new-tokens must be positive integers")
-    checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, models=True).path
+    checkpoint = resolve_checkpoint(
+        args.checkpoint, best=args.best, models=True, runs=PROJECT_RUNS
+    ).path
     logger.info("predicting with %s", checkpoint)
     count = predict_file(
         checkpoint,

@@ -57,8 +57,9 @@ def export_model(
     trainable weights, each in its saved dtype; a checkpoint without one is refused.
     """
     from forge.checkpoint.resolve import resolve_checkpoint
+    from forge.runs import PROJECT_RUNS
 
-    source = resolve_checkpoint(checkpoint, models=True).path
+    source = resolve_checkpoint(checkpoint, models=True, runs=PROJECT_RUNS).path
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
         raise UsageError(

@@ -16,7 +16,6 @@ from typing import Any
 
 from forge.cli.exits import UsageError
 from forge.cli.predict import (
-    checkpoint_tokenizer,
     continue_with_module,
     model_kind,
     model_through_run,
@@ -46,7 +45,11 @@ def generate_text(
     from transformers import AutoModelForCausalLM
 
     from forge.checkpoint.adapter import adapter_base, is_adapter_directory, load_adapter_model
-    from forge.checkpoint.weights import hf_directory_problem, load_pretrained
+    from forge.checkpoint.weights import (
+        checkpoint_tokenizer,
+        hf_directory_problem,
+        load_pretrained,
+    )
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()

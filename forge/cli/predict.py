@@ -27,7 +27,6 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "build_checkpoint_model",
-    "checkpoint_tokenizer",
     "continue_with_module",
     "evaluate_checkpoint",
     "model_through_run",
@@ -250,7 +249,7 @@ def predict_file(
     import transformers
     from transformers import AutoTokenizer
 
-    from forge.checkpoint.weights import hf_directory_problem
+    from forge.checkpoint.weights import checkpoint_tokenizer, hf_directory_problem
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
@@ -322,19 +321,6 @@ def model_through_run(checkpoint: Path, problem: str, allow: list[str]) -> Any:
         ) from None
     logger.info("building the model as its run did (%s)", problem)
     return build_checkpoint_model(checkpoint, allow)
-
-
-def checkpoint_tokenizer(checkpoint: Path) -> Any:
-    """The tokenizer saved in a checkpoint (the trainer's), or a clear refusal."""
-    from transformers import AutoTokenizer
-
-    if not any(
-        (checkpoint / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")
-    ):
-        raise RuntimeFailure(
-            f"{checkpoint} holds no tokenizer files; give the trainer a tokenizer to save"
-        )
-    return AutoTokenizer.from_pretrained(checkpoint)
 
 
 def module_logits(model: Any, input_ids: Any) -> Any:

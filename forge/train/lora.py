@@ -150,7 +150,7 @@ def base_skeleton(path: str | os.PathLike | None) -> nn.Module:
 
 def load_base_tokenizer(path: str | os.PathLike | None) -> Any:
     """The tokenizer saved with the base model (its directory's tokenizer files)."""
-    from forge.cli.predict import checkpoint_tokenizer
+    from forge.checkpoint.weights import checkpoint_tokenizer
 
     return checkpoint_tokenizer(_resolve_base(path))
 
@@ -316,7 +316,7 @@ def record_base(model: nn.Module, run_dir: str | os.PathLike) -> dict[str, Any]:
     """The run's record of its frozen base (``{"path", "sha256", "copied"}``), made once per
     run (on rank 0): a base on disk is referenced, any other written to ``base_model/``.
     A run that has a record already (a resume) checks the base still has its hash."""
-    from forge.runs import write_json_atomic
+    from forge.checkpoint.io import write_json_atomic
 
     run_dir = Path(run_dir)
     record_file = run_dir / BASE_RECORD_FILE
