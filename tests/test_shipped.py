@@ -371,7 +371,7 @@ def test_library_trainer_arguments_are_hugging_faces_defaults(tmp_path, parent, 
 
     import transformers
 
-    from forge.config.resolve import Resolver
+    from forge.config.callables import Resolver
 
     cls = Resolver(None, []).resolve(spec)
     hf = {f.name: f.default for f in dataclasses.fields(transformers.TrainingArguments)}

@@ -11,9 +11,9 @@ from typing import Any
 
 from forge.suggest import did_you_mean, offer, suggestion
 
+from .callables import Resolver, SpecError
 from .errors import short_list
 from .graph import CallNode, ContainerNode, Loc, Node, walk
-from .resolve import Resolver, SpecError
 
 logger = logging.getLogger(__name__)
 

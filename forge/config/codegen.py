@@ -26,9 +26,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
+from .callables import parse_spec
 from .errors import ConfigError, Problem
 from .graph import CallNode, ContainerNode, Node, VarNode, iter_children, walk
-from .resolve import parse_spec
 
 _WIDTH = 88
 _INDENT = "    "

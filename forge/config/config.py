@@ -12,6 +12,7 @@ from forge.suggest import suggestion
 
 from .analysis import TemplateInfo, variables_read
 from .build import CycleError, Materializer, missing_variables
+from .callables import Resolver
 from .check import check_graph, keywords_of
 from .describe import describe_graph
 from .errors import ConfigError, Problem, display_path, excerpt
@@ -19,8 +20,7 @@ from .graph import GraphConstructor, GraphProblem, Loc, VarNode, walk
 from .overrides import apply_overrides
 from .project import Project
 from .render import RenderedConfig, SourceMap, render_config
-from .resolve import Resolver
-from .resolved import resolved_yaml
+from .resolved_view import resolved_yaml
 from .yaml_io import compose, describe_yaml_error, serialize
 
 logger = logging.getLogger(__name__)

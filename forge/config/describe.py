@@ -5,8 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from .callables import Resolver, SpecError
 from .graph import CallNode, ContainerNode, Loc, Node, VarNode
-from .resolve import Resolver, SpecError
 
 
 def describe_graph(

@@ -16,10 +16,10 @@ import yaml
 
 from forge.suggest import suggestion
 
+from .callables import SpecError
 from .check import Keywords
 from .errors import ConfigError, Problem, short_list
 from .graph import CALL_KINDS
-from .resolve import SpecError
 from .yaml_io import compose
 
 _MERGE = "tag:yaml.org,2002:merge"

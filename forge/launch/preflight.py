@@ -25,8 +25,8 @@ from typing import Any
 
 from forge.config import Config, ConfigError, Problem
 from forge.config.build import Materializer
+from forge.config.callables import Resolver
 from forge.config.graph import CallNode, Node
-from forge.config.resolve import Resolver
 
 logger = logging.getLogger(__name__)
 
