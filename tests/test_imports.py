@@ -3,17 +3,39 @@
 Every ``import`` statement of every module counts, wherever it is (top level, inside a
 function, under ``if TYPE_CHECKING:``): an import moved into a function to dodge a cycle is
 still a cycle in how the code is built. A submodule's implicit import of its own package's
-``__init__`` does not count (Python runs it first, whatever the code says).
+``__init__`` does not count (Python runs it first, whatever the code says). A package whose
+``__init__`` exports names lazily (``_EXPORTS``: forge.train, forge.checkpoint) imports nothing
+itself; ``from forge.checkpoint import CheckpointError`` counts as an import of the module that
+defines the name (forge.checkpoint.io), which is what ``__getattr__`` then imports.
+
+The layers, top down: forge.cli (the commands; the only place that turns errors into exit
+codes) > forge.launch > forge.runs, forge.train > forge.checkpoint, forge.data, forge.config.
 """
 
 from __future__ import annotations
 
 import ast
+import functools
 from pathlib import Path
+
+import pytest
 
 import forge
 
 PACKAGE = Path(forge.__file__).parent
+
+# What each layer must not import (any module of these packages, or the module itself).
+FORBIDDEN = {
+    "forge.checkpoint": ("forge.runs", "forge.config", "forge.train", "forge.cli", "forge.launch"),
+    "forge.train": ("forge.runs", "forge.cli", "forge.launch"),
+    "forge.launch": ("forge.cli",),
+}
+
+# Edges ("a -> b") inside forge/train and forge/checkpoint that break the rules above or close
+# a cycle, known and left to the redesign of those two packages, which empties this list. The
+# rules and the cycle check skip exactly these; an entry that is no longer an edge fails, so
+# the list only shrinks.
+KNOWN_TRAIN_CHECKPOINT_EDGES_TO_REMOVE: frozenset[str] = frozenset()
 
 
 def module_files() -> dict[str, Path]:
@@ -27,10 +49,36 @@ def module_files() -> dict[str, Path]:
     return found
 
 
+@functools.cache
+def lazy_exports() -> dict[str, dict[str, str]]:
+    """Package -> {name: the module that defines it}, for each package whose ``__init__``
+    exports names lazily through an ``_EXPORTS`` table (read from the source: no import)."""
+    modules = module_files()
+    found = {}
+    for name, path in modules.items():
+        if path.name != "__init__.py":
+            continue
+        for node in ast.parse(path.read_text(), str(path)).body:
+            targets = node.targets if isinstance(node, ast.Assign) else []
+            targets += [node.target] if isinstance(node, ast.AnnAssign) else []
+            if any(isinstance(target, ast.Name) and target.id == "_EXPORTS" for target in targets):
+                table = ast.literal_eval(node.value)
+                # a name may come from outside the package (forge.checkpoint's unwrap_model)
+                found[name] = {
+                    export: f"{name}.{module}"
+                    if f"{name}.{module}" in modules
+                    else f"forge.{module}"
+                    for export, module in table.items()
+                }
+    return found
+
+
 def imported_names(name: str, path: Path) -> set[str]:
     """The dotted names the module's import statements name (``from a import b`` names
-    ``a`` and ``a.b``: ``b`` may be a submodule)."""
+    ``a`` and ``a.b``: ``b`` may be a submodule; when ``a`` exports ``b`` lazily, the module
+    that defines ``b``)."""
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    lazy = lazy_exports()
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
@@ -42,7 +90,8 @@ def imported_names(name: str, path: Path) -> set[str]:
             else:
                 base = node.module or ""
             names.add(base)
-            names.update(f"{base}.{alias.name}" for alias in node.names)
+            exported = lazy.get(base, {})
+            names.update(exported.get(alias.name, f"{base}.{alias.name}") for alias in node.names)
     return names
 
 
@@ -118,11 +167,70 @@ def test_the_reader_sees_function_level_and_type_checking_imports(tmp_path):
     assert describe(["a", "b", "c"], graph) == "a <-> b <-> c (a -> b; b -> c; c -> a)"
 
 
+def test_a_lazily_exported_name_is_an_import_of_the_module_that_defines_it(tmp_path):
+    source = tmp_path / "m.py"
+    source.write_text(
+        "from forge.checkpoint import CheckpointError, unwrap_model, layout\n"
+        "def f():\n    from forge.train import TrainingInterrupted\n"
+    )
+    names = imported_names("forge.m", source)
+    assert {"forge.checkpoint.io", "forge.wrappers", "forge.checkpoint.layout"} <= names
+    assert "forge.train.signals" in names
+    assert "forge.checkpoint.CheckpointError" not in names
+
+
+def without_known_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
+    return {
+        module: {
+            t for t in targets if f"{module} -> {t}" not in KNOWN_TRAIN_CHECKPOINT_EDGES_TO_REMOVE
+        }
+        for module, targets in graph.items()
+    }
+
+
 def test_the_package_has_no_import_cycles():
-    graph = import_graph()
+    graph = without_known_edges(import_graph())
     assert "forge.train.base" in graph and graph["forge.train.base"]  # the reader reads
     found = [describe(component, graph) for component in cycles(graph)]
     assert not found, f"{len(found)} import cycle(s):\n" + "\n".join(found)
+
+
+def within(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+@pytest.mark.parametrize("layer", sorted(FORBIDDEN))
+def test_each_layer_imports_nothing_above_it(layer):
+    graph = without_known_edges(import_graph())
+    edges = [
+        f"{module} -> {target}"
+        for module, targets in sorted(graph.items())
+        if within(module, layer)
+        for target in sorted(targets)
+        if any(within(target, above) for above in FORBIDDEN[layer])
+    ]
+    assert not edges, f"{layer} imports what it must not:\n" + "\n".join(edges)
+
+
+def test_nothing_below_the_cli_imports_it():
+    """The commands sit on top: only forge.cli turns errors into exit codes and prints."""
+    edges = [
+        f"{module} -> {target}"
+        for module, targets in sorted(import_graph().items())
+        if not within(module, "forge.cli")
+        for target in sorted(targets)
+        if within(target, "forge.cli")
+    ]
+    assert not edges, "\n".join(edges)
+
+
+def test_the_known_edges_to_remove_are_still_there_and_inside_train_or_checkpoint():
+    graph = import_graph()
+    present = {f"{module} -> {target}" for module, targets in graph.items() for target in targets}
+    assert KNOWN_TRAIN_CHECKPOINT_EDGES_TO_REMOVE <= present  # a removed edge leaves the list
+    for edge in KNOWN_TRAIN_CHECKPOINT_EDGES_TO_REMOVE:
+        module = edge.split(" -> ")[0]
+        assert within(module, "forge.train") or within(module, "forge.checkpoint"), edge
 
 
 def test_data_imports_nothing_of_the_trainers():
