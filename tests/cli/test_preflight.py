@@ -123,7 +123,7 @@ class Blobs(Dataset):
 '''
 
 
-@pytest.mark.slow  # fast representatives: tests/test_preflight.py, tests/train/test_adapters.py
+@pytest.mark.slow  # fast representatives: tests/launch/test_preflight.py, tests/train/test_adapters.py
 def test_a_plain_pytorch_model_and_tuple_dataset_train_through_the_adapters(tmp_path):
     """`forge new --from blank`, a model.py and data.py as plain PyTorch writes them: the
     pre-run check names TupleCollator, then LossAdapter; with both, it trains, evaluates and

@@ -31,7 +31,7 @@ from tests.integration.test_train_resume import final_state, train_straight
 from tests.reliability.kill_harness import Job
 from tests.train.common import assert_same_tensors
 
-pytestmark = pytest.mark.integration  # the torchrun command lines: tests/test_cluster.py
+pytestmark = pytest.mark.integration  # the torchrun command lines: tests/launch/test_cluster.py
 
 MAX_STEPS = 120  # far beyond the kill: processes that trained on would save further
 SETTINGS = [*SMALL, "-D", f"max_steps={MAX_STEPS}", "-D", "save_steps=10"]
