@@ -244,7 +244,7 @@ class CheckpointWriter:
             self._abort()
             if isinstance(failure, OSError):
                 raise self._fail(failure, "write") from failure
-            if failure is exc:
+            if exc is not None and failure is exc:
                 return False
             if failure is not None:
                 raise failure
