@@ -135,7 +135,9 @@ def test_a_failed_background_commit_is_raised_at_the_next_boundary_and_changes_n
         manager.save(2, epoch=0.2, metrics={})
         while manager.in_flight:
             pass
-        with pytest.raises(CheckpointError, match="could not write counter.pt of checkpoint .*checkpoint-000002"):
+        with pytest.raises(
+            CheckpointError, match="could not write counter.pt of checkpoint .*checkpoint-000002"
+        ):
             manager.poll(synced=False)
     finally:
         use_storage(previous)
