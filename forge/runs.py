@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.checkpoint.io import write_json_atomic
-from forge.checkpoint.resolve import CheckpointNotFound, use_run_lookup
+from forge.checkpoint.resolve import CheckpointNotFound
 
 try:
     import fcntl
@@ -311,9 +311,6 @@ class ProjectRuns:
 
 
 PROJECT_RUNS = ProjectRuns()
-# a resolution that names no lookup (the trainer's resume_from_checkpoint, LoRA's base_model)
-# reads project directories and --best through this one wherever forge.runs is loaded
-use_run_lookup(PROJECT_RUNS)
 
 
 def create_run(

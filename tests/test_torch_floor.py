@@ -18,16 +18,16 @@ REPO = Path(__file__).resolve().parents[1]
 
 # (module, attribute path, optional keyword the call passes, where forge uses it, since)
 LATE_APIS = [
-    ("torch.nn.utils", "get_total_norm", None, "forge/train/base.py", (2, 6)),
-    ("torch.nn.utils", "clip_grads_with_norm_", None, "forge/train/base.py", (2, 6)),
+    ("torch.nn.utils", "get_total_norm", None, "forge/train/strategies/base.py", (2, 6)),
+    ("torch.nn.utils", "clip_grads_with_norm_", None, "forge/train/strategies/base.py", (2, 6)),
     (
         "torch.distributed.checkpoint.state_dict",
         "StateDictOptions",
         "flatten_optimizer_state_dict",
-        "forge/checkpoint/state.py",
+        "forge/checkpoint/components.py",
         (2, 3),
     ),
-    ("torch.amp", "GradScaler", None, "forge/train/base.py", (2, 3)),
+    ("torch.amp", "GradScaler", None, "forge/train/strategies/base.py", (2, 3)),
     ("torch.cuda", "is_bf16_supported", "including_emulation", "forge/train/precision.py", (2, 4)),
     ("torch.optim", "AdamW", "fused", "forge/train/optim.py", (2, 4)),  # fused on CPU
 ]

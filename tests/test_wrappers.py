@@ -8,7 +8,7 @@ import torch.distributed as dist
 from torch import nn
 
 from forge.train import LossAdapter
-from forge.train.evaluation import default_label_names
+from forge.train.loss import default_label_names
 from forge.wrappers import is_peft_model, unwrap_model
 from tests.checkpoint.checkpoint_helpers import tiny_llama
 

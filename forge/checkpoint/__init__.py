@@ -8,7 +8,9 @@ imports torch only to read state-file headers when hashes are verified, so ``for
 checkpoints`` starts fast); ``writer`` commits them atomically; ``resolve`` turns what a user
 types (a checkpoint, a run, ``--best``, a project) into a checkpoint validated once;
 ``weights`` is the one reader of model weights; ``hf`` knows which weight names a transformers
-architecture has, so a ``config.json`` stands only beside weights it describes.
+architecture has, so a ``config.json`` stands only beside weights it describes; ``components``
+holds the components every trainer saves (weights, optimizer, random generators);
+``manager`` is what a training loop calls to save, finish and restore checkpoints.
 
 Names are imported lazily: ``import forge.checkpoint.layout`` does not load torch.
 """
@@ -50,12 +52,15 @@ _EXPORTS = {
     "Component": "registry",
     "Scope": "registry",
     "Stateful": "registry",
-    "ModelWeights": "state",
-    "OptimizerState": "state",
-    "RngState": "state",
-    "capture_rng_state": "state",
-    "restore_rng_state": "state",
+    "ModelWeights": "components",
+    "OptimizerState": "components",
+    "RngState": "components",
+    "capture_rng_state": "components",
+    "restore_rng_state": "components",
     "CheckpointWriter": "writer",
+    "CheckpointManager": "manager",
+    "model_component": "components",
+    "optimizer_component": "components",
 }
 
 __all__ = sorted(_EXPORTS)

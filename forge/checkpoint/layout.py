@@ -76,6 +76,26 @@ def shard_file_name(name: str, rank: int, world_size: int) -> str:
     return f"{name}-shard-{rank:05d}-of-{world_size:05d}.pt"
 
 
+def component_file(
+    name: str,
+    scope: str,
+    *,
+    rank: int = 0,
+    stage: int = 0,
+    num_stages: int = 1,
+    world_size: int = 1,
+) -> str:
+    """The torch file of component ``name`` of ``scope`` that ``rank`` (at ``stage`` of
+    ``num_stages``, in a job of ``world_size``) writes: the one place these names are built."""
+    if scope == "shared" or (scope == "stage" and num_stages == 1):
+        return f"{name}.pt"
+    if scope == "stage":
+        return f"{name}-stage-{stage:05d}-of-{num_stages:05d}.pt"
+    if scope == "sharded":
+        return shard_file_name(name, rank, world_size)
+    return f"{name}-rank-{rank:05d}.pt"
+
+
 def component_file_names(
     name: str, scope: str, weights: bool, topology: dict[str, Any]
 ) -> list[str]:
@@ -89,16 +109,16 @@ def component_file_names(
     if scope == "sharded":  # every rank its own shard (one stage)
         if weights:
             return [shard_weights_name(r, world) for r in range(world)]
-        return [shard_file_name(name, r, world) for r in range(world)]
+        return [component_file(name, scope, rank=r, world_size=world) for r in range(world)]
     if weights:
         if stages == 1:
             return []
         return [stage_weights_name(k, stages) for k in range(stages)] + [WEIGHTS_INDEX_NAME]
-    if scope == "shared" or (scope == "stage" and stages == 1):
-        return [f"{name}.pt"]
+    if scope == "rank":
+        return [component_file(name, scope, rank=r) for r in range(world)]
     if scope == "stage":
-        return [f"{name}-stage-{k:05d}-of-{stages:05d}.pt" for k in range(stages)]
-    return [f"{name}-rank-{r:05d}.pt" for r in range(world)]
+        return [component_file(name, scope, stage=k, num_stages=stages) for k in range(stages)]
+    return [component_file(name, scope)]
 
 
 class FileEntry(TypedDict, total=False):

@@ -46,9 +46,9 @@ from forge.checkpoint.io import HEADER_KEY, CheckpointError, load_torch_state
 from forge.checkpoint.layout import (
     FORMAT_VERSION,
     CheckpointManifest,
+    component_file,
     component_file_names,
     read_manifest,
-    shard_file_name,
     shard_weights_name,
     stage_weights_name,
 )
@@ -123,6 +123,8 @@ class Component:
     ``on_reshape`` (rank scope): called with a description instead of loading when the
     checkpoint was written by another number of ranks; without it that is an error.
     ``reshard`` (stage scope): merges the shards of another split (default: dict union).
+    ``on_absent``: called, at the component's place in the load order, when a checkpoint
+    without it is restored (after the warning that it starts fresh).
     ``save`` / ``restore`` False leave the component out of checkpoints / out of a resume.
     """
 
@@ -137,6 +139,7 @@ class Component:
     fix: str = ""
     on_reshape: Callable[[str], None] | None = None
     reshard: Callable[[list[Any]], Any] | None = merge_shards
+    on_absent: Callable[[], None] | None = None
 
     def __post_init__(self) -> None:
         self.scope = Scope(self.scope)
@@ -157,15 +160,14 @@ def owns(component: Component, topology: TopologyView) -> bool:
 
 def own_file(component: Component, topology: TopologyView) -> str:
     """The torch file this rank writes / reads for a component."""
-    if component.scope is Scope.SHARED:
-        return f"{component.name}.pt"
-    if component.scope is Scope.STAGE:
-        if topology.num_stages == 1:
-            return f"{component.name}.pt"
-        return f"{component.name}-stage-{topology.stage:05d}-of-{topology.num_stages:05d}.pt"
-    if component.scope is Scope.SHARDED:
-        return shard_file_name(component.name, topology.rank, topology.world_size)
-    return f"{component.name}-rank-{topology.rank:05d}.pt"
+    return component_file(
+        component.name,
+        component.scope.value,
+        rank=topology.rank,
+        stage=topology.stage,
+        num_stages=topology.num_stages,
+        world_size=topology.world_size,
+    )
 
 
 def saved_dp_size(saved: dict[str, Any]) -> int:
@@ -344,6 +346,8 @@ class CheckpointRegistry:
                 + (f"; {component.fix}" if component.fix else "")
             )
         logger.warning("%s; it starts fresh", message)
+        if component.on_absent is not None:
+            component.on_absent()
 
     def _read_state(
         self, path: Path, manifest: CheckpointManifest, component: Component, scope: str
@@ -359,7 +363,8 @@ class CheckpointRegistry:
             ]
             return merge_sharded(shards)
         if component.scope is Scope.SHARED:
-            return self._read_file(path / f"{component.name}.pt", manifest, component, {})
+            file = component_file(component.name, Scope.SHARED.value)
+            return self._read_file(path / file, manifest, component, {})
         if scope == Scope.STAGE.value:
             if saved_stages == topo.num_stages and component.scope is Scope.STAGE:
                 expect = {"stage": topo.stage, "num_stages": topo.num_stages}
@@ -394,7 +399,7 @@ class CheckpointRegistry:
                 )
             component.on_reshape(description)
             return _SKIPPED
-        file = path / f"{component.name}-rank-{saved_rank:05d}.pt"
+        file = path / component_file(component.name, Scope.RANK.value, rank=saved_rank)
         return self._read_file(file, manifest, component, {"rank": saved_rank})
 
     def _read_file(
@@ -404,26 +409,45 @@ class CheckpointRegistry:
         component: Component,
         expect: dict[str, int],
     ) -> Any:
-        if file.name not in manifest.files:
-            raise CheckpointError(
-                f"{file}: component '{component.name}' has no such file in the manifest "
-                "(missing shard)"
-            )
-        payload = load_torch_state(file)
-        header = payload.get(HEADER_KEY) if isinstance(payload, dict) else None
-        if not isinstance(header, dict) or "state" not in payload:
-            raise CheckpointError(f"{file}: not a forge component file (no {HEADER_KEY} header)")
-        wanted = {"name": component.name, "step": manifest.step, **expect}
-        wrong = {k: (header.get(k), v) for k, v in wanted.items() if header.get(k) != v}
-        if wrong:
-            detail = ", ".join(
-                f"{k} {got!r} (expected {want!r})" for k, (got, want) in wrong.items()
-            )
-            raise CheckpointError(
-                f"{file}: component '{component.name}' was written by another "
-                f"{'/'.join(wrong)}: {detail}; the checkpoint is inconsistent"
-            )
-        return payload["state"]
+        return read_component_file(file, manifest, component.name, expect)
+
+
+def read_component_file(
+    file: Path, manifest: CheckpointManifest, name: str, expect: dict[str, int]
+) -> Any:
+    """The state one component file holds, checked against the manifest (the file is listed)
+    and against its header (written for component ``name``, at the manifest's step, by what
+    ``expect`` says: a rank, a stage). The one reader of component files."""
+    if file.name not in manifest.files:
+        raise CheckpointError(
+            f"{file}: component '{name}' has no such file in the manifest (missing shard)"
+        )
+    payload = load_torch_state(file)
+    header = payload.get(HEADER_KEY) if isinstance(payload, dict) else None
+    if not isinstance(header, dict) or "state" not in payload:
+        raise CheckpointError(f"{file}: not a forge component file (no {HEADER_KEY} header)")
+    wanted = {"name": name, "step": manifest.step, **expect}
+    wrong = {k: (header.get(k), v) for k, v in wanted.items() if header.get(k) != v}
+    if wrong:
+        detail = ", ".join(f"{k} {got!r} (expected {want!r})" for k, (got, want) in wrong.items())
+        raise CheckpointError(
+            f"{file}: component '{name}' was written by another "
+            f"{'/'.join(wrong)}: {detail}; the checkpoint is inconsistent"
+        )
+    return payload["state"]
+
+
+def read_component_states(path: str | os.PathLike, name: str) -> list[Any] | None:
+    """Every state a checkpoint holds of component ``name``, one per file it lists (each
+    stage's, each rank's), read as a resume reads them; None when it has no such component."""
+    path = Path(path)
+    manifest = read_manifest(path)
+    entry = (manifest.components or {}).get(name)
+    if not entry:
+        return None
+    return [
+        read_component_file(path / file, manifest, name, {}) for file in entry.get("files") or []
+    ]
 
 
 _SKIPPED = object()

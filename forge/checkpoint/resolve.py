@@ -25,7 +25,7 @@ contradict each other) naming what was given, the path, why, and what to do.
 
 Which run of a project is newest and which checkpoint of a run is best are known to the layer
 that keeps runs (``run.json``, projects): this one asks a :class:`RunLookup` for them, the one
-passed as ``runs=`` or else the one forge.runs installs when it is imported
+passed as ``runs=`` or else the one an entry point installed (``use_run_lookup``)
 (:func:`use_run_lookup`).
 """
 
@@ -79,9 +79,10 @@ _runs: RunLookup | None = None
 
 
 def use_run_lookup(runs: RunLookup | None) -> RunLookup | None:
-    """Make ``runs`` what a resolution without ``runs=`` asks (forge.runs installs its own when
-    it is imported, so the trainer's ``resume_from_checkpoint`` and LoRA's ``base_model`` read
-    a project directory too); returns the previous one, to put back."""
+    """Make ``runs`` what a resolution without ``runs=`` asks (forge's entry points, the CLI and
+    the worker each rank runs, install forge.runs' own, so the trainer's
+    ``resume_from_checkpoint`` and LoRA's ``base_model`` read a project directory too); returns
+    the previous one, to put back."""
     global _runs
     previous, _runs = _runs, runs
     return previous
@@ -274,7 +275,8 @@ def _run_lookup(runs: RunLookup | None, path: Path) -> RunLookup:
     if found is None:
         raise CheckpointNotFound(
             f"{path}: a project's newest run and a run's best checkpoint are found by "
-            "forge.runs, which this process has not imported; import it, or give a run or "
-            "checkpoint directory"
+            "forge.runs, which this process has not installed (forge.checkpoint.resolve."
+            "use_run_lookup(forge.runs.PROJECT_RUNS)); install it, or give a run or checkpoint "
+            "directory"
         )
     return found

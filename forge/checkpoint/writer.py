@@ -233,6 +233,10 @@ class CheckpointWriter:
             self._abort()  # KeyboardInterrupt, SystemExit: no meeting, the job is ending
             return False
         failure = exc if exc is not None else write_error
+        if isinstance(write_error, DiskFullError) and not isinstance(exc, DiskFullError):
+            # a full disk explains the writes that failed beside it: its cleanup removed the
+            # directory they were writing into (this thread's write, e.g., or the mkdir before it)
+            failure = write_error
         if failure is None and not self.is_main:
             failure = self._leave_records()
         # every rank has written its files, or says it failed
@@ -240,7 +244,7 @@ class CheckpointWriter:
             self._abort()
             if isinstance(failure, OSError):
                 raise self._fail(failure, "write") from failure
-            if exc is not None:
+            if exc is not None and failure is exc:
                 return False
             if failure is not None:
                 raise failure

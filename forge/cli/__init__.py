@@ -71,7 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("arguments after -- are only for `forge train` and `forge resume`")
     verbose = getattr(args, "verbose", False)
     setup_logging(verbose)
+    _install_run_lookup()
     return _run(COMMANDS[args.command], args, verbose)
+
+
+def _install_run_lookup() -> None:
+    """A project directory or ``--best`` names a run's checkpoint through forge.runs, wherever a
+    checkpoint is resolved (the trainer's ``resume_from_checkpoint`` too)."""
+    from forge.checkpoint.resolve import use_run_lookup
+    from forge.runs import PROJECT_RUNS
+
+    use_run_lookup(PROJECT_RUNS)
 
 
 def _run(command, args: argparse.Namespace, verbose: bool) -> int:

@@ -269,7 +269,7 @@ def make_plan(
     ):
         pp = args.pipeline_parallel_size or world_size
         if model is not None:
-            from forge.train.pipeline_plan import plan_pipeline
+            from forge.train.pipeline.plan import plan_pipeline
 
             try:
                 pipeline = plan_pipeline(model, args, world_size)

@@ -33,7 +33,7 @@ logger = logging.getLogger(__name__)
 SAMPLE_ITEMS = 2  # items collated into the sample batch
 # What the trainer passes to the optimizer and scheduler partials (forge/train/optim.py).
 FACTORY_CALLS = {
-    "model": (),  # model_init(), after set_seed (forge/train/base.py)
+    "model": (),  # model_init(), after set_seed (forge/train/setup.py)
     "optimizer": ("parameters",),
     "lr_scheduler": ("optimizer", "num_training_steps"),
     "compute_loss_func": ("outputs", "labels"),  # and num_items_in_batch= where it takes it
@@ -204,8 +204,7 @@ def _check(
         return []
 
     from forge.data.columns import ModelInputs, forward_name, keep_model_inputs
-    from forge.train.adapters import loss_from_outputs, split_labels
-    from forge.train.evaluation import resolve_label_names
+    from forge.train.loss import loss_from_outputs, resolve_label_names, split_labels
 
     loss_func = trainer.kwargs.get("compute_loss_func") is not None
     dataset = built.value(dataset_node)
@@ -253,7 +252,7 @@ def _unsupported_problems(cfg: Config, trainer: CallNode, trainer_class: Any) ->
 def _forward_owner(model_node: CallNode, resolver: Resolver) -> Any:
     """The class whose forward the batches reach: the model's, or for a ``LossAdapter`` the
     class of the module it wraps (None when that is not known before building it)."""
-    from forge.train.adapters import LossAdapter
+    from forge.train.plain_models import LossAdapter
 
     model_class = resolver.resolve(model_node.spec)
     if not (isinstance(model_class, type) and issubclass(model_class, LossAdapter)):
@@ -327,7 +326,7 @@ def _partial_problem(
 
 
 def _overrides_compute_loss(trainer_class: Any) -> bool:
-    from forge.train.base import BaseTrainer
+    from forge.train.trainer import BaseTrainer
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, BaseTrainer)):
         return True  # not a forge trainer: its contract is its own
@@ -370,7 +369,7 @@ def _sample_batch(
             f"the items look like: {_describe_item(items[0])}",
         )
     if not isinstance(batch, Mapping):
-        from forge.train.adapters import not_a_dict_batch
+        from forge.train.plain_models import not_a_dict_batch
 
         return None, cfg.problem(where, not_a_dict_batch(batch, model_class), None)
     return batch, None
@@ -449,7 +448,7 @@ def _return_problem(
 ) -> str | None:
     """What the trainer would say, reading the loss from what forward ``returned`` (None when
     it could not run on the meta device)."""
-    from forge.train.adapters import model_loss
+    from forge.train.loss import model_loss
 
     if returned is None:
         return None

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.error_kinds import is_usage_error
 from forge.launch.multinode import peer_loss
-from forge.runs import RunRecord, hold_training_lock, now_iso, resume_command
+from forge.runs import PROJECT_RUNS, RunRecord, hold_training_lock, now_iso, resume_command
 from forge.train.topology import Topology
 
 if TYPE_CHECKING:
@@ -145,8 +145,10 @@ def run_worker(
     as a ``Checkpoint`` in this process, or its path in a process torchrun started (checked
     again, not hashed again), or None for the start.
     """
-    from forge.checkpoint.resolve import Checkpoint, Restart, checked_by_launcher
+    from forge.checkpoint.resolve import Checkpoint, Restart, checked_by_launcher, use_run_lookup
     from forge.train import TrainingInterrupted
+
+    use_run_lookup(PROJECT_RUNS)  # a config's resume_from_checkpoint may name a project
 
     run_dir = Path(run_dir)
     topology = Topology.from_env()

@@ -1,5 +1,6 @@
-"""Trainers: the shared loop, the plain / DDP, Accelerate and pipeline-parallel trainers, their
-arguments and callbacks.
+"""Trainers: the shared loop (trainer.py) composed with a parallelism strategy (strategies/) into
+the plain / DDP / FSDP, Accelerate and pipeline-parallel trainers (trainers.py), their
+arguments (args/) and callbacks.
 
 Names are imported lazily, so ``forge.train.topology`` (used by the CLI) loads without torch.
 """
@@ -10,14 +11,15 @@ import importlib
 from typing import Any
 
 _EXPORTS = {
-    "AccelTrainer": "accel",
-    "AccelTrainingArguments": "accel",
-    "LossAdapter": "adapters",
+    "AccelTrainer": "trainers",
+    "AccelTrainingArguments": "args.accelerate",
+    "LossAdapter": "plain_models",
     "TrainingArguments": "args",
     "TrainingArgumentsError": "args",
-    "BaseTrainer": "base",
-    "StepResult": "base",
-    "TrainOutput": "base",
+    "BaseTrainer": "trainer",
+    "StepResult": "loop_state",
+    "TrainOutput": "loop_state",
+    "EMACallback": "ema",
     "EarlyStoppingCallback": "callbacks",
     "JsonlMetricsCallback": "callbacks",
     "ProgressCallback": "callbacks",
@@ -26,11 +28,11 @@ _EXPORTS = {
     "TrainerControl": "callbacks",
     "TrainerState": "callbacks",
     "set_seed": "optim",
-    "PipelineTrainer": "pipeline",
-    "PipelineTrainingArguments": "pipeline",
+    "PipelineTrainer": "trainers",
+    "PipelineTrainingArguments": "args.pipeline",
     "TrainingInterrupted": "signals",
     "Topology": "topology",
-    "Trainer": "trainer",
+    "Trainer": "trainers",
 }
 
 __all__ = sorted(_EXPORTS)

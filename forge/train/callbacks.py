@@ -2,8 +2,9 @@
 
 Hooks follow Hugging Face's ``TrainerCallback``: each receives ``(args, state, control,
 **kwargs)`` and may set flags on ``control``; ``on_optimizer_step`` also gets ``applied``
-(whether the step was applied or skipped), and forge's own ``on_register`` lets a callback add
-checkpoint components of any scope. On rank 0 the trainer always adds the console progress and
+(whether the step was applied or skipped); forge's own ``on_register`` lets a callback add
+checkpoint components of any scope, and ``evaluation_weights`` choose the weights evaluation
+runs with. On rank 0 the trainer always adds the console progress and
 ``metrics.jsonl``, plus the integrations ``args.report_to`` names (TensorBoard, and Weights &
 Biases / MLflow from forge.train.integrations); user callbacks and early stopping run on every
 rank.
@@ -16,7 +17,8 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -181,6 +183,14 @@ class TrainerCallback:
     ) -> None:
         pass
 
+    def evaluation_weights(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **kwargs: Any
+    ) -> AbstractContextManager | None:
+        """forge's: a context in which evaluation runs with other weights than the model's own
+        (a moving average swapped into the parameters, and the weights put back after, whatever
+        happens inside), or None to leave them."""
+        return None
+
 
 class CallbackHandler:
     """Calls a list of callbacks in order and gathers their checkpointable state."""
@@ -209,6 +219,20 @@ class CallbackHandler:
             hook = getattr(callback, event, None)
             if hook is not None:  # an object that is no TrainerCallback may lack newer hooks
                 hook(args, state, control, **kwargs)
+
+    @contextmanager
+    def evaluation_weights(
+        self, args: TrainingArguments, state: TrainerState, control: TrainerControl
+    ) -> Iterator[None]:
+        """Every callback's ``evaluation_weights`` context, entered in order for an evaluation
+        and left in reverse order after it."""
+        with ExitStack() as stack:
+            for callback in self.callbacks:
+                hook = getattr(callback, "evaluation_weights", None)
+                context = hook(args, state, control) if hook is not None else None
+                if context is not None:
+                    stack.enter_context(context)
+            yield
 
     def listens(self, event: str) -> bool:
         """Whether some callback does something on ``event`` (a hook the base leaves empty

@@ -38,9 +38,10 @@ import torch
 from torch import nn
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
-from forge.checkpoint import CheckpointError, read_manifest
-from forge.checkpoint.io import load_torch_state
-from forge.checkpoint.state import _plain_name  # DDP's / torch.compile's parts removed
+from forge.checkpoint import CheckpointError, Component, Scope, read_manifest
+from forge.checkpoint.components import _plain_name  # DDP's / torch.compile's parts removed
+from forge.checkpoint.registry import read_component_states
+from forge.train.callbacks import TrainerCallback
 
 #: the checkpoint component's name (files ``ema.pt`` or ``ema-stage-K-of-N.pt``)
 EMA_COMPONENT = "ema"
@@ -77,7 +78,6 @@ class WeightsEMA:
         self.shadow = [self._fp32_copy(p) for _, p in self.params]
         self.steps = 0  # applied optimizer steps
         self.updates = 0
-        self.restored = False
 
     @staticmethod
     def _fp32_copy(param: torch.Tensor) -> torch.Tensor:
@@ -109,12 +109,6 @@ class WeightsEMA:
             for (_, param), shadow in zip(self.params, self.shadow, strict=True):
                 shadow.copy_(param.detach())
         self.steps = self.updates = 0
-
-    def reset_unless_restored(self) -> None:
-        """After a resume from a checkpoint without an average: start it from the restored
-        weights (it was taken from the weights before they were restored)."""
-        if not self.restored:
-            self.reset_to_weights()
 
     # ------------------------------------------------------------------ evaluation
     @contextmanager
@@ -171,7 +165,6 @@ class WeightsEMA:
                     )
                 shadow.copy_(found)
         self.steps, self.updates = int(state["steps"]), int(state["updates"])
-        self.restored = True
 
     @staticmethod
     def reshard(shards: list[dict[str, Any]]) -> dict[str, Any]:
@@ -188,6 +181,75 @@ class WeightsEMA:
         return {**shards[0], "weights": weights}
 
 
+class EMACallback(TrainerCallback):
+    """A moving average of the weights on the trainer's seams (the trainer adds it when
+    ``ema_decay`` is set): ``on_register`` starts the average of the model's trainable
+    parameters and registers it as a stage-scoped checkpoint component, which follows every
+    applied optimizer step (``WeightsEMA.on_optimizer_step``); a checkpoint without one (trained
+    without ``ema_decay``) starts it from the restored weights, with a warning. With ``evaluate``
+    (``eval_with_ema``) evaluation runs with the average (``evaluation_weights``), and at the end
+    of training the best checkpoint's average replaces its weights (``load_best_model_at_end``:
+    its metric was the average's)."""
+
+    def __init__(
+        self,
+        decay: float,
+        *,
+        warmup_steps: int = 0,
+        update_every: int = 1,
+        evaluate: bool = False,
+    ) -> None:
+        self.decay = decay
+        self.warmup_steps = warmup_steps
+        self.update_every = update_every
+        self.evaluate = evaluate
+        self.average: WeightsEMA | None = None  # built by on_register, once per train()
+
+    @classmethod
+    def from_args(cls, args: Any) -> EMACallback:
+        return cls(
+            args.ema_decay,
+            warmup_steps=args.ema_warmup_steps,
+            update_every=args.ema_update_every,
+            evaluate=args.eval_with_ema,
+        )
+
+    def on_register(self, args, state, control, register, model=None, **kwargs):
+        self.average = WeightsEMA(
+            model, self.decay, warmup_steps=self.warmup_steps, update_every=self.update_every
+        )
+        register(
+            Component(
+                EMA_COMPONENT,
+                self.average,
+                Scope.STAGE,
+                required=False,
+                reshard=WeightsEMA.reshard,
+                on_absent=self.average.reset_to_weights,  # after the weights were restored
+            )
+        )
+
+    def evaluation_weights(self, args, state, control, **kwargs):
+        if self.evaluate and self.average is not None:
+            return self.average.swapped_in()
+        return None
+
+    def on_train_end(self, args, state, control, interrupted=None, **kwargs):
+        if interrupted or not self.evaluate or self.average is None:
+            return
+        if args.load_best_model_at_end and state.best_checkpoint:
+            self.average.load_state_dict(read_ema_component(Path(state.best_checkpoint)))
+            self.average.copy_to_weights()
+
+
+def moving_average(trainer: Any) -> WeightsEMA | None:
+    """The moving average a trainer keeps (its ``EMACallback``'s), or None."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, EMACallback):
+            return callback.average
+    return None
+
+
 # ---------------------------------------------------------------------------------------------
 # reading a checkpoint's average (forge export --ema, forge evaluate --ema)
 
@@ -200,19 +262,13 @@ def read_ema_component(checkpoint: str | Path) -> dict[str, Any]:
         manifest = read_manifest(checkpoint)
     except (CheckpointError, OSError, ValueError):
         manifest = None
-    entry = (manifest.components or {}).get(EMA_COMPONENT) if manifest is not None else None
-    if not entry:
+    if manifest is None or not (manifest.components or {}).get(EMA_COMPONENT):
         raise CheckpointError(
             f"{checkpoint} holds no moving average of the weights (no '{EMA_COMPONENT}' "
             "component): it was not trained with trainer.args.ema_decay set; leave out --ema "
             "to use its weights"
         )
-    shards = []
-    for name in entry.get("files") or []:
-        payload = load_torch_state(checkpoint / name)
-        if not isinstance(payload, dict) or "state" not in payload:
-            raise CheckpointError(f"{checkpoint / name}: not a forge component file")
-        shards.append(payload["state"])
+    shards = read_component_states(checkpoint, EMA_COMPONENT)
     if not shards:
         raise CheckpointError(f"{checkpoint}: its '{EMA_COMPONENT}' component lists no files")
     return WeightsEMA.reshard(shards)

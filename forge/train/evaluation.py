@@ -1,272 +1,366 @@
-"""The pieces of evaluation and prediction that are not the loop itself.
+"""Evaluation and prediction, as Hugging Face's ``Trainer`` runs them, for every forge trainer.
 
-Evaluation follows Hugging Face's ``Trainer.evaluation_loop``: each rank runs its share of the
-dataset, predictions and labels are padded with -100 and concatenated, moved to host memory
-every ``eval_accumulation_steps`` batches (else at the end), gathered across ranks in dataset
-order, and handed to ``compute_metrics`` as an ``EvalPrediction`` of numpy arrays. The loss is
-averaged per sample, or per label token when the labels are token-level, so it does not depend
-on how the data was split into batches or ranks.
+``Evaluation`` is the part of the trainer that holds HF's entry points with their names and
+signatures: ``evaluate``, ``predict``, ``evaluation_loop`` and ``prediction_step`` (a subclass
+that overrides one of them, as HF subclasses do, is honoured). What differs between trainers is
+how one batch goes forward: the strategy's ``forward_eval`` (the pipeline runs the batch
+through its stages there); a strategy that gives no outputs reports the loss only.
+
+Each rank runs its share of the dataset (``forge.data.build_eval_loader``); the loss is the
+mean over samples, over label tokens for token-level labels, whatever the batching, and
+predictions, labels, inputs and losses are gathered across ranks in dataset order for
+``compute_metrics`` (forge/train/predictions.py has the pieces). Evaluation forks the random
+generators, so it never changes the training trajectory; the weights it runs with may be
+chosen by a callback (``evaluation_weights``: a moving average of the weights).
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
-from collections.abc import Mapping, Sequence
+import time
+from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 from torch import nn
+from torch.utils.data import Dataset
 
-from forge.suggest import suggestion
-from forge.train import dist
-from forge.wrappers import unwrap_model
+from forge.train.args import TrainingArgumentsError
+from forge.train.loop_state import Batch
+from forge.train.loss import batch_size_of, is_causal_lm
+from forge.train.optim import set_seed
+from forge.train.predictions import (
+    Accumulator,
+    LossMean,
+    gather_in_order,
+    labels_of,
+    loss_weight,
+    missing_metric_message,
+    output_logits,
+)
+from forge.train.runtime import name_causal_lm_loss
 
-IGNORE_INDEX = -100  # label value the loss skips; also the padding of gathered arrays
-
-
-def default_label_names(model: Any) -> list[str]:
-    """The batch keys that hold labels: the ``forward`` parameters with "label" in their name
-    (start/end positions for question answering), as HF's Trainer finds them. ``model`` is a
-    module (looked at through its wrappers) or a module class."""
-    from transformers.utils import find_labels
-
-    return find_labels(
-        model if isinstance(model, type) else type(unwrap_model(model, through_adapters=True))
-    )
-
-
-def resolve_label_names(given: Sequence[str] | None, model: Any, has_loss_func: bool) -> list[str]:
-    """The trainer's label names: ``given`` (``args.label_names``), else ``model``'s
-    (``default_label_names``; a module or a module class); with a ``compute_loss_func`` and
-    none of those, ``labels`` (what the function gets)."""
-    if given is not None:
-        return list(given)
-    names = default_label_names(model) if model is not None else ["labels"]
-    if not names and has_loss_func:
-        return ["labels"]
-    return names
+logger = logging.getLogger(__name__)
 
 
-def is_causal_lm(model: nn.Module) -> bool:
-    """A decoder-only generative model (its loss shifts the labels by one token)."""
-    model = unwrap_model(model, through_adapters=True)
-    config = getattr(model, "config", None)
-    can_generate = getattr(model, "can_generate", None)
-    if config is None or not callable(can_generate):
-        return False
-    return bool(can_generate()) and not getattr(config, "is_encoder_decoder", False)
+class Evaluation:
+    """Evaluation and prediction for the trainer this is part of (forge/train/trainer.py);
+    see the module docstring."""
 
+    def init_evaluation(self) -> None:
+        self._eval_loaders: dict[int, tuple[Any, Any]] = {}  # id -> (dataset, its loader)
+        self._warned_outputs = False
 
-def loss_shifts_labels(model: nn.Module) -> bool:
-    """Whether the model's loss predicts label i+1 at position i (a causal LM's), so the first
-    label of each row is no target: Hugging Face's Trainer asks the loss its ``loss_type``
-    names, and leaves encoder-decoders out."""
-    model = unwrap_model(model, through_adapters=True)
-    try:
-        from transformers.loss.loss_utils import LOSS_MAPPING, ForCausalLMLoss
-    except ImportError:  # transformers before its loss mapping
-        return is_causal_lm(model)
-    config = getattr(model, "config", None)
-    shifted = LOSS_MAPPING.get(getattr(model, "loss_type", None)) is ForCausalLMLoss
-    return shifted and not getattr(config, "is_encoder_decoder", False)
+    # ------------------------------------------------------------------ HF's entry points
+    def evaluate(
+        self,
+        eval_dataset: Dataset | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> dict[str, float]:
+        """Loss and ``compute_metrics`` metrics over ``eval_dataset`` (default: the trainer's),
+        each prefixed ``{metric_key_prefix}_``, with HF's speed metrics, reported to the
+        callbacks (``on_evaluate``).
 
+        The loss is the mean over samples (over label tokens for token-level labels), reduced
+        over ranks; a causal LM also gets ``eval_perplexity``. A dict of datasets is evaluated
+        one by one, each one's metrics prefixed ``eval_NAME_`` (as HF's Trainer does).
+        """
+        dataset = self.eval_dataset if eval_dataset is None else eval_dataset
+        if dataset is None:
+            raise ValueError("trainer.eval_dataset is not set; there is nothing to evaluate")
+        parts = dataset if isinstance(dataset, Mapping) else {None: dataset}
+        metrics: dict[str, float] = {}
+        with self.strategy.process_group():
+            self._prepare_eval_model()
+            with self._evaluation_weights():
+                for name, part in parts.items():
+                    prefix = metric_key_prefix if name is None else f"{metric_key_prefix}_{name}"
+                    started = time.time()
+                    output = self.evaluation_loop(
+                        part,
+                        description=prefix,
+                        prediction_loss_only=True if self.compute_metrics is None else None,
+                        ignore_keys=ignore_keys,
+                        metric_key_prefix=prefix,
+                    )
+                    metrics.update(output.metrics)
+                    metrics.update(self._speed_metrics(prefix, started, output.num_samples))
+        if self._in_train:
+            if self.args.metric_for_best_model:
+                # the best metric so far is the one the save in flight records: its commit
+                # must have given it to the state before this evaluation is judged
+                self.checkpoints.wait()
+            metrics["epoch"] = self.state.epoch
+            self._check_best_metric(metrics)
+        self._last_eval = (self.state.global_step, metrics)
+        self._call("on_evaluate", metrics=metrics)
+        return metrics
 
-def accepts_loss_kwargs(model: nn.Module) -> bool:
-    """Whether ``forward`` takes loss keywords such as ``num_items_in_batch``: the model's
-    ``accepts_loss_kwargs`` where it says, else whether ``forward`` takes ``**kwargs`` (as
-    Hugging Face's Trainer decides)."""
-    import inspect
+    def predict(
+        self,
+        test_dataset: Dataset,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "test",
+    ) -> Any:
+        """Predictions (and, where the dataset has labels, labels and metrics) over
+        ``test_dataset``: a ``transformers.trainer_utils.PredictionOutput``."""
+        from transformers.trainer_utils import PredictionOutput
 
-    model = unwrap_model(model, through_adapters=True)
-    said = getattr(model, "accepts_loss_kwargs", None)
-    if said is not None:
-        return bool(said)
-    parameters = inspect.signature(model.forward).parameters.values()
-    return any(p.kind is p.VAR_KEYWORD for p in parameters)
+        with self.strategy.process_group():
+            self._prepare_eval_model()
+            started = time.time()
+            with self._evaluation_weights():
+                output = self.evaluation_loop(
+                    test_dataset,
+                    description=metric_key_prefix,
+                    ignore_keys=ignore_keys,
+                    metric_key_prefix=metric_key_prefix,
+                )
+        metrics = output.metrics
+        metrics.update(self._speed_metrics(metric_key_prefix, started, output.num_samples))
+        return PredictionOutput(output.predictions, output.label_ids, metrics)
 
+    def evaluation_loop(
+        self,
+        dataset: Dataset,
+        description: str = "eval",
+        prediction_loss_only: bool | None = None,
+        ignore_keys: list[str] | None = None,
+        metric_key_prefix: str = "eval",
+    ) -> Any:
+        """Run the model over this rank's share of ``dataset`` and gather what every rank saw:
+        a ``transformers.trainer_utils.EvalLoopOutput`` (predictions, label ids, metrics,
+        number of samples), as HF's ``Trainer.evaluation_loop``."""
+        from transformers.trainer_utils import EvalLoopOutput, EvalPrediction
 
-def labels_of(batch: Mapping[str, Any], label_names: Sequence[str]) -> Any:
-    """The batch's labels: one tensor for one label name, a tuple for several, None if any is
-    missing."""
-    if not label_names or any(batch.get(name) is None for name in label_names):
-        return None
-    labels = tuple(batch[name].detach() for name in label_names)
-    return labels[0] if len(labels) == 1 else labels
+        args, model, compute_metrics = self.args, self.model, self.compute_metrics
+        if prediction_loss_only is None:
+            prediction_loss_only = args.prediction_loss_only
+        if not self.strategy.gives_eval_outputs:
+            prediction_loss_only = True
+            self._warn_no_outputs(metric_key_prefix)
+        if ignore_keys is None:  # as HF: what the model's config says, e.g. the KV cache
+            config = getattr(model, "config", None)
+            default = ["past_key_values"] if config is not None else []
+            ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", default))
+        streaming = args.batch_eval_metrics and compute_metrics is not None
+        if streaming and self.topology.dp_size > 1:
+            raise TrainingArgumentsError(
+                [
+                    f"{args.config_key}.batch_eval_metrics computes metrics batch by batch on one "
+                    "process; with several processes set it to false"
+                ]
+            )
+        loader = self._eval_loader(dataset, description)
+        causal = is_causal_lm(model)
+        label_names = self.label_names
+        main_input = getattr(model, "main_input_name", "input_ids")
+        losses, count = LossMean(args.logging_nan_inf_filter), 0
+        concat = args.eval_do_concat_batches
+        kept = {name: Accumulator(concat) for name in ("preds", "labels", "inputs", "losses")}
+        metrics: dict[str, Any] = {}
+        was_training = model.training
+        model.eval()
+        devices = [self.device] if self.device.type == "cuda" else []
+        batches = list(itertools.islice(range(len(loader)), args.max_eval_batches))
+        rounds = self.strategy.eval_forwards(len(batches))
+        with torch.no_grad(), torch.random.fork_rng(devices=devices):
+            for step, batch in zip(batches, loader, strict=False):
+                batch = self._to_device(batch)
+                size = batch_size_of(batch)
+                loss, logits, labels = self.prediction_step(
+                    self.evaluation_model(), batch, prediction_loss_only, ignore_keys, label_names
+                )
+                count += size
+                if loss is not None:  # weighed by the batch's labels, predictions asked or not
+                    weight = loss_weight(size, labels_of(batch, label_names), causal)
+                    losses.add(float(loss), weight)
+                if prediction_loss_only:
+                    continue
+                if logits is not None and self.preprocess_logits_for_metrics is not None:
+                    logits = self.preprocess_logits_for_metrics(logits, labels)
+                include = args.include_for_metrics
+                batch_losses = loss.repeat(size) if loss is not None and "loss" in include else None
+                batch_inputs = batch.get(main_input) if "inputs" in include else None
+                if streaming:
+                    if logits is not None and labels is not None:
+                        metrics = compute_metrics(
+                            EvalPrediction(
+                                logits, labels, inputs=batch_inputs, losses=batch_losses
+                            ),
+                            compute_result=step == batches[-1],
+                        )
+                    continue
+                kept["preds"].add(logits)
+                kept["labels"].add(labels)
+                kept["inputs"].add(batch_inputs)
+                kept["losses"].add(batch_losses)
+                if args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
+                    for accumulator in kept.values():
+                        accumulator.to_host()
+            if batches:  # a sharded model's forward is collective: keep every rank in step
+                for _ in range(rounds - len(batches)):
+                    self.prediction_step(
+                        self.evaluation_model(), batch, True, ignore_keys, label_names
+                    )
+        model.train(was_training)
+        world = self.topology.dp_size
+        found = {
+            name: gather_in_order(acc.result(), count, world, concat) for name, acc in kept.items()
+        }
+        # every stage of a pipeline replica reads the same items: count them once
+        counted = self.all_reduce_sum(torch.tensor(float(count), device=self.device))
+        total = int(counted.item()) // self.topology.num_stages
+        if (
+            compute_metrics is not None
+            and not streaming
+            and found["preds"] is not None
+            and found["labels"] is not None
+        ):
+            metrics = compute_metrics(
+                EvalPrediction(
+                    found["preds"],
+                    found["labels"],
+                    inputs=found["inputs"] if "inputs" in args.include_for_metrics else None,
+                    losses=found["losses"] if "loss" in args.include_for_metrics else None,
+                )
+            )
+        elif (
+            compute_metrics is not None
+            and not streaming
+            and not prediction_loss_only
+            and metric_key_prefix == "eval"
+        ):
+            self._warn(
+                "compute_metrics was not called: the eval batches hold no labels under %s "
+                "(trainer.args.label_names); name the batch keys that hold them",
+                label_names,
+            )
+        metrics = self._checked_metrics(metrics)
+        loss, weight = losses.reduced(self.all_reduce_sum, self.device)
+        if weight:  # some rank's batches gave a loss
+            metrics["loss"] = loss
+            if causal:
+                metrics["perplexity"] = math.exp(min(loss, 50.0))
+        prefix = f"{metric_key_prefix}_"
+        metrics = {k if k.startswith(prefix) else prefix + k: v for k, v in metrics.items()}
+        return EvalLoopOutput(found["preds"], found["labels"], metrics, total)
 
-
-def loss_weight(batch_size: int, labels: Any, causal: bool) -> int:
-    """How many items a batch's mean loss averages over: its label tokens for token-level
-    integer labels (the causal LM's shifted ones), else its samples."""
-    if isinstance(labels, torch.Tensor) and labels.dim() >= 2 and not labels.is_floating_point():
-        counted = labels[..., 1:] if causal else labels
-        return int((counted != IGNORE_INDEX).sum())
-    return batch_size
-
-
-def batch_size_of(batch: Mapping[str, Any]) -> int:
-    from transformers.trainer_pt_utils import find_batch_size
-
-    size = find_batch_size(dict(batch))
-    return int(size) if size is not None else 1
-
-
-def output_logits(outputs: Any, ignore_keys: Sequence[str]) -> Any:
-    """The model's predictions: every output but the loss (and ``ignore_keys``, such as
-    ``past_key_values``, and a mapping's scalars, such as a ponder cost: metrics of the
-    batch, not predictions per item); one tensor when there is one."""
-    if isinstance(outputs, Mapping):
-        logits = tuple(
-            v for k, v in outputs.items() if k not in (*ignore_keys, "loss") and not _is_scalar(v)
+    def prediction_step(
+        self,
+        model: nn.Module,
+        batch: Batch,
+        prediction_loss_only: bool,
+        ignore_keys: list[str],
+        label_names: list[str],
+    ) -> tuple[torch.Tensor | None, Any, Any]:
+        """One evaluation batch: (mean loss or None, logits or None, labels or None)."""
+        labels = labels_of(batch, label_names)
+        loss, outputs = self.strategy.forward_eval(
+            batch, lambda: self._forward_eval(model, batch, labels)
         )
-    elif isinstance(outputs, (tuple, list)):
-        logits = tuple(outputs[1:])
-    else:
-        logits = (outputs,)
-    logits = tuple(v.detach() if isinstance(v, torch.Tensor) else v for v in logits)
-    return logits[0] if len(logits) == 1 else logits
+        if prediction_loss_only or outputs is None:
+            return loss, None, None
+        return loss, output_logits(outputs, ignore_keys), labels
 
+    def _forward_eval(
+        self, model: nn.Module, batch: Batch, labels: Any
+    ) -> tuple[torch.Tensor | None, Any]:
+        """One evaluation batch's mean loss on this rank (None when there is none) and the
+        model's outputs, from which the predictions are read. With labels the loss is
+        ``compute_loss``'s (``compute_loss_func`` and label smoothing included); without, a
+        loss the model returns still counts."""
+        if labels is not None:
+            num_items = self.loss.num_items_in_batch([batch], self.model)
+            items = {} if num_items is None else {"num_items_in_batch": num_items}
+            loss, outputs = self.compute_loss(model, batch, return_outputs=True, **items)
+            return loss.detach().mean(), outputs
+        outputs = model(**batch)
+        found = getattr(outputs, "loss", None)
+        if found is None and isinstance(outputs, Mapping):
+            found = outputs.get("loss")
+        return (found.detach().mean() if isinstance(found, torch.Tensor) else None), outputs
 
-def _is_scalar(value: Any) -> bool:
-    return isinstance(value, float) or (isinstance(value, torch.Tensor) and value.dim() == 0)
+    # ------------------------------------------------------------------ helpers
+    def _evaluation_weights(self) -> Any:
+        """The weights evaluation runs with, as the callbacks choose them (a moving average
+        swapped in for the evaluation and out again after it); the model's own otherwise."""
+        return self.callback_handler.evaluation_weights(self.args, self.state, self.control)
 
+    def _check_best_metric(self, metrics: dict[str, Any]) -> None:
+        """``metric_for_best_model`` must be among the evaluation's metrics (as HF checks)."""
+        metric = self.args.metric_for_best_model
+        if metric is not None and metric not in metrics:
+            message = missing_metric_message(
+                self.args,
+                metric,
+                metrics,
+                self.state.global_step,
+                self.compute_metrics is not None,
+            )
+            raise TrainingArgumentsError([message])
 
-class Accumulator:
-    """One rank's predictions (or labels, inputs, losses) over an evaluation: batches are
-    concatenated on the device, padded with -100 on dimension 1, and moved to host memory as
-    numpy at every ``to_host()`` (``eval_accumulation_steps``) and at the end."""
+    def _eval_loader(self, dataset: Dataset, description: str) -> Any:
+        """The dataset's loader, built once per dataset object."""
+        if self._eval_loaders.get(id(dataset), (None,))[0] is not dataset:
+            self._eval_loaders[id(dataset)] = (
+                dataset,
+                self.build_eval_loader(dataset, description),
+            )
+        return self._eval_loaders[id(dataset)][1]
 
-    def __init__(self, concat: bool = True) -> None:
-        self.concat = concat
-        self.on_device: Any = None
-        self.on_host: Any = None  # numpy (concatenated), or a list of batches
-        self.batches: list[Any] = []
-
-    def add(self, value: Any) -> None:
-        if value is None:
+    def _prepare_eval_model(self) -> None:
+        """Outside ``train()``: build the model (``model_init``), put it on the device and,
+        with ``bf16_full_eval`` / ``fp16_full_eval``, in that precision."""
+        if self._in_train:
             return
-        if not self.concat:
-            self.batches.append(value)
+        args = self.args
+        if self.model is None:
+            set_seed(args.seed)
+            self.model = self._call_model_init()
+        name_causal_lm_loss(self.model)
+        dtype = (
+            torch.bfloat16
+            if args.bf16_full_eval
+            else torch.float16
+            if args.fp16_full_eval
+            else None
+        )
+        self.model.to(device=self.device, dtype=dtype)
+
+    def _checked_metrics(self, metrics: Any) -> dict[str, Any]:
+        from transformers.trainer_utils import denumpify_detensorize
+
+        if not isinstance(metrics, Mapping):
+            raise TypeError(
+                "compute_metrics must return a dict of metric name to number (got "
+                f"{type(metrics).__name__})"
+            )
+        return dict(denumpify_detensorize(dict(metrics)))
+
+    def _speed_metrics(self, prefix: str, started: float, num_samples: int) -> dict[str, float]:
+        from transformers.trainer_utils import speed_metrics
+
+        per_rank = self.strategy.per_rank_batch_size("per_device_eval_batch_size")
+        batch = per_rank * self.topology.dp_size
+        steps = math.ceil(num_samples / batch) if num_samples else 0
+        return speed_metrics(prefix, started, num_samples=num_samples, num_steps=steps)
+
+    def _warn_no_outputs(self, prefix: str) -> None:
+        if self.compute_metrics is None or self._warned_outputs:
             return
-        from transformers.trainer_pt_utils import nested_concat
+        self._warned_outputs = True
+        self._warn(
+            "compute_metrics is not run by the %s trainer (its evaluation computes the loss "
+            "only); it reports %s_loss",
+            self.trainer_kind,
+            prefix,
+        )
 
-        if self.on_device is None:
-            self.on_device = value
-        else:
-            self.on_device = nested_concat(self.on_device, value, padding_index=IGNORE_INDEX)
-
-    def to_host(self) -> None:
-        from transformers.trainer_pt_utils import nested_concat, nested_numpify
-
-        if not self.concat:
-            self.batches = [nested_numpify(b) if _has_tensor(b) else b for b in self.batches]
-            return
-        if self.on_device is None:
-            return
-        value = nested_numpify(self.on_device)
-        self.on_device = None
-        if self.on_host is None:
-            self.on_host = value
-        else:
-            self.on_host = nested_concat(self.on_host, value, padding_index=IGNORE_INDEX)
-
-    def result(self) -> Any:
-        """This rank's values on the host: one (nested) array, or a list of batches."""
-        self.to_host()
-        return self.batches if not self.concat else self.on_host
-
-
-def gather_in_order(value: Any, count: int, world_size: int, concat: bool) -> Any:
-    """Every rank's ``value`` (``count`` items of its ``forge.data.StridedSampler`` shard) put back in
-    dataset order.
-
-    Concatenated values are interleaved item by item; lists of batches are joined step by step
-    (step ``i`` of every rank, as HF's per-step gather does)."""
-    if world_size == 1:
-        return value
-    gathered = dist.all_gather_objects((value, count))
-    values, lengths = [v for v, _ in gathered], [n for _, n in gathered]
-    if all(v is None for v in values):
-        return None
-    from transformers.trainer_pt_utils import nested_concat
-
-    if not concat:
-        steps = max(len(v) for v in values)
-        joined = []
-        for step in range(steps):
-            parts = [v[step] for v in values if step < len(v)]
-            merged = parts[0]
-            for part in parts[1:]:
-                merged = nested_concat(merged, part, padding_index=IGNORE_INDEX)
-            joined.append(merged)
-        return joined
-    merged = values[0]
-    for part in values[1:]:
-        merged = nested_concat(merged, part, padding_index=IGNORE_INDEX)
-    order = np.concatenate(
-        [np.arange(rank, world_size * n + rank, world_size)[:n] for rank, n in enumerate(lengths)]
-    )
-    return _take(merged, np.argsort(order, kind="stable"))
-
-
-def _take(value: Any, index: np.ndarray) -> Any:
-    if isinstance(value, (tuple, list)):
-        return type(value)(_take(v, index) for v in value)
-    if isinstance(value, Mapping):
-        return type(value)({k: _take(v, index) for k, v in value.items()})
-    return value[index]
-
-
-def _has_tensor(value: Any) -> bool:
-    if isinstance(value, torch.Tensor):
-        return True
-    if isinstance(value, (tuple, list)):
-        return any(_has_tensor(v) for v in value)
-    if isinstance(value, Mapping):
-        return any(_has_tensor(v) for v in value.values())
-    return False
-
-
-class LossMean:
-    """A weighted mean of batch losses (per sample or per token) that skips non-finite batch
-    losses when ``nan_inf_filter`` is on and some are finite, as HF's Trainer does."""
-
-    def __init__(self, nan_inf_filter: bool = True) -> None:
-        self.nan_inf_filter = nan_inf_filter
-        self.finite = [0.0, 0.0]  # weighted sum, weight
-        self.all = [0.0, 0.0]
-
-    def add(self, loss: float, weight: int) -> None:
-        if weight <= 0:
-            return
-        self.all[0] += loss * weight
-        self.all[1] += weight
-        if math.isfinite(loss):
-            self.finite[0] += loss * weight
-            self.finite[1] += weight
-
-    def reduced(self, all_reduce_sum: Any, device: torch.device) -> tuple[float, float]:
-        """(the mean over every rank, its total weight); ``all_reduce_sum`` sums a tensor
-        over the ranks."""
-        totals = torch.tensor([*self.finite, *self.all], dtype=torch.float64, device=device)
-        finite_sum, finite_weight, all_sum, all_weight = all_reduce_sum(totals).tolist()
-        if self.nan_inf_filter and finite_weight > 0:
-            return finite_sum / finite_weight, finite_weight
-        return (all_sum / all_weight if all_weight else float("nan")), all_weight
-
-
-def missing_metric_message(
-    args: Any, metric: str, metrics: Mapping[str, Any], step: int, has_compute_metrics: bool
-) -> str:
-    """``metric_for_best_model`` names a metric the evaluation did not produce: which, where,
-    what there is, and the nearest name."""
-    produced = list(metrics)
-    hint = suggestion(metric, produced, n=1)
-    if not has_compute_metrics:
-        hint += " (the trainer has no compute_metrics, which gives every metric but the loss)"
-    return (
-        f"{args.config_key}.metric_for_best_model is {metric!r}, but the evaluation at step "
-        f"{step} produced only {', '.join(produced)}{hint}. Best-model tracking, "
-        "load_best_model_at_end, early stopping and the protection of the best checkpoint need "
-        "a metric the evaluation produces"
-    )
+    def _warn(self, message: str, *values: Any) -> None:
+        """A warning on rank 0 only (every rank reaches the same ones)."""
+        if self.is_main_process:
+            logger.warning(message, *values)

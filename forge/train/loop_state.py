@@ -1,5 +1,5 @@
 """Small records the loop keeps: one step's agreed numbers and log tallies (the data position
-is ``forge.train.components.DataPosition``)."""
+is ``forge.train.data_position.DataPosition``)."""
 
 from __future__ import annotations
 
@@ -183,3 +183,45 @@ def count_tokens(batch: Batch) -> torch.Tensor | int:
         return mask.sum()
     ids = batch.get("input_ids")
     return ids.numel() if isinstance(ids, torch.Tensor) else 0
+
+
+def step_logs(
+    tally: Tally, state: Any, learning_rate: float, tokens_seen: bool
+) -> dict[str, float]:
+    """What a logging step reports of the steps since the last log: mean loss, the model's
+    extra metrics (``model_metrics``: means over the window), learning rate, grad norm,
+    tokens/s (when the batches hold tokens: ``count_tokens``), epoch, skipped steps, and with
+    ``tokens_seen`` the input tokens so far."""
+    logs: dict[str, float] = {
+        "loss": tally.mean_loss,
+        **tally.metric_means(),
+        "learning_rate": learning_rate,
+        "grad_norm": tally.grad_norm,
+    }
+    if tally.tokens:  # a model without input_ids or attention_mask has no tokens to rate
+        logs["tokens_per_second"] = tally.tokens_per_second
+    logs["epoch"] = round(state.epoch, 4)
+    if tally.skipped:
+        logs["nonfinite_skipped"] = state.nonfinite_skipped
+    if tokens_seen:
+        logs["num_input_tokens_seen"] = state.tokens_seen
+    return logs
+
+
+def train_summary(steps: int, run_tally: Tally, state: Any, counts_flops: bool) -> dict[str, float]:
+    """Hugging Face's end-of-training metrics for one ``train()`` call (a resumed run counts the
+    steps and samples it ran itself): ``train_runtime`` (seconds, from the first step),
+    ``train_samples_per_second`` (the items trained on, over ranks),
+    ``train_steps_per_second``, ``total_flos`` (over the whole run, for a model that estimates
+    them), ``train_loss`` and ``epoch``."""
+    runtime = max(time.perf_counter() - run_tally.started, 1e-9)
+    summary = {
+        "train_runtime": round(runtime, 4),
+        "train_samples_per_second": round(run_tally.samples / runtime, 3),
+        "train_steps_per_second": round(steps / runtime, 3),
+    }
+    if counts_flops:
+        summary["total_flos"] = state.total_flos
+    summary["train_loss"] = run_tally.mean_loss
+    summary["epoch"] = state.epoch
+    return summary

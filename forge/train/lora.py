@@ -39,7 +39,9 @@ from forge.checkpoint.adapter import (
 from forge.checkpoint.io import CheckpointError
 from forge.config.errors import short_list
 from forge.suggest import suggestion
+from forge.train import dist
 from forge.train.args import TrainingArgumentsError
+from forge.wrappers import is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -294,6 +296,42 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
     trainable, total = peft_model.get_nb_trainable_parameters()
     logger.debug("LoRA: %d of %d parameters trainable", trainable, total)
     return peft_model
+
+
+class LoraStep:
+    """The adapter step of the model-transform stage for a trainer given ``peft_config``: the
+    model wrapped by peft (its base frozen); in training, first the run's record of its frozen
+    base (``base``, which every checkpoint's adapter component carries)."""
+
+    def __init__(self, config: Any) -> None:
+        self.config = config
+        self.base: dict[str, Any] | None = None
+
+    def apply(self, model: nn.Module, *, record_in: Any = None, topology: Any = None) -> nn.Module:
+        """``model`` wrapped by peft; with ``record_in`` (the run directory) rank 0 records (or,
+        resuming, checks) the run's base first, and every rank gets the record or the refusal."""
+        config = lora_config_for(model, self.config)  # bad targets: refused before any write
+        if record_in is not None:
+            self.base = self._record(model, record_in, topology)
+        return apply_lora(model, config)
+
+    @staticmethod
+    def applied_to(model: nn.Module) -> bool:
+        """Whether ``model`` is wrapped by peft already (its checkpoints hold the adapter)."""
+        return is_peft_model(model)
+
+    @staticmethod
+    def _record(model: nn.Module, run_dir: Any, topology: Any) -> dict[str, Any]:
+        record, error = None, None
+        if topology is None or topology.is_main:
+            try:
+                record = record_base(model, run_dir)
+            except (CheckpointError, LoraUsageError) as exc:
+                error = exc
+        record, error = dist.broadcast_object((record, error))
+        if error is not None:
+            raise error
+        return record
 
 
 # ---------------------------------------------------------------------------------------------

@@ -14,7 +14,7 @@ from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
 from forge.train.args import TrainingArguments
-from forge.train.args_names import METRIC_SCHEDULERS
+from forge.train.args.names import METRIC_SCHEDULERS
 
 logger = logging.getLogger(__name__)
 

@@ -71,7 +71,7 @@ def name_causal_lm_loss(model: nn.Module) -> None:
     (``loss_type``, transformers' own switch) keeps the loss and drops the warning. Any other
     model keeps its None, and the warning, which then says something.
     """
-    from forge.train.evaluation import is_causal_lm
+    from forge.train.loss import is_causal_lm
     from forge.wrappers import unwrap_model
 
     model = unwrap_model(model, through_adapters=True)

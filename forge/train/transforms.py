@@ -1,6 +1,6 @@
 """The model-transform stage: everything that happens to a model between "built" and
 "trained", one small function per step. ``BaseTrainer.transform_model`` applies them in this
-order (a trainer overrides only the last step, ``parallelize``):
+order (the last step, ``parallelize``, is the trainer's strategy):
 
     build (model_init after seeding; a pipeline stage builds only its part)
     -> the model's settings (``use_cache``, its loss type)
@@ -8,7 +8,7 @@ order (a trainer overrides only the last step, ``parallelize``):
     -> placement on the device
     -> activation checkpointing
     -> ``torch.compile``
-    -> the trainer's parallel wrap (DDP, Accelerate's ``prepare``, the pipeline's stages)
+    -> the strategy's parallel wrap (DDP, FSDP2, Accelerate's ``prepare``, the pipeline's stages)
 
 No step patches a library: activation checkpointing replaces the ``forward`` of the block
 instances it wraps, so parameter and state-dict names (checkpoints, optimizer state keyed by
@@ -29,6 +29,7 @@ from torch import nn
 from forge.config.errors import short_list
 from forge.suggest import suggestion
 from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.lora import LoraStep
 from forge.train.runtime import name_causal_lm_loss
 
 logger = logging.getLogger(__name__)
@@ -50,6 +51,11 @@ def apply_model_settings(model: nn.Module, args: TrainingArguments) -> None:
 
 
 # ---------------------------------------------------------------------- activation checkpointing
+def adapter_step(peft_config: Any) -> LoraStep | None:
+    """The adapter step for a trainer's ``peft_config`` (None: no adapter)."""
+    return None if peft_config is None else LoraStep(peft_config)
+
+
 def apply_activation_checkpointing(
     model: nn.Module,
     args: TrainingArguments,

@@ -17,8 +17,18 @@ from forge.checkpoint.resolve import (
     Restart,
     resolve_checkpoint,
     resume_checkpoint,
+    use_run_lookup,
 )
-from forge.runs import RunRecord
+from forge.runs import PROJECT_RUNS, RunRecord
+
+
+@pytest.fixture(autouse=True)
+def run_lookup():
+    """A project directory and --best are read through forge.runs, as forge's entry points
+    (the CLI, the worker) install it."""
+    previous = use_run_lookup(PROJECT_RUNS)
+    yield
+    use_run_lookup(previous)
 
 
 def make_checkpoint(checkpoints: Path, step: int, *, valid: bool = True) -> Path:

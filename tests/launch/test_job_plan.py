@@ -128,12 +128,12 @@ def test_steps_per_epoch_are_what_forges_loader_gives(size, batch, accum, dp, dr
         for r in range(dp)
     }
     assert len(lengths) == 1  # every rank the same number of batches
-    expected = math.ceil(lengths.pop() / accum)  # as the loop counts (forge/train/base.py)
+    expected = math.ceil(lengths.pop() / accum)  # as the loop counts (forge/train/trainer.py)
     assert steps_per_epoch(size, batch, accum, dp, drop_last) == expected
 
 
 def test_per_stage_parameters_are_the_stages_own(project):
-    from forge.train.pipeline_plan import plan_pipeline
+    from forge.train.pipeline.plan import plan_pipeline
 
     model = tiny_model(project, "pipeline", meta=True)
     cfg = load_config(project, "pipeline", MODEL_DEFINES)

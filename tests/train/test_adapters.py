@@ -11,7 +11,7 @@ from torch.utils.data import Dataset
 
 from forge.data import TupleCollator
 from forge.train import LossAdapter, Trainer
-from forge.train.adapters import as_model_output
+from forge.train.plain_models import as_model_output
 from tests.train.common import make_args
 
 

@@ -142,7 +142,7 @@ def test_an_async_save_that_fails_fails_the_run_and_changes_nothing(tmp_path, mo
     state = trainer.state
     assert (state.last_checkpoint, state.best_checkpoint, state.best_metric) == before["loop"]
     assert_nothing_changed(run_dir, before)
-    assert not trainer._commits.in_flight
+    assert not trainer.checkpoints.in_flight
     monkeypatch.undo()
     assert_earlier_checkpoints_load(run_dir)
 

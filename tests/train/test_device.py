@@ -163,7 +163,7 @@ def test_random_state_is_the_trainers_gpu_on_every_rank(gpus, monkeypatch, tmp_p
     )
     trainer = make_trainer(make_args(tmp_path, device="cuda"))
     assert trainer.device == torch.device("cuda", 1)
-    rng = trainer.build_checkpoint_registry().components["rng"].obj
+    rng = trainer.build_checkpoint_manager().components["rng"].obj
     assert isinstance(rng, RngState)
     rng.load_state_dict(rng.state_dict())
     assert calls == [("get", torch.device("cuda", 1)), ("set", torch.device("cuda", 1))]

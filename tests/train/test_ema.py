@@ -20,7 +20,7 @@ from forge.train import (
     TrainingArguments,
     TrainingArgumentsError,
 )
-from forge.train.ema import WeightsEMA, read_ema_state
+from forge.train.ema import WeightsEMA, moving_average, read_ema_state
 from tests.train.common import (
     StopAtStep,
     assert_same_tensors,
@@ -152,17 +152,17 @@ def test_a_skipped_step_leaves_the_average_unchanged(tmp_path):
 
     class Watch(InfLossAtStep):
         def _optimizer_stepped(self, applied):
-            before = [t.clone() for t in self.ema.shadow]
+            before = [t.clone() for t in moving_average(self).shadow]
             super()._optimizer_stepped(applied)
             seen[self.state.global_step + 1] = all(
-                torch.equal(a, b) for a, b in zip(before, self.ema.shadow, strict=True)
+                torch.equal(a, b) for a, b in zip(before, moving_average(self).shadow, strict=True)
             )
 
     args = make_args(tmp_path, max_steps=5, max_grad_norm=None, **EMA)
     trainer = make_trainer(args, trainer_cls=Watch)
     trainer.train()
     assert seen == {1: False, 2: False, 3: True, 4: False, 5: False}
-    assert (trainer.ema.steps, trainer.ema.updates) == (4, 4)
+    assert (moving_average(trainer).steps, moving_average(trainer).updates) == (4, 4)
     assert trainer.state.nonfinite_skipped == 1
 
 
@@ -183,7 +183,9 @@ def test_the_average_resumes_exactly_with_the_plain_trainer(tmp_path):
     )
     resumed.train()
     assert_same_training(straight, resumed)
-    assert_same_tensors(straight.ema.state_dict(), resumed.ema.state_dict(), "ema")
+    assert_same_tensors(
+        moving_average(straight).state_dict(), moving_average(resumed).state_dict(), "ema"
+    )
 
 
 def test_a_checkpoint_without_an_average_starts_it_from_the_restored_weights(tmp_path, caplog):
@@ -194,8 +196,10 @@ def test_a_checkpoint_without_an_average_starts_it_from_the_restored_weights(tmp
     with caplog.at_level("WARNING"):
         trainer.train()  # at its end already: restores, trains nothing
     assert "has no 'ema' component; it starts fresh" in caplog.text
-    assert trainer.ema.steps == 0
-    for (_, param), shadow in zip(trainer.ema.params, trainer.ema.shadow, strict=True):
+    assert moving_average(trainer).steps == 0
+    for (_, param), shadow in zip(
+        moving_average(trainer).params, moving_average(trainer).shadow, strict=True
+    ):
         assert torch.equal(param.detach(), shadow)
 
 
@@ -211,7 +215,9 @@ def test_the_average_resumes_exactly_with_the_accelerate_trainer(tmp_path):
         args(tmp_path / "run", resume_from_checkpoint=str(ckpt)), trainer_cls=AccelTrainer
     )
     resumed.train()
-    assert_same_tensors(straight.ema.state_dict(), resumed.ema.state_dict(), "ema")
+    assert_same_tensors(
+        moving_average(straight).state_dict(), moving_average(resumed).state_dict(), "ema"
+    )
 
 
 def test_the_average_resumes_exactly_under_the_pipeline_trainer_in_one_process(tmp_path):
@@ -221,8 +227,10 @@ def test_the_average_resumes_exactly_under_the_pipeline_trainer_in_one_process(t
     run_script(tmp_path / "run", "pipeline", stop_at=3, **extra)
     ckpt = checkpoint_dir(tmp_path / "run", 3)
     resumed = run_script(tmp_path / "run", "pipeline", resume=str(ckpt), **extra)
-    assert resumed.ema.steps == 6
-    assert_same_tensors(straight.ema.state_dict(), resumed.ema.state_dict(), "ema")
+    assert moving_average(resumed).steps == 6
+    assert_same_tensors(
+        moving_average(straight).state_dict(), moving_average(resumed).state_dict(), "ema"
+    )
     # the pipeline's checkpoint loads into the plain trainer's model by name (export --ema)
     assert set(read_ema_state(checkpoint_dir(tmp_path / "run", 6))) >= {
         "model.embed_tokens.weight",
@@ -257,11 +265,13 @@ def test_eval_with_ema_reports_the_averages_loss_and_leaves_training_unchanged(t
         runs[with_ema], evals[with_ema] = trainer, record.losses
     plain, averaged = runs[False], runs[True]
     assert_same_training(plain, averaged)
-    assert_same_tensors(plain.ema.state_dict(), averaged.ema.state_dict(), "ema")
+    assert_same_tensors(
+        moving_average(plain).state_dict(), moving_average(averaged).state_dict(), "ema"
+    )
     assert len(evals[True]) == len(evals[False]) >= 2
     assert all(a != b for a, b in zip(evals[True], evals[False], strict=True))
     # evaluating the model with the average swapped in by hand gives the reported number
-    with plain.ema.swapped_in():  # the same weights and average as the other run's
+    with moving_average(plain).swapped_in():  # the same weights and average as the other run's
         by_hand = plain.evaluate()["eval_loss"]
     assert by_hand == pytest.approx(averaged.evaluate()["eval_loss"], abs=0)
     assert averaged.state.best_metric == min(evals[True])
@@ -275,7 +285,7 @@ def test_load_best_model_at_end_with_eval_with_ema_loads_the_best_average(tmp_pa
     trainer = make_trainer(args, eval_size=16)
     trainer.train()
     best = read_ema_state(trainer.state.best_checkpoint)
-    for names, param in trainer.ema.params:
+    for names, param in moving_average(trainer).params:
         assert torch.equal(param.detach(), best[names[0]].to(param.dtype))
     assert trainer.evaluate()["eval_loss"] == pytest.approx(trainer.state.best_metric)
 
@@ -292,7 +302,7 @@ def test_export_ema_writes_the_average_and_refuses_a_checkpoint_without_one(tmp_
     ckpt = checkpoint_dir(tmp_path / "run", 4)
     export_model(ckpt, tmp_path / "ema", ema=True)
     export_model(ckpt, tmp_path / "raw")
-    average = trainer.ema.state_dict()["weights"]
+    average = moving_average(trainer).state_dict()["weights"]
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "ema")
     raw = AutoModelForCausalLM.from_pretrained(tmp_path / "raw")
     for name, param in loaded.named_parameters():

@@ -6,8 +6,8 @@ import pytest
 
 from forge.train import TrainingArguments
 from forge.train.args import TrainingArgumentsError
-from forge.train.fsdp_args import FsdpSettings, parse_fsdp
-from forge.train.pipeline import PipelineTrainingArguments
+from forge.train.args.fsdp import FsdpSettings, parse_fsdp
+from forge.train.args.pipeline import PipelineTrainingArguments
 
 
 def settings(fsdp, config=None) -> FsdpSettings | None:

@@ -136,7 +136,8 @@ def test_gradient_checkpointing_needs_a_model_that_supports_it(tmp_path):
 def test_ddp_arguments_reach_both_trainers_wrappers_only_when_set(tmp_path):
     """The plain trainer passes these to DistributedDataParallel, the Accelerate trainer to its
     DistributedDataParallelKwargs handler; unset ones keep torch's defaults."""
-    from forge.train.accel import AccelTrainer, AccelTrainingArguments
+    from forge.train.args.accelerate import AccelTrainingArguments
+    from forge.train.strategies.accelerate import Accelerate
 
     assert make_args(tmp_path).ddp_kwargs() == {}
     args = make_args(tmp_path, ddp_find_unused_parameters=True, ddp_bucket_cap_mb=5)
@@ -145,8 +146,8 @@ def test_ddp_arguments_reach_both_trainers_wrappers_only_when_set(tmp_path):
     accel_args = AccelTrainingArguments(
         output_dir=str(tmp_path), report_to="none", ddp_static_graph=True, ddp_timeout=60
     )
-    trainer = AccelTrainer.__new__(AccelTrainer)  # only the arguments are read
-    trainer.args = accel_args
-    init, ddp = trainer._accelerate_kwargs()
+    strategy = Accelerate.__new__(Accelerate)  # only the arguments are read
+    strategy.args = accel_args
+    init, ddp = strategy.accelerate_kwargs()
     assert init.timeout.total_seconds() == 60
     assert ddp.static_graph is True and ddp.find_unused_parameters is False  # Accelerate's default

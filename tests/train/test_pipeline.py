@@ -18,14 +18,14 @@ from forge.train import (
     Trainer,
     TrainingArgumentsError,
 )
-from forge.train.pipeline_split import (
+from forge.train.pipeline.split import (
     ModelParts,
     SplitError,
     StageModule,
     prune_to_stages,
     split_layers,
 )
-from forge.train.stage_init import build_partial_model
+from forge.train.pipeline.stage_init import build_partial_model
 from tests.train.common import (
     StopAfterSave,
     TokenDataset,
@@ -333,12 +333,12 @@ def test_batches_the_stages_cannot_pass_on_are_refused(tmp_path):
     )
     ids = torch.ones(2, 4, dtype=torch.long)
     with pytest.raises(ValueError, match="cannot pass on \\['token_type_ids'\\]"):
-        trainer._inputs({"input_ids": ids, "labels": ids, "token_type_ids": ids})
+        trainer.strategy.inputs({"input_ids": ids, "labels": ids, "token_type_ids": ids})
     left_padded = torch.tensor([[0, 1, 1, 1], [1, 1, 1, 1]])
     with pytest.raises(ValueError, match="pads on the left"):
-        trainer._inputs({"input_ids": ids, "labels": ids, "attention_mask": left_padded})
+        trainer.strategy.inputs({"input_ids": ids, "labels": ids, "attention_mask": left_padded})
     right_padded = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
-    trainer._inputs({"input_ids": ids, "labels": ids, "attention_mask": right_padded})
+    trainer.strategy.inputs({"input_ids": ids, "labels": ids, "attention_mask": right_padded})
 
 
 def test_label_smoothing_is_the_last_stages_loss_as_in_the_plain_trainer(tmp_path):

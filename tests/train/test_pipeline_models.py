@@ -21,9 +21,9 @@ from forge.train import (
     Trainer,
     TrainingArgumentsError,
 )
-from forge.train.pipeline_plan import plan_pipeline
-from forge.train.pipeline_split import StageModule, prune_to_stages
-from forge.train.stage_init import build_partial_model
+from forge.train.pipeline.plan import plan_pipeline
+from forge.train.pipeline.split import StageModule, prune_to_stages
+from forge.train.pipeline.stage_init import build_partial_model
 from tests.train.common import VOCAB, TokenDataset, make_args
 from tests.train.pipeline_script import gpt2_init
 
@@ -360,5 +360,7 @@ def test_an_encoders_stages_refuse_padded_batches(tmp_path):
     ids = torch.ones(2, 4, dtype=torch.long)
     padded = torch.tensor([[1, 1, 0, 0], [1, 1, 1, 1]])
     with pytest.raises(ValueError, match="encoder attend to every position"):
-        trainer._inputs({"input_ids": ids, "labels": ids, "attention_mask": padded})
-    trainer._inputs({"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)})
+        trainer.strategy.inputs({"input_ids": ids, "labels": ids, "attention_mask": padded})
+    trainer.strategy.inputs(
+        {"input_ids": ids, "labels": ids, "attention_mask": torch.ones_like(ids)}
+    )

@@ -12,8 +12,8 @@ import transformers.modeling_utils as hf
 from torch.nn.modules import module as torch_module
 from transformers import LlamaForCausalLM
 
-import forge.train.stage_init as stage_init
-from forge.train.stage_init import build_partial_model
+import forge.train.pipeline.stage_init as stage_init
+from forge.train.pipeline.stage_init import build_partial_model
 from tests.train.common import tiny_llama_config
 
 KEPT = ["model.layers.1", "model.norm", "lm_head"]

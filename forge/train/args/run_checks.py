@@ -8,7 +8,8 @@ from dataclasses import fields
 from os import PathLike
 
 from forge.extras import install_command, is_installed
-from forge.train.args_names import (
+from forge.train.args.fsdp import FsdpSettings, parse_fsdp
+from forge.train.args.names import (
     CHECKPOINT_HASHES,
     DDP_BACKENDS,
     DEVICE_PATTERN,
@@ -23,8 +24,7 @@ from forge.train.args_names import (
     STRATEGIES,
     TOKEN_COUNTS,
 )
-from forge.train.args_values import ValueChecks, as_float, not_multiple, quoted
-from forge.train.fsdp_args import FsdpSettings, parse_fsdp
+from forge.train.args.values import ValueChecks, as_float, not_multiple, quoted
 
 
 class RunChecks(ValueChecks):

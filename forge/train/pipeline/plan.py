@@ -17,9 +17,9 @@ import torch
 from torch import nn
 
 from forge.train.args import TrainingArgumentsError
-from forge.train.pipeline_models import model_parts
-from forge.train.pipeline_split import PipelineLayout, SplitError, split_layers
-from forge.train.stage_init import warn_whole_build
+from forge.train.pipeline.presets import model_parts
+from forge.train.pipeline.split import PipelineLayout, SplitError, split_layers
+from forge.train.pipeline.stage_init import warn_whole_build
 
 logger = logging.getLogger(__name__)
 

@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from forge.train.pipeline_split import ModelParts
+from forge.train.pipeline.split import ModelParts
 
 
 @dataclass(frozen=True)

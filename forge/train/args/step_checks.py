@@ -6,14 +6,14 @@ from __future__ import annotations
 import math
 from os import PathLike
 
-from forge.train.args_names import (
+from forge.train.args.names import (
     OPTIMIZERS,
     OTHER_HF_OPTIMIZERS,
     SCHEDULERS,
     SCHEDULES_WITH_REQUIRED_KWARGS,
     schedule_keywords,
 )
-from forge.train.args_values import ValueChecks, as_float, as_int, quoted
+from forge.train.args.values import ValueChecks, as_float, as_int, quoted
 
 
 class StepChecks(ValueChecks):

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from forge.suggest import suggestion
-from forge.train.stage_init import keeps, tie_groups, with_tie_owners
+from forge.train.pipeline.stage_init import keeps, tie_groups, with_tie_owners
 
 
 @dataclass(frozen=True)
@@ -143,7 +143,7 @@ def _hf_config(model: nn.Module, layers: str = "") -> Any:
     """The Hugging Face config of the model whose ``layers`` these are (its layers take masks
     and positions), else None: ``model`` itself, or the Hugging Face model a wrapper holds on
     the way to its layers (``lm.model`` for ``lm.model.layers``)."""
-    from forge.train.stage_init import _is_hf_model
+    from forge.train.pipeline.stage_init import _is_hf_model
 
     names = layers.split(".")[:-1] if layers else []
     for depth in range(len(names), -1, -1):

@@ -1,10 +1,11 @@
-"""Adapters for models written for plain PyTorch or Lightning rather than Hugging Face.
+"""Models written for plain PyTorch or Lightning rather than Hugging Face, and what to say when
+a batch or a model's output does not fit the trainers' contract.
 
 forge's trainers call ``model(**batch)`` and read the loss from ``.loss`` or ``["loss"]``
 (Hugging Face's convention). A model whose ``forward`` returns its loss as a bare tensor, or
 a tuple with the loss first, is wrapped in :class:`LossAdapter` instead of being rewritten;
 tuple items from the dataset are named by ``forge.data.TupleCollator``; a model that returns
-predictions only gets its loss from the trainer's ``compute_loss_func``.
+predictions only gets its loss from the trainer's ``compute_loss_func`` (forge/train/loss.py).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from torch import nn
 
 from forge.data.collator import tuple_collator_hint
 
-__all__ = ["LossAdapter", "loss_from_outputs", "model_loss", "not_a_dict_batch", "split_labels"]
+__all__ = ["LossAdapter", "as_model_output", "bare_tensor_message", "not_a_dict_batch"]
 
 LOSS_FUNC_EXAMPLE = "compute_loss_func: !partial:torch.nn.functional:cross_entropy []"
 
@@ -77,42 +78,6 @@ def as_model_output(outputs: Any) -> Any:
     return {"loss": first, "logits": rest[0] if len(rest) == 1 else rest}
 
 
-def model_loss(outputs: Any, label: str, batch_keys: str = "") -> torch.Tensor:
-    """The loss a model returned: ``.loss``, ``["loss"]`` or, as Hugging Face reads a tuple,
-    its first element (a 0-d tensor); a ValueError that says what to do otherwise. ``label``
-    names the forward (``Net.forward``), ``batch_keys`` the keys of the batch it was given."""
-    loss = getattr(outputs, "loss", None)
-    if loss is None and isinstance(outputs, Mapping):
-        loss = outputs.get("loss")
-    if loss is None and isinstance(outputs, (tuple, list)) and outputs:
-        first = outputs[0]
-        loss = first if isinstance(first, torch.Tensor) and first.dim() == 0 else None
-    if loss is not None:
-        return loss
-    if isinstance(outputs, torch.Tensor):
-        raise ValueError(bare_tensor_message(outputs, label))
-    given = f" for a batch with keys {batch_keys}" if batch_keys else ""
-    raise ValueError(
-        f"{label} returned no loss ({type(outputs).__name__} without 'loss'){given}: give the "
-        "batches labels (e.g. data_collator: CausalLMCollator), give the trainer "
-        "compute_loss_func(outputs, labels) to compute it, compute the loss in forward, or "
-        "override Trainer.compute_loss"
-    )
-
-
-def loss_from_outputs(compute_loss_func: Any, label_smoothing_factor: float) -> bool:
-    """Whether the trainer computes the loss from the model's outputs and the batch's labels
-    (``compute_loss_func``, or label smoothing), so the model is called without the labels
-    (Hugging Face's rule), rather than reading the loss the model returns."""
-    return compute_loss_func is not None or bool(label_smoothing_factor)
-
-
-def split_labels(batch: Mapping[str, Any]) -> tuple[dict[str, Any], Any]:
-    """``batch`` without its ``labels``, and the labels (None when it has none)."""
-    inputs = dict(batch)
-    return inputs, inputs.pop("labels", None)
-
-
 def bare_tensor_message(tensor: torch.Tensor, label: str) -> str:
     """What to do about a forward that returns a bare tensor: its loss, or its predictions."""
     head = f"{label} must return an object with .loss or a dict with 'loss' (got Tensor)"
@@ -163,17 +128,4 @@ def not_a_dict_batch(batch: Any, model: Any) -> str:
     return (
         f"batches must be dicts of tensors (got {kind}); make the dataset yield dicts or pass "
         "a data_collator that builds them"
-    )
-
-
-def takes_keyword(function: Callable[..., Any], name: str) -> bool:
-    """Whether ``function`` can be called with the keyword ``name``."""
-    try:
-        parameters = inspect.signature(function).parameters.values()
-    except (TypeError, ValueError):  # no signature (some builtins)
-        return False
-    return any(
-        p.kind is p.VAR_KEYWORD
-        or (p.name == name and p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY))
-        for p in parameters
     )

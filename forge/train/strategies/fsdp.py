@@ -1,17 +1,23 @@
-"""FSDP2 (``torch.distributed.fsdp.fully_shard``): the plain trainer's parallel wrap when
-``fsdp`` is set. Each block (by default the model's repeated layers) is sharded on its own,
-then the root, so only one block's parameters are gathered at a time; every parameter becomes
-a DTensor holding 1/N of its rows on each rank, and so do its gradient and optimizer state."""
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``): the plain trainer's strategy when ``fsdp`` is
+set and the job has several ranks. Each block (by default the model's repeated layers) is
+sharded on its own, then the root, so only one block's parameters are gathered at a time; every
+parameter becomes a DTensor holding 1/N of its rows on each rank, and so do its gradient and
+optimizer state. Each rank saves its own rows (checkpoint scope ``sharded``)."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import torch
 from torch import nn
+from torch.optim import Optimizer
 
+from forge.checkpoint import Component
+from forge.checkpoint.components import model_component, optimizer_component
 from forge.train.args import TrainingArguments, TrainingArgumentsError
-from forge.train.fsdp_args import FsdpSettings
+from forge.train.args.fsdp import FsdpSettings
+from forge.train.strategies.base import ParallelStrategy
 from forge.train.transforms import checkpointed_blocks, repeated_layers, selection_problem
 
 
@@ -79,3 +85,47 @@ def global_norm(norm: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return norm.full_tensor() if isinstance(norm, DTensor) else norm
+
+
+class FullyShard(ParallelStrategy):
+    """The model sharded in place over every rank (``fsdp_settings``); the training step calls
+    it (compiled or not) as it is."""
+
+    def __init__(
+        self, args: TrainingArguments, topology: Any, device: torch.device, settings: FsdpSettings
+    ) -> None:
+        super().__init__(args, topology, device)
+        self.settings = settings
+        self.sharded: nn.Module | None = None
+
+    def parallelize(self, model: nn.Module, compiled: nn.Module | None) -> nn.Module:
+        self.info("%s", apply_fully_shard(model, self.settings, self.device, self.args))
+        self.sharded = model
+        return super().parallelize(model, compiled)
+
+    def no_sync(self, last: bool) -> AbstractContextManager:
+        """Gradients are reduce-scattered only on a window's last micro-batch (FSDP2 has a
+        flag, no context)."""
+        if self.sharded is not None:
+            self.sharded.set_requires_gradient_sync(last)
+        return nullcontext()
+
+    def clip_gradients(self, model: nn.Module, optimizer: Optimizer) -> torch.Tensor:
+        """The global norm: over DTensor gradients, every rank's shards."""
+        return global_norm(super().clip_gradients(model, optimizer))
+
+    def eval_forwards(self, count: int) -> int:
+        """A sharded model's forward gathers parameters with every rank: each runs as many
+        evaluation forwards as the rank with the most batches."""
+        return int(self.agree_max(float(count)))
+
+    def model_component(self, model: nn.Module, tokenizer: Any, adapter_base: Any) -> Component:
+        """Every rank its rows of the weights."""
+        return model_component(model, tokenizer, sharded=True)
+
+    def optimizer_component(self, model: nn.Module, optimizer: Optimizer) -> Component:
+        return optimizer_component(model, optimizer, sharded=True, **self.optimizer_flags())
+
+    def release(self) -> None:
+        self.sharded = None
+        super().release()

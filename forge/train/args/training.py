@@ -22,7 +22,7 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
-from forge.train.args_names import (
+from forge.train.args.names import (
     INTEGRATIONS,
     METRIC_SCHEDULERS,
     NOT_APPLICABLE,
@@ -31,8 +31,8 @@ from forge.train.args_names import (
     SCHEDULERS,
     SHARDING_UNSUPPORTED,
 )
-from forge.train.args_run_checks import RunChecks
-from forge.train.args_step_checks import StepChecks
+from forge.train.args.run_checks import RunChecks
+from forge.train.args.step_checks import StepChecks
 
 __all__ = [
     "INTEGRATIONS",

@@ -1,0 +1,68 @@
+"""What a trainer refuses when it is built: arguments of the wrong kind, arguments its strategy
+cannot honour, and settings that need an evaluation dataset it was not given. Each message
+names the argument (``trainer.X``, or the config key of ``args``) and what to do."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+
+from forge.train.args import TrainingArguments, TrainingArgumentsError
+
+
+def check_trainer_arguments(
+    model: Any, args: Any, unsupported: dict[str, str], **given: Any
+) -> None:
+    """``model`` and ``args`` of the right kind, one tokenizer, functions where functions are
+    expected, nothing the trainer's strategy cannot honour (``unsupported``: argument ->
+    reason). ``given`` holds the other constructor arguments by name."""
+    if not isinstance(args, TrainingArguments):
+        raise TypeError(f"trainer.args must be TrainingArguments (got {type(args).__name__})")
+    if not isinstance(model, nn.Module) and not callable(model):
+        raise TypeError(
+            "trainer.model must be an nn.Module or a callable that builds one "
+            f"(got {type(model).__name__})"
+        )
+    if given.get("processing_class") is not None and given.get("tokenizer") is not None:
+        raise TypeError(
+            "trainer got both tokenizer and processing_class (HF 5's name for it); pass one"
+        )
+    for name in ("compute_metrics", "preprocess_logits_for_metrics", "compute_loss_func"):
+        value = given.get(name)
+        if value is not None and not callable(value):
+            raise TypeError(
+                f"trainer.{name} must be a function (got {type(value).__name__}); in a config "
+                f"write it as !partial:./metrics.py:{name} []"
+            )
+        if value is not None and name in unsupported:
+            raise TrainingArgumentsError([f"trainer.{name}: {unsupported[name]}"])
+    if given.get("peft_config") is not None and "peft_config" in unsupported:
+        raise TrainingArgumentsError([f"trainer.peft_config: {unsupported['peft_config']}"])
+
+
+def check_eval_dataset(args: TrainingArguments, eval_dataset: Any) -> None:
+    """The settings that evaluate need an evaluation dataset."""
+    if eval_dataset is not None:
+        return
+    needs = [
+        name
+        for name, on in (
+            ("eval_strategy", args.eval_strategy != "no"),
+            ("load_best_model_at_end", args.load_best_model_at_end),
+            ("early_stopping_patience", args.early_stopping_patience is not None),
+        )
+        if on
+    ]
+    if needs:
+        raise TrainingArgumentsError(
+            [
+                f"trainer.eval_dataset is required by {args.config_key}.{name}; pass an "
+                + (
+                    'eval dataset or set eval_strategy: "no"'
+                    if name == "eval_strategy"
+                    else f"eval dataset or unset {name}"
+                )
+                for name in needs
+            ]
+        )

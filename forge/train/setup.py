@@ -1,0 +1,421 @@
+"""How a trainer sets up what its loop runs: the model-transform stage, the loaders, the
+checkpoint state and the resume.
+
+``TrainerSetup`` is the part of the trainer (forge/train/trainer.py) that ``train()`` calls
+before its first step:
+
+- the model-transform stage (``transform_model``): build (``model_init`` after seeding; a
+  pipeline stage builds only its part) -> the model's settings -> the adapter step (peft LoRA:
+  forge/train/lora.py) -> placement on the device -> activation checkpointing ->
+  ``torch.compile`` -> the strategy's parallel wrap (``parallelize``); each step is a method a
+  subclass may override, and forge/train/transforms.py has the steps themselves;
+- the optimizer (through the strategy) and the learning-rate schedule;
+- this rank's loaders (forge/data/trainer_loaders.py);
+- the checkpoint manager and what a checkpoint holds (``register_components``): model,
+  optimizer, scheduler, scaler, the loop's counters, the callbacks' state, what the transform
+  stage and the callbacks register (``on_register``), data position and random generators;
+- the resume: the checkpoint found and validated on rank 0, every component restored.
+"""
+
+from __future__ import annotations
+
+import functools
+import gc
+import math
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.data import Dataset
+
+from forge.checkpoint import (
+    Checkpoint,
+    CheckpointError,
+    Component,
+    RngState,
+    Scope,
+    resume_checkpoint,
+    unwrap_model,
+)
+from forge.checkpoint.manager import BestRule, CheckpointManager
+from forge.data import trainer_loaders
+from forge.data.columns import ModelInputs
+from forge.train import dist
+from forge.train.callbacks import TrainerControl, TrainerState
+from forge.train.data_position import DataPosition
+from forge.train.loop_state import Batch, Tally
+from forge.train.loss import resolve_label_names
+from forge.train.optim import build_optimizer, build_scheduler, set_seed
+from forge.train.plain_models import not_a_dict_batch
+from forge.train.runtime import Intervals, apply_runtime_settings
+from forge.train.transforms import apply_activation_checkpointing, apply_model_settings
+
+
+class TrainerSetup:
+    """What ``train()`` builds before its first step; see the module docstring."""
+
+    # ------------------------------------------------------------------ setup
+    def _setup_training(self) -> None:
+        args = self.args
+        apply_runtime_settings(args, self.topology.is_main)
+        set_seed(args.seed)
+        self.checkpoints, self._pending_components = None, []
+        self.wrapped_model = self.transform_model()
+        if self.topology.distributed:
+            set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
+        self.train_loader = self.build_train_loader()
+        steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
+        if args.max_steps > 0:
+            self.max_steps = args.max_steps
+            self.num_epochs = math.ceil(args.max_steps / steps_per_epoch)
+        else:
+            self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+            self.num_epochs = math.ceil(args.num_train_epochs)
+        self._every = Intervals.of(args, self.max_steps)
+        self.setup_optimizer()
+        self.lr_scheduler = build_scheduler(
+            self.lr_scheduler_factory, self.optimizer, args, self.max_steps
+        )
+        self.state = TrainerState(
+            max_steps=self.max_steps,
+            num_train_epochs=self.num_epochs,
+            is_world_process_zero=self.is_main_process,
+        )
+        self.control = TrainerControl()
+        self.data_position = DataPosition(self.train_loader, is_main=self.is_main_process)
+        self._tally = Tally()
+        self._last_eval = (None, {})
+        self.build_checkpoint_manager()
+
+    def setup_optimizer(self) -> None:
+        """The optimizer over the model's parameters (through the strategy), and its grad
+        scaler; the learning-rate schedule is built by the loop afterwards, on ``optimizer``."""
+        optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
+        self.optimizer = self.strategy.prepare_optimizer(optimizer)
+        self.scaler = self.strategy.scaler
+
+    # ------------------------------------------------------------------ the model-transform stage
+    def transform_model(self) -> nn.Module:
+        """Everything that happens to the model between "built" and "trained", in this order
+        (forge/train/transforms.py): build (``build_model``, just after seeding) -> the model's
+        settings (``use_cache``, loss type) -> adapters (``apply_adapters``) -> placement on the
+        device -> activation checkpointing -> ``torch.compile`` -> the strategy's parallel wrap
+        (``parallelize``).
+
+        Sets ``model`` (the module checkpoints hold and the optimizer steps) and returns what
+        the training step calls.
+        """
+        args = self.args
+        model = self.build_model()
+        apply_model_settings(model, args)
+        model = self.apply_adapters(model)
+        model.to(self.device)
+        self.model = model
+        scope = self.strategy.activation_checkpointing_scope()
+        done = apply_activation_checkpointing(model, args, **scope)
+        if done:
+            self._info("%s", done)
+        compiled = self.compile_model(model) if args.torch_compile else None
+        self._eval_model = compiled
+        return self.parallelize(model if compiled is None else compiled)
+
+    def build_model(self) -> nn.Module:
+        """This rank's model: ``model_init()``, called just after seeding, or the module the
+        trainer was given (a pipeline stage builds only its own part)."""
+        return self.strategy.build_model(self.model, self._call_model_init)
+
+    def _call_model_init(self) -> nn.Module:
+        model = self.model_init()
+        if not isinstance(model, nn.Module):
+            raise TypeError(
+                f"trainer.model built a {type(model).__name__}, not an nn.Module; pass a module "
+                "or a callable (e.g. !partial) that returns one"
+            )
+        return model
+
+    def apply_adapters(self, model: nn.Module) -> nn.Module:
+        """The adapter step (``peft_config``: the model wrapped by peft, its base frozen,
+        forge/train/lora.py), else the model as built. In ``train()`` the run records its
+        frozen base first (once; a resume checks it is unchanged)."""
+        if self.adapter is None:
+            return model
+        record_in = self.args.output_dir if self._in_train else None
+        return self.adapter.apply(model, record_in=record_in, topology=self.topology)
+
+    def compile_model(self, model: nn.Module) -> nn.Module:
+        """``torch.compile`` with ``torch_compile_backend`` / ``torch_compile_mode``."""
+        args = self.args
+        return torch.compile(
+            model, backend=args.torch_compile_backend or "inductor", mode=args.torch_compile_mode
+        )
+
+    def parallelize(self, model: nn.Module) -> nn.Module:
+        """The strategy's parallel wrap, the transform stage's last step: what the training step
+        calls (``model``, compiled when ``torch_compile`` is on)."""
+        compiled = model if model is not self.model else None
+        return self.strategy.parallelize(self.model, compiled)
+
+    def evaluation_model(self) -> nn.Module:
+        """What evaluation calls: the model, compiled when ``torch_compile`` is on.
+
+        Not the parallel wrapper: evaluation needs no gradient synchronisation. In ``train()``
+        it is the module the transform stage compiled (the one the wrapper calls).
+        """
+        if not self.args.torch_compile:
+            return self.model
+        if self._eval_model is None:  # outside train()
+            self._eval_model = self.compile_model(self.model)
+        return self._eval_model
+
+    def release_wrappers(self) -> None:
+        """Drop the training wrappers at the end of ``train()``.
+
+        A DDP wrapper holds the process group; freed later (at interpreter exit) the group's
+        destructor can deadlock with its worker thread, so it goes while the group is alive.
+        """
+        self.strategy.release()
+        self.wrapped_model = self._eval_model = None
+        if self.topology.distributed:
+            gc.collect()  # wrappers sit in reference cycles (hooks)
+
+    # ------------------------------------------------------------------ data
+    def build_train_loader(self) -> Any:
+        """This data-parallel rank's resumable loader over the training dataset."""
+        args = self.args
+        return trainer_loaders.build_train_loader(
+            self.train_dataset,
+            self.data_collator,
+            batch_size=self.strategy.per_rank_batch_size("per_device_train_batch_size"),
+            seed=args.seed if args.data_seed is None else args.data_seed,
+            rank=self.topology.dp_rank,
+            world_size=self.topology.dp_size,
+            shuffle=args.train_sampling_strategy == "random",
+            drop_last=args.dataloader_drop_last,
+            workers=self._worker_settings(),
+            inputs=self._model_inputs(),
+        )
+
+    def build_eval_loader(self, dataset: Dataset | None = None, description: str = "eval") -> Any:
+        """This rank's share of ``dataset`` (default: the eval dataset), in order: items
+        ``rank, rank + world_size, ...``, each item once."""
+        return trainer_loaders.build_eval_loader(
+            self.eval_dataset if dataset is None else dataset,
+            self.data_collator,
+            batch_size=self.strategy.per_rank_batch_size("per_device_eval_batch_size"),
+            rank=self.topology.dp_rank,
+            world_size=self.topology.dp_size,
+            workers=self._worker_settings(),
+            inputs=self._model_inputs(),
+            description=description,
+        )
+
+    def _worker_settings(self) -> dict[str, Any]:
+        args = self.args
+        return trainer_loaders.worker_settings(
+            num_workers=args.dataloader_num_workers,
+            pin_memory=args.dataloader_pin_memory and self.device.type == "cuda",
+            persistent_workers=args.dataloader_persistent_workers,
+            prefetch_factor=args.dataloader_prefetch_factor,
+            multiprocessing_context=args.dataloader_multiprocessing_context,
+        )
+
+    def _model_inputs(self) -> ModelInputs | None:
+        """What ``remove_unused_columns`` keeps (None: keep every column)."""
+        if not self.args.remove_unused_columns:
+            return None
+        return ModelInputs.of(unwrap_model(self.model, through_adapters=True), self.label_names)
+
+    @property
+    def label_names(self) -> list[str]:
+        """``args.label_names``, else the model's ``forward`` parameters named like labels;
+        with ``compute_loss_func`` and none of those, ``labels`` (what the function gets)."""
+        return resolve_label_names(
+            self.args.label_names, self.model, self.compute_loss_func is not None
+        )
+
+    def _to_device(self, batch: Batch) -> Batch:
+        if not isinstance(batch, Mapping):
+            raise TypeError(not_a_dict_batch(batch, self.model))
+        return {
+            k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
+            for k, v in batch.items()
+        }
+
+    # ------------------------------------------------------------------ checkpoints
+    def register(self, component: Component) -> None:
+        """Add a checkpoint component: the one way trainers (``register_components``),
+        callbacks (``on_register``) and model transforms add state to every checkpoint. It is
+        saved and restored in registration order, random generators last.
+
+        The model-transform stage runs before the optimizer exists: what it registers joins
+        the checkpoints when ``train()`` builds them, after the model and optimizer."""
+        if self.checkpoints is None:
+            self._pending_components.append(component)
+        else:
+            self.checkpoints.register(component)
+
+    def build_checkpoint_manager(self) -> CheckpointManager:
+        """This run's checkpoint manager with this trainer's components (``train()`` builds it
+        once, after the model, optimizer and scheduler, before a checkpoint is loaded)."""
+        args = self.args
+        self.checkpoints = CheckpointManager(
+            self.checkpoints_dir,
+            self.topology,
+            self.state,
+            kind=self.trainer_kind,
+            hash_algorithm=args.checkpoint_hash,
+            async_save=args.async_save,
+            save_total_limit=args.save_total_limit,
+            best=BestRule(args.metric_for_best_model, args.greater_is_better),
+            device=self.device,
+            optimizer=self.optimizer,
+            on_commit=self._on_saved,
+        )
+        self.register_components()
+        registered = [c.obj for c in self.checkpoints.components.values()]
+        self.callback_handler.keep_apart(registered)
+        listeners = [
+            obj.on_optimizer_step
+            for obj in registered
+            if callable(getattr(obj, "on_optimizer_step", None))
+            and not any(obj is cb for cb in self.callback_handler.callbacks)  # called as one
+        ]
+        if self.callback_handler.listens("on_optimizer_step"):
+            listeners.append(functools.partial(self._call, "on_optimizer_step"))
+        self._step_listeners = listeners
+        return self.checkpoints
+
+    def register_components(self) -> None:
+        """Register what a checkpoint of this trainer holds: model, optimizer, scheduler,
+        scaler, the loop's counters, the callbacks' shared state, what the model-transform
+        stage and the callbacks (``on_register``) register, data position and random
+        generators.
+
+        Override ``model_component`` / ``optimizer_component`` to change how the weights or
+        the optimizer are saved; override this (call super(), then ``self.register``) to add a
+        part.
+        """
+        args, key = self.args, self.args.config_key
+        self.register(self.model_component())
+        self.register(self.optimizer_component())
+        self.register(
+            Component(
+                "lr_scheduler",
+                self.lr_scheduler,
+                save=args.save_scheduler_state,
+                restore=args.restore_scheduler_state,
+                fix=_start_fresh(key, "restore_scheduler_state"),
+            )
+        )
+        if self.scaler is not None:
+            self.register(Component("scaler", self.scaler, required=False))
+        self.register(Component("trainer", self))
+        self.register(Component("callbacks", self.callback_handler))
+        early, self._pending_components = self._pending_components, []
+        for component in early:  # the model-transform stage's
+            self.register(component)
+        self._call("on_register", register=self.register, topology=self.topology)
+        data = self.data_position
+        self.register(
+            Component(
+                "data",
+                data,
+                Scope.RANK,
+                save=args.save_dataloader_state,
+                restore=args.restore_dataloader_state,
+                fix=f"set {key}.restore_dataloader_state: false to restart the epoch",
+                on_reshape=data.on_reshape,
+            )
+        )
+        self.register(
+            Component(
+                "rng",
+                RngState(self.device),
+                Scope.RANK,
+                save=args.save_rng_state,
+                restore=args.restore_rng_state,
+                restore_last=True,
+                fix=_start_fresh(key, "restore_rng_state"),
+                on_reshape=lambda _: None,  # data's warning says it
+            )
+        )
+
+    def model_component(self) -> Component:
+        """The model's weights (stage-scoped, written as safetensors), as the strategy saves
+        them; of an adapted model only the adapter (forge/checkpoint/adapter.py)."""
+        base = self.adapter.base if self.adapter is not None else None
+        return self.strategy.model_component(self.model, self.tokenizer, base)
+
+    def optimizer_component(self) -> Component:
+        """The optimizer's state, keyed by parameter name (stage-scoped or sharded)."""
+        return self.strategy.optimizer_component(self.model, self.optimizer)
+
+    def load_weights(self, checkpoint: str | os.PathLike) -> None:
+        """Load a checkpoint's model weights, building the model first (``model_init``,
+        seeded) if need be: the model ``evaluate()`` / ``predict()`` then use, or the best one
+        at the end of training. A pipeline stage builds and loads only its own part."""
+        if self.model is None:
+            set_seed(self.args.seed)
+            self.model = self.build_model()
+        if self.adapter is not None and not self.adapter.applied_to(self.model):
+            self.model = self.apply_adapters(self.model)  # its checkpoints hold the adapter
+        self.strategy.load_weights(self.model, Path(checkpoint))
+
+    def _resolve_checkpoint(
+        self, resume: bool | str | os.PathLike | Checkpoint | None
+    ) -> Checkpoint | None:
+        """The checkpoint to resume from, found (and validated, once) on rank 0 and shared
+        with every rank."""
+        if resume is False or resume is None:
+            return None
+        found, error = None, None
+        if self.is_main_process:
+            try:
+                found = resume_checkpoint(resume, self.args.output_dir)
+            except CheckpointError as exc:
+                error = str(exc)
+        found, error = dist.broadcast_object((found, error))
+        if error is not None:
+            raise CheckpointError(error)
+        return found
+
+    def _load_checkpoint(self, path: Path) -> None:
+        """Restore every component; the random generators go last, so nothing draws from
+        them between the restore and the first resumed step."""
+        manifest = self.checkpoints.load(path)
+        state = self.state
+        state.resumed_from = str(path)
+        if manifest.metrics:
+            self._last_eval = (state.global_step, dict(manifest.metrics))
+        self.data_position.restart_epoch_unless_restored()
+
+    def _log_start(self) -> None:
+        args, state = self.args, self.state
+        batch = self.strategy.per_rank_batch_size("per_device_train_batch_size")
+        if args.skip_nonfinite and self._device_skippable_optimizer() is None:
+            self._info(
+                "skip_nonfinite with %s%s: each step waits for its gradients on the host to "
+                "decide the skip; a fused optimizer (the default AdamW) decides on the device",
+                type(self.strategy.inner_optimizer(self.optimizer)).__name__,
+                " and a grad scaler" if self.scaler is not None else "",
+            )
+        self._info(
+            "training for %d steps (%d epochs of %d batches per rank); batch %d x accumulation "
+            "%d x data-parallel %d = %d sequences per step",
+            self.max_steps,
+            self.num_epochs,
+            len(self.train_loader),
+            batch,
+            args.gradient_accumulation_steps,
+            self.topology.dp_size,
+            batch * args.gradient_accumulation_steps * self.topology.dp_size,
+        )
+        if state.resumed_from:
+            self._info("resumed from %s at step %d", state.resumed_from, state.global_step)
+
+
+def _start_fresh(key: str, flag: str) -> str:
+    return f"set {key}.{flag}: false to start it fresh"

@@ -1,0 +1,393 @@
+"""Pipeline parallelism as a strategy: the model split into stages across processes, each stage
+writing only its own shard of the weights and optimizer state.
+
+``pipeline_parallel_size`` processes form one pipeline (one stage each, or several with
+``interleaved_1f1b``); the remaining processes are data-parallel replicas of it, so
+``--nproc 4`` with 2 stages trains 2 replicas, each on its own shard of the data. Ranks are
+stage-major within a replica (``Topology``): rank = replica * stages + stage.
+
+A step runs ``torch.distributed.pipelining``: every loop micro-batch is split into
+``pipeline_microbatches`` pieces that flow through the stages on the chosen schedule (GPipe,
+1F1B or interleaved 1F1B); the last stage computes the loss. Then gradients are averaged over
+the replicas of each stage and summed over the stages sharing a tied weight, and clipped by
+the norm over all stages. Everything else (schedule, accumulation, evaluation, early
+stopping, signals, callbacks, checkpoints) is the shared loop's.
+
+Every rank loads the same batches as the other stages of its replica: stage 0 reads the
+input ids, the last stage the labels. The split itself (which modules each stage holds, how a
+stage builds only its part, the presets of known model families) is forge/train/pipeline/.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from forge.checkpoint import Component, load_model_weights
+from forge.checkpoint.components import model_component
+from forge.train.args import TrainingArguments
+from forge.train.loop_state import Batch, count_tokens
+from forge.train.pipeline.plan import PipelinePlan
+from forge.train.pipeline.split import StageModule, causal_lm_loss, prune_to_stages
+from forge.train.pipeline.stage_init import build_partial_model, free_except
+from forge.train.strategies.base import MicroLoss, ParallelStrategy
+from forge.train.topology import Topology
+
+_BATCH_KEYS = {"input_ids", "labels", "attention_mask"}
+
+UNSUPPORTED = {
+    "compute_loss_func": (
+        "the pipeline trainer computes the loss on its last stage, which holds the "
+        "logits, not the model's outputs; give it loss_fn(logits, labels) instead"
+    ),
+    "peft_config": (
+        "LoRA is not supported by the pipeline trainer: each stage builds only its part of "
+        "the model, while a peft model wraps (and its adapter checkpoint names) the whole "
+        "model. Fine-tune with the plain or Accelerate trainer (data parallel over the "
+        "processes: the frozen base needs no gradients, so it fits where the full model "
+        "trained)"
+    ),
+}
+
+
+class _MicrobatchLoss:
+    """The loss the last stage computes per microbatch: records the loss, returns it weighted
+    (a microbatch's share of the optimizer step), so gradients accumulate to the mean."""
+
+    def __init__(self, fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]) -> None:
+        self.fn = fn
+        self.weight = 1.0
+        self.values: list[torch.Tensor] = []
+
+    def __call__(self, output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        loss = self.fn(output, target)
+        self.values.append(loss.detach().float())
+        return loss * self.weight if self.weight != 1.0 else loss
+
+    def take(self, count: int) -> list[torch.Tensor]:
+        """The last ``count`` losses (the schedule's first call may be a shape probe)."""
+        values, self.values = self.values[-count:], []
+        return values
+
+
+class Pipeline(ParallelStrategy):
+    """This rank's stages of ``plan`` (forge/train/pipeline/plan.py), times data-parallel
+    replicas. ``loss_fn(logits, labels)`` replaces the model's own causal-LM loss."""
+
+    unsupported_arguments = UNSUPPORTED
+    gives_eval_outputs = False  # the logits stay on the last stage
+    computes_loss = True
+
+    def __init__(
+        self,
+        args: TrainingArguments,
+        topology: Topology,
+        device: torch.device,
+        plan: PipelinePlan,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+    ) -> None:
+        super().__init__(args, topology, device)
+        self.plan = plan
+        self.layout = plan.layout
+        self.loss_fn = loss_fn
+        self.num_microbatches = plan.num_microbatches
+        # built by parallelize()
+        self.stage_modules: list[StageModule] = []
+        self._schedules: dict[tuple, Any] = {}
+        self._groups: dict[str, Any] = {}
+        self._loss: _MicrobatchLoss | None = None
+        self._model: nn.Module | None = None
+
+    @property
+    def my_stages(self):
+        return self.layout.rank_stages(self.topology.stage)
+
+    @property
+    def holds_first(self) -> bool:
+        return any(spec.first for spec in self.my_stages)
+
+    @property
+    def holds_last(self) -> bool:
+        return any(spec.last for spec in self.my_stages)
+
+    # ------------------------------------------------------------------ the model-transform stage
+    def build_model(
+        self, given: nn.Module | None, model_init: Callable[[], nn.Module]
+    ) -> nn.Module:
+        """This rank's stages only: from a builder the other parts are never materialised
+        (forge/train/pipeline/stage_init.py); a whole module given to the trainer has their
+        weights freed. Either way the parts no stage of this rank holds are removed."""
+        kept = self.layout.rank_modules(self.topology.stage)
+        if given is not None:
+            model = given
+            free_except(model, kept)
+        else:
+            model = build_partial_model(model_init, kept)
+            if not isinstance(model, nn.Module):
+                raise TypeError(
+                    f"trainer.model built a {type(model).__name__}, not an nn.Module; pass a "
+                    "module or a callable (e.g. !partial) that returns one"
+                )
+        prune_to_stages(model, self.layout.parts, self.my_stages)
+        return model
+
+    def activation_checkpointing_scope(self) -> dict[str, Any]:
+        """The stage's layers by default; named blocks other stages hold are theirs (checked
+        against the whole model when the trainer was built)."""
+        return {"layers": self.layout.parts.layers, "names_checked": True}
+
+    def parallelize(self, model: nn.Module, compiled: nn.Module | None) -> nn.Module:
+        """The stage modules, the process groups and the last stage's loss; the model itself
+        is what the loop puts in train() / eval() mode."""
+        self._model = model
+        self.stage_modules = [StageModule(model, self.layout.parts, s) for s in self.my_stages]
+        self._loss = _MicrobatchLoss(self.loss_fn or self._default_loss(model))
+        self._schedules = {}
+        self._make_groups()
+        for line in self.plan.describe():
+            self.info("%s", line)
+        self.wrapped = model
+        return model
+
+    def _default_loss(
+        self, model: nn.Module
+    ) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        """The model's own loss, or with ``label_smoothing_factor`` the smoothed cross-entropy
+        the other trainers compute (Hugging Face's ``LabelSmoother``, labels shifted for a
+        causal LM)."""
+        epsilon = self.args.label_smoothing_factor
+        if not epsilon:
+            return model_loss_function(model)
+        from transformers.trainer_pt_utils import LabelSmoother
+
+        smoother, shift = LabelSmoother(epsilon=epsilon), self.layout.parts.causal
+        return lambda logits, labels: smoother({"logits": logits}, labels, shift_labels=shift)
+
+    def _make_groups(self) -> None:
+        """Every rank creates every group, in one order (``new_group`` is collective)."""
+        topo, groups = self.topology, {}
+        if not topo.distributed:
+            self._groups = groups
+            return
+        if topo.num_stages > 1:
+            groups["pipeline"] = _member_group([topo.replica_ranks(d) for d in range(topo.dp_size)])
+        if topo.dp_size > 1:
+            groups["replicas"] = _member_group(
+                [topo.stage_ranks(s) for s in range(topo.num_stages)]
+            )
+        for ranks in sorted({tuple(r) for r in self.plan.shared.values()}):
+            name = f"shared-{'-'.join(map(str, ranks))}"
+            sets = [[d * topo.num_stages + r for r in ranks] for d in range(topo.dp_size)]
+            group = _member_group(sets)
+            if topo.stage in ranks:
+                groups[name] = group
+        self._groups = groups
+
+    def release(self) -> None:
+        self._schedules = {}
+        self.stage_modules = []
+        for group in self._groups.values():
+            if dist.is_initialized():
+                dist.destroy_process_group(group)
+        self._groups = {}
+        super().release()
+
+    # ------------------------------------------------------------------ one step
+    def forward_backward(
+        self, window: list[Batch], micro_loss: MicroLoss
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each micro-batch through the pipeline (the last stage computes the loss; the
+        trainer's ``micro_loss`` is not used); (mean loss, tokens) on the last stage (zero
+        elsewhere, so the loop's sum over ranks counts each replica once)."""
+        loss_sum = torch.zeros((), device=self.device)
+        tokens = torch.zeros((), dtype=torch.long, device=self.device)
+        for batch in window:
+            inputs, labels = self.inputs(batch)
+            losses = self._run(inputs, labels, train=True, weight=1.0 / len(window))
+            if self.holds_last:
+                loss_sum += torch.stack(losses).mean() / len(window)
+                tokens += torch.as_tensor(count_tokens(batch), device=self.device)
+        self._sync_gradients()
+        return loss_sum, tokens
+
+    def inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """The input ids the first stage reads and the labels the last stage's loss reads;
+        a batch the stages cannot take is refused with the reason."""
+        extra = sorted(set(batch) - _BATCH_KEYS)
+        if extra or "input_ids" not in batch or "labels" not in batch:
+            raise ValueError(
+                f"the pipeline trainer feeds a batch's input_ids to the first stage and its "
+                f"labels to the loss, and cannot pass on {extra or 'a batch without them'}; "
+                "use a collator that gives input_ids and labels (CausalLMCollator)"
+            )
+        mask = batch.get("attention_mask")
+        if mask is not None and not self.layout.parts.causal and not bool(mask.all()):
+            raise ValueError(
+                "the pipeline trainer's stages of an encoder attend to every position without a "
+                "padding mask, and this batch pads; give batches of one length (packed or "
+                "truncated), or train the model with the plain trainer"
+            )
+        if mask is not None and not torch.equal(mask.cummin(dim=-1).values, mask):
+            raise ValueError(
+                "the pipeline trainer's stages attend causally without a padding mask, which is "
+                "exact only for right padding; this batch's attention_mask pads on the left"
+            )
+        return batch["input_ids"], batch["labels"]
+
+    def _run(
+        self, inputs: torch.Tensor, labels: torch.Tensor, *, train: bool, weight: float = 1.0
+    ) -> list[torch.Tensor]:
+        """One batch through this rank's stages; the microbatch losses on the last stage."""
+        schedule, count = self._schedule(tuple(inputs.shape), train)
+        self._loss.weight = weight / count
+        if schedule is None:  # a single stage in one process: no pipeline to run
+            return self._run_local(inputs, labels, count, train)
+        args = (inputs,) if self.holds_first else ()
+        target = labels if self.holds_last else None
+        losses = [] if self.holds_last else None
+        with self.autocast():
+            if train:
+                schedule.step(*args, target=target, losses=losses, return_outputs=False)
+            else:
+                schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        return self._loss.take(count) if self.holds_last else []
+
+    def _run_local(
+        self, inputs: torch.Tensor, labels: torch.Tensor, count: int, train: bool
+    ) -> list[torch.Tensor]:
+        """All stages in this process: each microbatch forward through them, then backward."""
+        for piece, target in zip(inputs.chunk(count), labels.chunk(count), strict=True):
+            with self.autocast():
+                for module in self.stage_modules:
+                    piece = module(piece)
+                loss = self._loss(piece, target)
+            if train:
+                loss.backward()
+        return self._loss.take(count)
+
+    def _schedule(self, shape: tuple[int, ...], train: bool) -> tuple[Any, int]:
+        """The schedule for batches of ``shape`` (built on first use: a stage's buffers are
+        sized by its first microbatch). A short last batch splits into fewer microbatches."""
+        count = math.gcd(shape[0], self.num_microbatches)
+        key = (train, shape)
+        if key not in self._schedules:
+            self._schedules[key] = self._make_schedule(count, train)
+        return self._schedules[key], count
+
+    def _make_schedule(self, count: int, train: bool) -> Any:
+        from torch.distributed.pipelining import (
+            PipelineStage,
+            Schedule1F1B,
+            ScheduleGPipe,
+            ScheduleInterleaved1F1B,
+        )
+
+        if self.topology.num_stages == 1:
+            return None
+        group = self._groups.get("pipeline")
+        stages = [
+            PipelineStage(module, spec.index, len(self.layout.stages), self.device, group=group)
+            for module, spec in zip(self.stage_modules, self.my_stages, strict=True)
+        ]
+        if len(stages) > 1:
+            return ScheduleInterleaved1F1B(stages, count, loss_fn=self._loss, scale_grads=False)
+        fits_1f1b = count >= self.topology.num_stages
+        one_f_one_b = train and self.args.pipeline_schedule == "1f1b" and fits_1f1b
+        schedule = Schedule1F1B if one_f_one_b else ScheduleGPipe
+        return schedule(stages[0], count, loss_fn=self._loss, scale_grads=False)
+
+    def _sync_gradients(self) -> None:
+        """Average over the replicas of this stage; sum a tied weight over its stages."""
+        model = self._model
+        replicas = self._groups.get("replicas")
+        if replicas is not None:
+            grads = [p.grad for p in model.parameters() if p.grad is not None]
+            flat = torch._utils._flatten_dense_tensors(grads)
+            dist.all_reduce(flat, group=replicas)
+            flat /= self.topology.dp_size
+            for grad, synced in zip(
+                grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+            ):
+                grad.copy_(synced)
+        params = dict(model.named_parameters())
+        for name, ranks in self.plan.shared.items():
+            group = self._groups.get(f"shared-{'-'.join(map(str, ranks))}")
+            grad = params[name].grad if name in params else None
+            if group is not None and grad is not None:
+                dist.all_reduce(grad, group=group)
+
+    def clip_gradients(self, model: nn.Module, optimizer: Optimizer) -> torch.Tensor:
+        """Clip by the norm over every stage's gradients (a shared weight counted once)."""
+        stage, shared = self.topology.stage, self.plan.shared
+        own = [
+            p.grad
+            for name, p in model.named_parameters()
+            if p.grad is not None and shared.get(name, [stage])[0] == stage
+        ]
+        norm = torch.nn.utils.get_total_norm(own) if own else torch.zeros((), device=self.device)
+        squares = norm.double().square()
+        if "pipeline" in self._groups:
+            dist.all_reduce(squares, group=self._groups["pipeline"])
+        total = squares.sqrt().to(norm.dtype)
+        if self.args.max_grad_norm:
+            params = [p for p in model.parameters() if p.grad is not None]
+            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
+        return total
+
+    # ------------------------------------------------------------------ evaluation
+    def forward_eval(
+        self, batch: Batch, forward: Callable[[], tuple[torch.Tensor | None, Any]]
+    ) -> tuple[torch.Tensor | None, Any]:
+        """The batch through the pipeline, forward only: its mean loss on the last stage
+        (None elsewhere), and no outputs (the logits stay on the last stage, so
+        ``compute_metrics`` is not run and the evaluation reports the loss)."""
+        if not self.stage_modules:
+            raise RuntimeError(
+                "PipelineTrainer.evaluate() runs inside train() (the stages are built there); "
+                "set eval_strategy to evaluate during training"
+            )
+        inputs, targets = self.inputs(batch)
+        losses = self._run(inputs, targets, train=False)
+        return (torch.stack(losses).mean() if self.holds_last else None), None
+
+    # ------------------------------------------------------------------ checkpoints
+    def model_component(self, model: nn.Module, tokenizer: Any, adapter_base: Any) -> Component:
+        """This stage's own weights, loading exactly its names from a checkpoint of any split
+        (or of the plain and Accelerate trainers)."""
+        return model_component(
+            model, tokenizer, state_fn=lambda: self.stage_state_dict(model), subset=True
+        )
+
+    def stage_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The tensors this stage writes: those it holds that no earlier stage holds."""
+        stage, writer = self.topology.stage, self.plan.writer
+        return {k: v for k, v in model.state_dict().items() if writer.get(k) == stage}
+
+    def load_weights(self, model: nn.Module, checkpoint: Path) -> None:
+        load_model_weights(model, checkpoint, strict=True, subset=True)
+
+
+def _member_group(rank_sets: list[list[int]]) -> Any:
+    """Create a group for each rank set (every rank calls this alike); this rank's group."""
+    rank, mine = dist.get_rank(), None
+    for ranks in rank_sets:
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+def model_loss_function(model: nn.Module) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+    """The model's own causal-LM loss (Hugging Face models), else ``causal_lm_loss``."""
+    function = getattr(model, "loss_function", None)
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    if callable(function) and vocab:
+        return lambda logits, labels: function(logits, labels, vocab_size=vocab)
+    return causal_lm_loss

@@ -1,0 +1,173 @@
+"""The three trainers users and templates name: the shared loop (forge/train/trainer.py), each
+composed with its parallelism strategy (forge/train/strategies/).
+
+- ``Trainer``: one process, DDP over the ranks torchrun starts, or FSDP2 with ``fsdp`` set;
+- ``AccelTrainer``: Hugging Face Accelerate does the device work;
+- ``PipelineTrainer``: the model split into pipeline stages, times data-parallel replicas.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.args.pipeline import PipelineTrainingArguments
+from forge.train.pipeline.plan import meta_skeleton, pipeline_size, plan_pipeline
+from forge.train.strategies.accelerate import Accelerate, accelerate_config_problems
+from forge.train.strategies.base import ParallelStrategy
+from forge.train.strategies.ddp import DataParallel
+from forge.train.strategies.fsdp import FullyShard
+from forge.train.strategies.pipeline import UNSUPPORTED, Pipeline
+from forge.train.topology import Topology
+from forge.train.trainer import BaseTrainer
+from forge.train.transforms import activation_checkpointing_problems
+
+
+class Trainer(BaseTrainer):
+    """Train a model in one process, or with DDP under ``torchrun`` (``WORLD_SIZE`` > 1).
+
+    Under torchrun the trainer creates the process group if none exists (gloo on CPU, nccl
+    on CUDA, or ``args.ddp_backend``) and destroys it at the end, wraps the model in DDP (or
+    shards it with FSDP2 when ``args.fsdp`` is set: forge/train/strategies/fsdp.py),
+    gives every rank its shard of the data, and lets only rank 0 log, report and write shared
+    checkpoint files; every rank writes its own random and data state. See ``BaseTrainer``
+    for the arguments.
+    """
+
+    trainer_kind: ClassVar[str] = "plain"
+
+    def make_strategy(self, device: torch.device) -> ParallelStrategy:
+        args, topology = self.args, self.topology
+        settings = args.fsdp_settings()
+        if settings is not None and topology.distributed:
+            return FullyShard(args, topology, device, settings)
+        if settings is not None:
+            self._info("fsdp: one process holds the whole model; nothing to shard")
+        if topology.distributed:
+            return DataParallel(args, topology, device)
+        return ParallelStrategy(args, topology, device)
+
+
+class AccelTrainer(BaseTrainer):
+    """Train with Hugging Face Accelerate, in one process or under ``torchrun`` /
+    ``accelerate launch`` (the ranks come from the environment either sets).
+
+    ``args`` may be ``AccelTrainingArguments`` (mixed precision, ``split_batches``) or plain
+    ``TrainingArguments``. See ``BaseTrainer`` for the other arguments.
+    """
+
+    trainer_kind: ClassVar[str] = "accelerate"
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        problems = accelerate_config_problems(os.environ)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        super().__init__(*args, **kwargs)
+
+    def make_strategy(self, device: torch.device) -> ParallelStrategy:
+        return Accelerate(self.args, self.topology, device)
+
+    @property
+    def accelerator(self) -> Any:
+        """The ``accelerate.Accelerator`` while ``train()`` / ``evaluate()`` runs, else None."""
+        return self.strategy.accelerator
+
+
+class PipelineTrainer(BaseTrainer):
+    """Train a model split into pipeline stages, times data-parallel replicas, under
+    ``torchrun`` (``forge train --nproc N``); see forge/train/strategies/pipeline.py.
+
+    ``args`` are ``PipelineTrainingArguments`` (plain ``TrainingArguments`` take their
+    defaults). ``loss_fn(logits, labels)`` replaces the causal-LM loss (the model's own
+    ``loss_function`` for Hugging Face models). ``model`` should be a builder (a
+    ``!partial``): each stage then builds only its own part. See ``BaseTrainer`` for the
+    other arguments.
+    """
+
+    trainer_kind: ClassVar[str] = "pipeline"
+    unsupported_arguments: ClassVar[dict[str, str]] = UNSUPPORTED
+
+    def __init__(
+        self,
+        model: nn.Module | Callable[[], nn.Module],
+        args: TrainingArguments,
+        *positional: Any,
+        loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        **kwargs: Any,
+    ) -> None:
+        if isinstance(args, TrainingArguments) and not isinstance(args, PipelineTrainingArguments):
+            args = PipelineTrainingArguments(**args.to_dict())
+        self.loss_fn = loss_fn
+        super().__init__(model, args, *positional, **kwargs)
+
+    def make_topology(self) -> Topology:
+        """Stage-major ranks: ``pipeline_parallel_size`` stages, the rest replicas."""
+        env = Topology.from_env()
+        size, problems = pipeline_size(self.args, env.world_size)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        return env.with_stages(size)
+
+    def make_strategy(self, device: torch.device) -> ParallelStrategy:
+        """The split of the whole model (built on the meta device from a builder), planned for
+        this job's processes."""
+        self._check_loss(self.args)
+        given = self.model if self.model is not None else self.model_init
+        skeleton = given if isinstance(given, nn.Module) else meta_skeleton(given)
+        plan = plan_pipeline(skeleton, self.args, self.topology.world_size)
+        problems = activation_checkpointing_problems(skeleton, self.args)  # the whole model's
+        if problems:  # (a stage holds only some of the named blocks)
+            raise TrainingArgumentsError(problems)
+        return Pipeline(self.args, self.topology, device, plan, self.loss_fn)
+
+    def _check_loss(self, args: TrainingArguments) -> None:
+        """What would change the loss elsewhere and cannot here is refused: the last stage
+        computes it from the logits and the labels alone."""
+        problems = []
+        if type(self).compute_loss is not BaseTrainer.compute_loss:
+            problems.append(
+                f"{type(self).__name__} overrides compute_loss, which the pipeline trainer never "
+                "calls: its last stage computes the loss from the logits and the labels alone, "
+                "without the model's other outputs; give the trainer loss_fn(logits, labels) "
+                "instead"
+            )
+        if self.loss_fn is not None and args.label_smoothing_factor:
+            problems.append(
+                f"{args.config_key}.label_smoothing_factor smooths the trainer's own loss, and "
+                "trainer.loss_fn replaces it; smooth the labels inside loss_fn, or set "
+                "label_smoothing_factor: 0"
+            )
+        if problems:
+            raise TrainingArgumentsError(problems)
+
+    @classmethod
+    def plan_job(cls, model: Any, args: TrainingArguments, world_size: int) -> list[str] | None:
+        """The plan of a job of ``world_size`` processes training ``model`` (a module built on
+        the meta device, or a builder) with ``args``, as lines to print; None when the model
+        cannot be built on the meta device (the workers plan it then). Raises
+        TrainingArgumentsError as the trainer would: ``forge train`` calls this before it
+        launches the job."""
+        if not isinstance(args, PipelineTrainingArguments):
+            args = PipelineTrainingArguments(**args.to_dict())
+        if not isinstance(model, nn.Module):
+            model = meta_skeleton(model, build_if_needed=False)
+        if model is None:
+            return None
+        plan = plan_pipeline(model, args, world_size)
+        problems = activation_checkpointing_problems(model, args)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        return plan.describe()
+
+    @property
+    def plan(self) -> Any:
+        return self.strategy.plan
+
+    def stage_state_dict(self) -> dict[str, torch.Tensor]:
+        """The tensors this stage writes: those it holds that no earlier stage holds."""
+        return self.strategy.stage_state_dict(self.model)
