@@ -274,3 +274,32 @@ def test_did_you_mean_has_one_implementation():
         if "difflib" in {n.split(".")[0] for n in imported_names(name, path)}
     ]
     assert users == ["forge.suggest"]
+
+
+def test_the_loop_reaches_strategies_and_features_only_through_their_seams():
+    """The loop (forge/train/trainer.py), what train() builds first (setup.py) and evaluation
+    import no parallelism strategy but its protocol and no feature's module (a moving average
+    of the weights, LoRA, the pipeline's split): a strategy or a feature is added beside the
+    loop, not in it."""
+    graph = import_graph()
+    loop = ("forge.train.trainer", "forge.train.setup", "forge.train.evaluation")
+    beside = (
+        "forge.train.strategies.ddp",
+        "forge.train.strategies.fsdp",
+        "forge.train.strategies.accelerate",
+        "forge.train.strategies.pipeline",
+        "forge.train.pipeline",
+        "forge.train.ema",
+        "forge.train.lora",
+        "forge.train.trainers",
+    )
+    assert all(module in graph for module in loop + beside)
+    edges = [
+        f"{module} -> {target}"
+        for module in loop
+        for target in sorted(graph[module])
+        if any(within(target, feature) for feature in beside)
+    ]
+    assert not edges, "\n".join(edges)
+    assert "forge.train.strategies.base" in graph["forge.train.trainer"]
+    assert "forge.checkpoint.manager" in graph["forge.train.trainer"]
