@@ -157,11 +157,11 @@ def test_the_reader_sees_function_level_and_type_checking_imports(tmp_path):
     source = tmp_path / "m.py"
     source.write_text(
         "from typing import TYPE_CHECKING\n"
-        "if TYPE_CHECKING:\n    from forge.train.trainer import BaseTrainer\n"
+        "if TYPE_CHECKING:\n    from forge.train.loop import BaseTrainer\n"
         "def f():\n    from forge.train import integrations\n    from . import sibling\n"
     )
     names = imported_names("forge.train.m", source)
-    assert {"forge.train.trainer", "forge.train.integrations", "forge.train.sibling"} <= names
+    assert {"forge.train.loop", "forge.train.integrations", "forge.train.sibling"} <= names
     graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
     assert cycles(graph) == [["a", "b", "c"]]
     assert describe(["a", "b", "c"], graph) == "a <-> b <-> c (a -> b; b -> c; c -> a)"
@@ -190,7 +190,7 @@ def without_known_edges(graph: dict[str, set[str]]) -> dict[str, set[str]]:
 
 def test_the_package_has_no_import_cycles():
     graph = without_known_edges(import_graph())
-    assert "forge.train.trainer" in graph and graph["forge.train.trainer"]  # the reader reads
+    assert "forge.train.loop" in graph and graph["forge.train.loop"]  # the reader reads
     found = [describe(component, graph) for component in cycles(graph)]
     assert not found, f"{len(found)} import cycle(s):\n" + "\n".join(found)
 
@@ -277,12 +277,12 @@ def test_did_you_mean_has_one_implementation():
 
 
 def test_the_loop_reaches_strategies_and_features_only_through_their_seams():
-    """The loop (forge/train/trainer.py), what train() builds first (setup.py) and evaluation
+    """The loop (forge/train/loop.py), what train() builds first (setup.py) and evaluation
     import no parallelism strategy but its protocol and no feature's module (a moving average
     of the weights, LoRA, the pipeline's split): a strategy or a feature is added beside the
     loop, not in it."""
     graph = import_graph()
-    loop = ("forge.train.trainer", "forge.train.setup", "forge.train.evaluation")
+    loop = ("forge.train.loop", "forge.train.setup", "forge.train.evaluation")
     beside = (
         "forge.train.strategies.ddp",
         "forge.train.strategies.fsdp",
@@ -301,5 +301,5 @@ def test_the_loop_reaches_strategies_and_features_only_through_their_seams():
         if any(within(target, feature) for feature in beside)
     ]
     assert not edges, "\n".join(edges)
-    assert "forge.train.strategies.base" in graph["forge.train.trainer"]
-    assert "forge.checkpoint.manager" in graph["forge.train.trainer"]
+    assert "forge.train.strategies.base" in graph["forge.train.loop"]
+    assert "forge.checkpoint.manager" in graph["forge.train.loop"]

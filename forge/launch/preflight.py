@@ -326,7 +326,7 @@ def _partial_problem(
 
 
 def _overrides_compute_loss(trainer_class: Any) -> bool:
-    from forge.train.trainer import BaseTrainer
+    from forge.train.loop import BaseTrainer
 
     if not (isinstance(trainer_class, type) and issubclass(trainer_class, BaseTrainer)):
         return True  # not a forge trainer: its contract is its own

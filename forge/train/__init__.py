@@ -1,4 +1,4 @@
-"""Trainers: the shared loop (trainer.py) composed with a parallelism strategy (strategies/) into
+"""Trainers: the shared loop (loop.py) composed with a parallelism strategy (strategies/) into
 the plain / DDP / FSDP, Accelerate and pipeline-parallel trainers (trainers.py), their
 arguments (args/) and callbacks.
 
@@ -16,7 +16,7 @@ _EXPORTS = {
     "LossAdapter": "plain_models",
     "TrainingArguments": "args",
     "TrainingArgumentsError": "args",
-    "BaseTrainer": "trainer",
+    "BaseTrainer": "loop",
     "StepResult": "loop_state",
     "TrainOutput": "loop_state",
     "EMACallback": "ema",

@@ -46,7 +46,7 @@ logger = logging.getLogger(__name__)
 
 
 class Evaluation:
-    """Evaluation and prediction for the trainer this is part of (forge/train/trainer.py);
+    """Evaluation and prediction for the trainer this is part of (forge/train/loop.py);
     see the module docstring."""
 
     def init_evaluation(self) -> None:

@@ -1,7 +1,7 @@
 """How a trainer sets up what its loop runs: the model-transform stage, the loaders, the
 checkpoint state and the resume.
 
-``TrainerSetup`` is the part of the trainer (forge/train/trainer.py) that ``train()`` calls
+``TrainerSetup`` is the part of the trainer (forge/train/loop.py) that ``train()`` calls
 before its first step:
 
 - the model-transform stage (``transform_model``): build (``model_init`` after seeding; a

@@ -1,4 +1,4 @@
-"""The three trainers users and templates name: the shared loop (forge/train/trainer.py), each
+"""The three trainers users and templates name: the shared loop (forge/train/loop.py), each
 composed with its parallelism strategy (forge/train/strategies/).
 
 - ``Trainer``: one process, DDP over the ranks torchrun starts, or FSDP2 with ``fsdp`` set;
@@ -17,6 +17,7 @@ from torch import nn
 
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.args.pipeline import PipelineTrainingArguments
+from forge.train.loop import BaseTrainer
 from forge.train.pipeline.plan import meta_skeleton, pipeline_size, plan_pipeline
 from forge.train.strategies.accelerate import Accelerate, accelerate_config_problems
 from forge.train.strategies.base import ParallelStrategy
@@ -24,7 +25,6 @@ from forge.train.strategies.ddp import DataParallel
 from forge.train.strategies.fsdp import FullyShard
 from forge.train.strategies.pipeline import UNSUPPORTED, Pipeline
 from forge.train.topology import Topology
-from forge.train.trainer import BaseTrainer
 from forge.train.transforms import activation_checkpointing_problems
 
 

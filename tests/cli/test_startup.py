@@ -75,7 +75,7 @@ def test_new_and_tb_do_not_import_torch(tmp_path):
 def test_ls_checks_by_importing_the_callables():
     modules = forge_imports("ls", "-p", str(TINY_LM))
 
-    assert "torch" in modules and "forge.train.trainer" in modules
+    assert "torch" in modules and "forge.train.loop" in modules
 
 
 def test_checkpoints_does_not_import_torch(project_with_a_checkpoint):

@@ -128,7 +128,7 @@ def test_steps_per_epoch_are_what_forges_loader_gives(size, batch, accum, dp, dr
         for r in range(dp)
     }
     assert len(lengths) == 1  # every rank the same number of batches
-    expected = math.ceil(lengths.pop() / accum)  # as the loop counts (forge/train/trainer.py)
+    expected = math.ceil(lengths.pop() / accum)  # as the loop counts (forge/train/loop.py)
     assert steps_per_epoch(size, batch, accum, dp, drop_last) == expected
 
 

@@ -1,6 +1,6 @@
 """The parallelism strategy protocol, and its one-process implementation.
 
-A trainer is the shared loop (forge/train/trainer.py) composed with one strategy: how the
+A trainer is the shared loop (forge/train/loop.py) composed with one strategy: how the
 processes of a job share the work. The strategy is the last step of the model-transform stage
 (``parallelize``), how one optimizer step's micro-batches run (``forward_backward``, with
 ``no_sync``, ``autocast`` and ``backward``), how gradients are clipped, the optimizer stepped
