@@ -660,6 +660,23 @@ def nothing_to_resume(run_dir: Path, checkpoint: Path, cfg: Any, *, changed: boo
     )
 
 
+def failed_to_start(run_dir: Path, *, since: str) -> bool:
+    """Whether a resume launched at ``since`` failed before its first step (the worker kept
+    the run's status and recorded ``failed_resume``)."""
+    try:
+        failed = RunRecord.load(run_dir).data.get("failed_resume") or {}
+    except RunError:
+        return False
+    return str(failed.get("at", "")) >= since
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Write ``text`` next to ``path`` and rename it into place."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def record_resume(
     run_dir: Path, checkpoint: Path, *, overrides: list[str], world_size: int
 ) -> None:

@@ -6,7 +6,10 @@ inputs, whose config says how the loss shifts labels).
 
 Peeled always: ``DistributedDataParallel`` / ``DataParallel`` / FSDP(1) / DeepSpeed's engine
 and forge's ``LossAdapter`` (all keep the model as ``.module``), and ``torch.compile``
-(``._orig_mod``); Accelerate's ``prepare`` uses exactly these.
+(``._orig_mod``); Accelerate's ``prepare`` uses exactly these. Any other module that keeps a
+child as ``.module`` (a user's own wrapper) is peeled only when it holds no parameter or buffer
+of its own: one that does is the model, and its state (the child's under ``module.``) is saved
+whole.
 
 A peft ``PeftModel`` is *kept* by default: with adapters the PEFT model is the model being
 trained. Its state-dict names (``base_model.model....lora_A.default.weight``) are what a
@@ -58,6 +61,27 @@ def unwrap_model(model: nn.Module, *, through_adapters: bool = False) -> nn.Modu
         inner = getattr(model, "_orig_mod", None)
         if not isinstance(inner, nn.Module):
             inner = getattr(model, "module", None)
+            if isinstance(inner, nn.Module) and _holds_state_beside(model, inner):
+                return model  # a wrapper with weights of its own is the model
         if not isinstance(inner, nn.Module):
             return model
         model = inner
+
+
+#: wrappers that keep the model as ``.module`` and whose own state, if any, is the model's
+_WRAPPERS = {
+    "DistributedDataParallel",
+    "DataParallel",
+    "FullyShardedDataParallel",
+    "DeepSpeedEngine",
+    "LossAdapter",
+}
+
+
+def _holds_state_beside(outer: nn.Module, inner: nn.Module) -> bool:
+    """Whether ``outer`` (not one of the known wrappers) has a parameter or buffer that is not
+    ``inner``'s."""
+    if type(outer).__name__ in _WRAPPERS:
+        return False
+    inside = {id(t) for t in (*inner.parameters(), *inner.buffers())}
+    return any(id(t) not in inside for t in (*outer.parameters(), *outer.buffers()))

@@ -128,9 +128,13 @@ class OptimizerState:
 
         if not state:
             return
+        # one naming rule for both sides: a model that keeps its layers as ``self.module``
+        # (LossAdapter, a user's wrapper) is saved under ``module.*``, which the rule removes
         own = {_plain_name(n) for n, p in self.model.named_parameters() if p.requires_grad}
         saved = {
-            k.removeprefix("state.").rsplit(".", 1)[0] for k in state if k.startswith("state.")
+            _plain_name(k.removeprefix("state.").rsplit(".", 1)[0])
+            for k in state
+            if k.startswith("state.")
         }
         if own and saved and not own & saved:
             raise CheckpointError(

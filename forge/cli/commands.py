@@ -391,9 +391,12 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
     from forge.runs import (
         PROJECT_RUNS,
         RunRecord,
+        failed_to_start,
         nothing_to_resume,
+        now_iso,
         parse_run_config,
         record_resume,
+        write_text_atomic,
     )
 
     from_checkpoint = Path(args.from_checkpoint).resolve() if args.from_checkpoint else None
@@ -423,22 +426,31 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
         config=str(run_dir / "config.yaml"),
         world_size=nproc * nodes.nnodes,
     )
+    config_file = run_dir / "config.yaml"
+    kept = config_file.read_text() if overrides else None
     if overrides:
-        (run_dir / "config.yaml").write_text(cfg.text)
+        write_text_atomic(config_file, cfg.text)
     record_resume(run_dir, checkpoint.path, overrides=overrides, world_size=nproc * nodes.nnodes)
     print(run_dir, flush=True)
     logger.info("resuming %s from %s", run_dir, checkpoint)
-    return launch_training(
-        project,
-        run_dir,
-        nproc,
-        torchrun_args=args.torchrun_args,
-        nodes=nodes,
-        resume_from=checkpoint,
-        allow=args.allow or [],
-        verbose=args.verbose,
-        max_restarts=max_restarts,
-    )
+    launched = now_iso()
+    try:
+        return launch_training(
+            project,
+            run_dir,
+            nproc,
+            torchrun_args=args.torchrun_args,
+            nodes=nodes,
+            resume_from=checkpoint,
+            allow=args.allow or [],
+            verbose=args.verbose,
+            max_restarts=max_restarts,
+        )
+    finally:
+        if kept is not None and failed_to_start(run_dir, since=launched):
+            # it trained nothing: the run is as it was, its config too (the --set is undone)
+            write_text_atomic(config_file, kept)
+            logger.info("%s/config.yaml is as it was before this resume", run_dir.name)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

@@ -38,7 +38,7 @@ from typing import Any
 
 from forge.launch.cluster import ONE_NODE, Nodes
 from forge.launch.errors import LaunchUsageError
-from forge.runs import resume_command
+from forge.runs import now_iso, resume_command
 from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -180,6 +180,7 @@ def launch_training(
         # (pytorch/pytorch#135712). A store per attempt avoids that.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env[PARENT_ENV] = str(os.getpid())  # torchrun and its workers stop when this process dies
+    launched = now_iso()
     child = subprocess.Popen(command, start_new_session=True, env=env)
 
     def forward(signum, _frame):
@@ -199,7 +200,7 @@ def launch_training(
             run_dir, what, {"process": "torchrun", "pid": child.pid, "exitcode": code}
         ):
             print(f"error: {what}; {failed_note(run_dir, project.root)}", file=sys.stderr)
-    return exit_code_from_record(run_dir, code)
+    return exit_code_from_record(run_dir, code, since=launched)
 
 
 def join_job(project, nproc: int, nodes: Nodes, **launch: Any) -> tuple[int, Path | None]:
@@ -379,11 +380,16 @@ def _tell(message: str) -> None:
         print(message, file=sys.stderr, flush=True)
 
 
-def exit_code_from_record(run_dir: Path, code: int) -> int:
-    """The CLI's exit code for a launched job, from what rank 0 recorded in ``run.json``."""
+def exit_code_from_record(run_dir: Path, code: int, since: str | None = None) -> int:
+    """The CLI's exit code for a launched job, from what rank 0 recorded in ``run.json``. A
+    resume launched at ``since`` that failed before its first step left the run's status as it
+    was and recorded the failure beside it (``failed_resume``): its kind decides."""
     from forge.runs import RunRecord
 
     data = RunRecord.load(run_dir).data
+    failed = data.get("failed_resume") or {}
+    if code != 0 and since is not None and str(failed.get("at", "")) >= since:
+        return EXIT_USAGE if failed.get("kind") == "usage" else (code if code > 0 else EXIT_FAILURE)
     if data.get("status") == "interrupted" and data.get("signal"):
         return 128 + int(signal.Signals[data["signal"]])
     if data.get("status") == "completed":

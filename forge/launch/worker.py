@@ -73,7 +73,10 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
     from forge.train.callbacks import is_train_summary
 
     class RunRecordCallback(TrainerCallback):
+        began = False  # the loop started: a failure from here on is the run's own
+
         def on_train_begin(self, args, state, control, **kwargs):
+            self.began = True
             if restart:
                 record_restart(record, restart, state.resumed_from)
 
@@ -96,6 +99,10 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
             record.add_checkpoint(Path(checkpoint_path), state.global_step, metrics or {}, best)
 
     return RunRecordCallback()
+
+
+#: the statuses of a run no job is training: what a resume that fails to start leaves in place
+ENDED = ("completed", "failed", "interrupted", "killed")
 
 
 def restart_count() -> int:
@@ -160,13 +167,15 @@ def run_worker(
     if restart:
         resume_from = Restart(run_dir, resume_from)
     lock = hold_training_lock(run_dir) if rank == 0 else None
-    trainer = None
+    trainer = callback = None
+    previous = record.data.get("status")  # what a resume that fails to start leaves in place
     try:
         cfg = load_run_config(run_dir, project, allow)
         variables = build_variables(run_dir, project, record.data.get("config", "config"))
         trainer = cfg.build(TRAINER_TARGET, variables)
         if rank == 0:
-            trainer.add_callback(make_run_record_callback(record, restart))
+            callback = make_run_record_callback(record, restart)
+            trainer.add_callback(callback)
             record.set_status("running", world_size=world_size, started=now_iso())
         trainer.train(resume_from_checkpoint=resume_from)
         if rank == 0:
@@ -188,7 +197,15 @@ def run_worker(
             record = RunRecord.load(run_dir)
             status = "interrupted" if isinstance(err, KeyboardInterrupt) else "failed"
             kind = "usage" if is_usage_error(err) else "runtime"
-            if lost is None or record.data.get("status") != "killed":  # the cause is kept
+            resumed = resume_from is not None and not restart and previous in ENDED
+            if resumed and not getattr(callback, "began", False):
+                # a resume that failed before its first step trained nothing: the run is as
+                # it was (completed, interrupted...); the attempt is recorded beside it
+                record.update(
+                    status=previous,
+                    failed_resume={"at": now_iso(), "error": str(lost or err), "kind": kind},
+                )
+            elif lost is None or record.data.get("status") != "killed":  # the cause is kept
                 record.set_status(
                     status,
                     error=str(lost or err),

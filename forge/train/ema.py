@@ -39,20 +39,23 @@ from torch import nn
 from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from forge.checkpoint import CheckpointError, Component, Scope, read_manifest
-from forge.checkpoint.components import _plain_name  # DDP's / torch.compile's parts removed
 from forge.checkpoint.registry import read_component_states
 from forge.train.callbacks import TrainerCallback
+from forge.wrappers import unwrap_model
 
 #: the checkpoint component's name (files ``ema.pt`` or ``ema-stage-K-of-N.pt``)
 EMA_COMPONENT = "ema"
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
-    """Each trainable parameter once, with every name it has (tied weights have several)."""
+    """Each trainable parameter once, with every name it has (tied weights have several), as
+    the model's checkpoints name its weights: inside the wrappers forge peels
+    (``unwrap_model``: DDP, LossAdapter...; not a peft model, whose names are its own)."""
     found: dict[int, tuple[list[str], nn.Parameter]] = {}
-    for name, param in model.named_parameters(remove_duplicate=False):
+    for name, param in unwrap_model(model).named_parameters(remove_duplicate=False):
         if param.requires_grad:
-            found.setdefault(id(param), ([], param))[0].append(_plain_name(name))
+            plain = ".".join(part for part in name.split(".") if part != "_orig_mod")
+            found.setdefault(id(param), ([], param))[0].append(plain)
     return list(found.values())
 
 

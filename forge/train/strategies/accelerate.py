@@ -29,6 +29,7 @@ from forge.checkpoint import Component
 from forge.checkpoint.components import model_component
 from forge.train.args import SHARDING_UNSUPPORTED, TrainingArgumentsError
 from forge.train.strategies.base import ParallelStrategy
+from forge.wrappers import unwrap_model
 
 #: accelerate config switches (the environment ``accelerate launch`` sets) that shard
 #: parameters or optimizer state
@@ -218,5 +219,5 @@ class Accelerate(ParallelStrategy):
             model,
             tokenizer,
             adapter_base=adapter_base,
-            state_fn=lambda: accel.get_state_dict(model),
+            state_fn=lambda: accel.get_state_dict(unwrap_model(model)),  # the names saved
         )
