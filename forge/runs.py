@@ -513,9 +513,44 @@ def _flock(handle: Any, *, exclusive: bool, wait: float) -> bool:
 def _holder_text(path: Path) -> str:
     try:
         holder = json.loads(path.read_text() or "{}")
-        return f"pid {int(holder['pid'])} on {holder['host']}, since {holder['since']}"
+        signed = f"pid {int(holder['pid'])} on {holder['host']}, since {holder['since']}"
     except (OSError, ValueError, KeyError, TypeError):
-        return "another process"
+        return _still_holding(path, None) or "another process"
+    if holder["host"] == socket.gethostname() and not _pid_alive(int(holder["pid"])):
+        # the signer died; what holds the lock is a process it started (it inherited the file)
+        others = _still_holding(path, int(holder["pid"]))
+        if others:
+            return f"{signed}, which has died; still running: {others}"
+    return signed
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _still_holding(path: Path, signer: int | None) -> str | None:
+    """The live processes of this machine that have ``path`` open (Linux: /proc), with their
+    command lines, or None where that cannot be read."""
+    proc = Path("/proc")
+    if not proc.is_dir():
+        return None
+    target, found = str(path.resolve()), []
+    for entry in proc.iterdir():
+        if not entry.name.isdigit() or int(entry.name) in (os.getpid(), signer):
+            continue
+        try:
+            if any(os.readlink(fd) == target for fd in (entry / "fd").iterdir()):
+                command = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode().strip()
+                found.append(f"pid {entry.name} ({command[:80] or '?'})")
+        except OSError:
+            continue
+    return "; ".join(found[:4]) or None
 
 
 def _busy_message(run_dir: Path, holder: str) -> str:

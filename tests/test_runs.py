@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -252,6 +253,42 @@ def test_a_live_run_cannot_be_claimed_and_a_killed_one_can(tmp_path, holder, whi
         with pytest.raises(RunBusyError):
             claim_run(run)
     assert not run_is_live(run)
+
+
+FORKED_HOLDER = """
+import os, sys, time
+from pathlib import Path
+from forge.runs import hold_training_lock
+lock = hold_training_lock(Path(sys.argv[1]))
+child = os.fork()  # a process it starts (a loader worker, say) inherits the locked file
+if child == 0:
+    time.sleep(600)
+    os._exit(0)
+print(child, flush=True)
+time.sleep(600)
+"""
+
+
+@pytest.mark.skipif(not Path("/proc").is_dir(), reason="needs /proc to find the holders")
+def test_a_lock_held_by_what_a_dead_holder_started_names_it(tmp_path):
+    run = make_run(tmp_path / "c", tmp_path)
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FORKED_HOLDER, str(run)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+    )
+    child = int(proc.stdout.readline())
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        with pytest.raises(RunBusyError) as caught:
+            claim_run(run)
+        message = str(caught.value)
+        assert f"(pid {proc.pid} on " in message and "which has died" in message
+        assert f"still running: pid {child} (" in message
+    finally:
+        os.kill(child, signal.SIGKILL)
 
 
 def test_the_training_lock_is_taken_again_after_a_restart(tmp_path):

@@ -40,17 +40,95 @@ loaded position exactly once, and keeps ``{epoch, yielded, seed, ...}`` in its s
 
 from __future__ import annotations
 
+import hashlib
 import logging
+import random
+import signal
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from torch.utils.data import Dataset, DistributedSampler
+from torch.utils.data import Dataset, DistributedSampler, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
+
+from forge.lifetime import signal_on_parent_death
 
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS = ("epoch", "yielded", "seed", "shuffle", "num_replicas", "drop_last", "dataset_size")
+
+
+class EpochIndex(int):
+    """A dataset index that carries the epoch it was drawn in, so a loader's worker process
+    knows the epoch of the batch it fetches (a persistent worker keeps the dataset it was
+    started with, whatever epoch the loader is in since)."""
+
+    epoch: int
+
+    def __new__(cls, value: int, epoch: int) -> EpochIndex:
+        index = super().__new__(cls, value)
+        index.epoch = epoch
+        return index
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (EpochIndex, (int(self), self.epoch))
+
+
+class WorkerSeededBatches(Dataset):
+    """``dataset`` as a loader's worker processes fetch it: before each batch, the worker's
+    random generators (Python's, numpy's and torch's) are seeded from (``seed``, ``rank``, the
+    batch's epoch, the batch's indices). What a batch draws (an augmentation in
+    ``__getitem__``, noise the collator adds) is then a function of the batch alone, whichever
+    worker fetches it, however many workers there are, and wherever a resumed run starts, so a
+    resume is exact with workers too. Fetched in the main process (no workers), the batch
+    draws from the main generators, which a checkpoint saves and restores."""
+
+    def __init__(self, dataset: Dataset, seed: int, rank: int = 0) -> None:
+        self.dataset = dataset
+        self.seed = seed
+        self.rank = rank
+
+    def __len__(self) -> int:
+        return len(self.dataset)  # type: ignore[arg-type]
+
+    def __getitem__(self, index: int) -> Any:
+        return self.dataset[int(index)]
+
+    def __getitems__(self, indices: list[int]) -> list[Any]:
+        if get_worker_info() is not None:
+            seed_generators(batch_seed(self.seed, self.rank, indices))
+        plain = [int(index) for index in indices]
+        fetch = getattr(self.dataset, "__getitems__", None)
+        return list(fetch(plain)) if fetch else [self.dataset[index] for index in plain]
+
+    def __getattr__(self, name: str) -> Any:  # the dataset's own attributes (columns, ...)
+        if name == "dataset":
+            raise AttributeError(name)
+        return getattr(self.dataset, name)
+
+
+def batch_seed(seed: int, rank: int, indices: list[int]) -> int:
+    """A 64-bit seed for one batch: of the run's seed, the rank, the batch's epoch (carried by
+    its indices: ``EpochIndex``; 0 for indices without one) and its indices."""
+    epoch = getattr(indices[0], "epoch", 0) if indices else 0
+    text = f"{seed}:{rank}:{epoch}:" + ",".join(str(int(i)) for i in indices)
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+def seed_generators(seed: int) -> None:
+    """Seed Python's, numpy's and torch's generators of this process from one 64-bit seed."""
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+
+
+def die_with_parent(worker_id: int) -> None:
+    """A loader worker's first act: it dies with the process that started it (a training rank
+    killed with SIGKILL leaves no worker behind, holding the run's lock and files)."""
+    signal_on_parent_death(signal.SIGKILL)
 
 
 class ResumableDistributedSampler(DistributedSampler):
@@ -98,7 +176,7 @@ class ResumableDistributedSampler(DistributedSampler):
     def _iterate(self, indices: list[int], start: int) -> Iterator[int]:
         for position in range(start, len(indices)):
             self.yielded = position + 1
-            yield indices[position]
+            yield EpochIndex(indices[position], self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -225,9 +303,12 @@ def build_dataloader(
             "persistent_workers": persistent_workers,
             "prefetch_factor": prefetch_factor,
             "multiprocessing_context": multiprocessing_context,
+            "worker_init_fn": die_with_parent,
         }
     if not hasattr(dataset, "__len__") or len(dataset) == 0:  # type: ignore[arg-type]
         raise ValueError("dataset must be a non-empty map-style dataset (with __len__)")
+    if num_workers:  # each batch's random draws follow from the batch (exact resume)
+        dataset = WorkerSeededBatches(dataset, seed, rank)
     sampler = ResumableDistributedSampler(
         dataset,
         num_replicas=world_size,

@@ -15,7 +15,12 @@ from typing import Any
 from torch.utils.data import DataLoader, Dataset, Sampler
 
 from forge.data.columns import ModelInputs, keep_model_inputs
-from forge.data.loader import ResumableDataLoader, build_dataloader
+from forge.data.loader import (
+    ResumableDataLoader,
+    WorkerSeededBatches,
+    build_dataloader,
+    die_with_parent,
+)
 
 __all__ = ["StridedSampler", "build_eval_loader", "build_train_loader", "worker_settings"]
 
@@ -84,17 +89,24 @@ def build_eval_loader(
     workers: Mapping[str, Any] | None = None,
     inputs: ModelInputs | None = None,
     description: str = "eval",
+    seed: int = 0,
 ) -> DataLoader:
     """This data-parallel rank's share of ``dataset``, in order: items ``rank, rank +
-    world_size, ...``, each item once (``StridedSampler``)."""
+    world_size, ...``, each item once (``StridedSampler``). Worker processes draw each batch's
+    random numbers from ``seed`` and the batch (``WorkerSeededBatches``): every evaluation of a
+    run sees the same batches."""
     if inputs is not None:
         dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
+    workers = dict(workers or {})
+    if workers.get("num_workers"):
+        dataset = WorkerSeededBatches(dataset, seed, rank)
+        workers["worker_init_fn"] = die_with_parent
     return DataLoader(
         dataset,
         batch_size=batch_size,
         sampler=StridedSampler(len(dataset), rank, world_size),
         collate_fn=collator,
-        **(workers or {}),
+        **workers,
     )
 
 

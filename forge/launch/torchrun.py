@@ -23,7 +23,6 @@ moment the processes are gone. SIGTERM and Ctrl-C to ``forge`` are forwarded and
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import logging
 import os
 import signal
@@ -38,6 +37,7 @@ from typing import Any
 
 from forge.launch.cluster import ONE_NODE, Nodes
 from forge.launch.errors import LaunchUsageError
+from forge.lifetime import signal_on_parent_death
 from forge.runs import now_iso, resume_command
 from forge.train.topology import Topology
 
@@ -48,7 +48,6 @@ EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 PARENT_ENV = "FORGE_PARENT_PID"  # the launcher a training process must not outlive
 LAUNCHER_DIED = signal.SIGUSR1  # what the agent receives when forge dies (torch leaves it be)
-_PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCH_INTERVAL_S = 0.2
 
 
@@ -284,21 +283,11 @@ def stop_with_parent(signum: int) -> None:
     if not value.isdigit():
         return
     parent = int(value)
-    if not _kernel_signals_parent_death(signum):
+    if not signal_on_parent_death(signum):
         watch = threading.Thread(target=_watch_parent, args=(parent, signum), daemon=True)
         watch.start()
     if os.getppid() != parent:  # it died before the watch began
         os.kill(os.getpid(), signum)
-
-
-def _kernel_signals_parent_death(signum: int) -> bool:
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        return libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signum), 0, 0, 0) == 0
-    except (OSError, AttributeError):
-        return False
 
 
 def _watch_parent(parent: int, signum: int) -> None:

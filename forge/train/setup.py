@@ -210,6 +210,7 @@ class TrainerSetup:
             workers=self._worker_settings(),
             inputs=self._model_inputs(),
             description=description,
+            seed=self.args.seed if self.args.data_seed is None else self.args.data_seed,
         )
 
     def _worker_settings(self) -> dict[str, Any]:
