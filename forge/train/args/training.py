@@ -22,29 +22,10 @@ from collections.abc import Iterable
 from dataclasses import MISSING, dataclass, field, fields
 from typing import Any, ClassVar
 
-from forge.train.args.names import (
-    INTEGRATIONS,
-    METRIC_SCHEDULERS,
-    NOT_APPLICABLE,
-    OPTIMIZERS,
-    OTHER_HF_OPTIMIZERS,
-    SCHEDULERS,
-    SHARDING_UNSUPPORTED,
-)
 from forge.train.args.run_checks import RunChecks
 from forge.train.args.step_checks import StepChecks
 
-__all__ = [
-    "INTEGRATIONS",
-    "METRIC_SCHEDULERS",
-    "NOT_APPLICABLE",
-    "OPTIMIZERS",
-    "OTHER_HF_OPTIMIZERS",
-    "SCHEDULERS",
-    "SHARDING_UNSUPPORTED",
-    "TrainingArguments",
-    "TrainingArgumentsError",
-]
+__all__ = ["TrainingArguments", "TrainingArgumentsError"]
 
 
 class TrainingArgumentsError(ValueError):
