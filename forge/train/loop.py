@@ -55,7 +55,15 @@ from forge.train.callbacks import CallbackHandler, TrainerCallback, TrainerContr
 from forge.train.checks import check_eval_dataset, check_trainer_arguments
 from forge.train.data_position import DataPosition
 from forge.train.evaluation import Evaluation
-from forge.train.loop_state import Batch, StepResult, Tally, TrainOutput, step_logs, train_summary
+from forge.train.loop_state import (
+    Batch,
+    StepResult,
+    StopVote,
+    Tally,
+    TrainOutput,
+    step_logs,
+    train_summary,
+)
 from forge.train.loss import TrainingLoss, batch_size_of, takes_keyword
 from forge.train.memory import peak_memory
 from forge.train.optim import MetricSchedule, current_lr
@@ -168,12 +176,11 @@ class BaseTrainer(TrainerSetup, Evaluation):
         self.checkpoints: CheckpointManager | None = None
         self._pending_components: list[Component] = []  # registered before the manager exists
         self._step_listeners: list[Callable[..., None]] = []  # their on_optimizer_step
-        # several ranks agree on a signal only at steps that sync anyway (see _should_stop)
+        # several ranks agree on a signal in the steps' all-reduce (see _should_stop)
         self._signals = StopSignals(
-            "the next step that logs, evaluates or saves"
-            if self.topology.distributed
-            else "the next step"
+            "one of the next two steps" if self.topology.distributed else "the next step"
         )
+        self._stop_vote, self._stop_agreed = StopVote(), 0
         self._tally = Tally()
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})
         self._eval_model: nn.Module | None = None
@@ -284,6 +291,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self._advance(step, run_tally)
+                self._stop_agreed = self._stop_vote.cast(step.stop)
                 self._call("on_step_end")
                 synced = self._log_evaluate_save(epoch_end=False)
                 self.checkpoints.poll(synced)
@@ -376,14 +384,12 @@ class BaseTrainer(TrainerSetup, Evaluation):
     def _should_stop(self, synced: bool) -> bool:
         """Max steps, a callback's request, or a signal (which saves and raises).
 
-        One process acts on a signal at the next step boundary. The ranks of a distributed
-        job must agree on it, which takes a collective and a host sync, so they do that only
-        at a step that has ``synced`` anyway (it logged, evaluated or saved): a signal stops
-        such a job within ``logging_steps`` steps. torchrun passes signals to every rank.
+        One process acts on a signal at the next step boundary. The ranks of a job agree on it
+        in each step's own all-reduce and read the agreement a step later (``StopVote``): a
+        signal stops the job one or two steps after it arrived, every rank at the same step.
+        torchrun passes signals to every rank.
         """
-        signum = self._signals.received
-        if self.topology.distributed:
-            signum = int(self.strategy.agree_max(signum)) if synced else 0
+        signum = self._signals.received if not self.topology.distributed else self._stop_agreed
         if signum:
             checkpoint = self.save_checkpoint()
             self.checkpoints.wait()
@@ -499,9 +505,11 @@ class BaseTrainer(TrainerSetup, Evaluation):
         already synchronised, so every rank takes the same skip decision. Everything stays on
         the device: nothing here waits for the step to finish.
         """
-        counts = [loss.new_full((), value, dtype=torch.float64) for value in (samples, flops)]
+        signum = float(self._signals.received)  # the stop vote rides along (StopVote)
+        values = (samples, flops, signum, 1.0 if signum else 0.0)
+        counts = [loss.new_full((), value, dtype=torch.float64) for value in values]
         stats = self.all_reduce_sum(torch.stack([loss.double(), tokens.double(), *counts]))
-        loss_sum, total_tokens, total_samples, total_flops = stats.unbind()
+        loss_sum, total_tokens, total_samples, total_flops = stats[:4].unbind()
         finite = torch.isfinite(loss_sum)
         if self.scaler is None:  # with a grad scaler, overflowing gradients are its to skip
             finite = finite & torch.isfinite(grad_norm)
@@ -512,6 +520,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
             finite,
             total_samples / self.topology.num_stages,  # every stage of a replica sees the batch
             total_flops,
+            stop=stats[4:].detach(),
         )
 
     def _count_work(self, window: list[Batch]) -> tuple[int, float]:

@@ -36,6 +36,42 @@ class StepResult:
     finite: torch.Tensor  # bool; False: the step must be skipped (when skip_nonfinite)
     samples: torch.Tensor | float = 0.0  # items the step trained on, over ranks (float64)
     flops: torch.Tensor | float = 0.0  # its floating-point operations, over ranks (float64)
+    #: (sum of the stop signals the ranks had received when the step ended, how many had one):
+    #: a stop agreed in the step's own all-reduce, read one step later (``StopVote``)
+    stop: torch.Tensor | None = None
+
+
+class StopVote:
+    """When the ranks of a job stop for a signal: they agree in each optimizer step's
+    all-reduce (the signal each had received rides along with the loss), and the loop reads what
+    step ``k`` agreed at the end of step ``k + 1``, when that reduce has long finished, so no step
+    waits for the device. A signal that arrives during step ``k`` stops the job after step
+    ``k + 2`` (``k + 1`` when it arrived before the step's reduce), on every rank alike."""
+
+    def __init__(self) -> None:
+        self._previous: tuple[torch.Tensor, Any] | None = None  # last step's (sum, count)
+
+    def cast(self, stop: torch.Tensor | None) -> int:
+        """Keep this step's vote (copied to the host without waiting); return the signal the
+        previous step agreed on (0: none)."""
+        previous, self._previous = self._previous, None
+        if stop is not None:
+            event = None
+            if stop.is_cuda:  # the copy lands when the step's reduce has run: an event says so
+                stop = stop.to("cpu", non_blocking=True)
+                event = torch.cuda.Event()
+                event.record()
+            self._previous = (stop, event)
+        if previous is None:
+            return 0
+        votes, event = previous
+        if event is not None:
+            event.synchronize()  # a step later: long done
+        total, count = votes.tolist()
+        return int(round(total / count)) if count else 0
+
+    def reset(self) -> None:
+        self._previous = None
 
 
 class Tally:

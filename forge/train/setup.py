@@ -46,7 +46,7 @@ from forge.data.columns import ModelInputs
 from forge.train import dist
 from forge.train.callbacks import TrainerControl, TrainerState
 from forge.train.data_position import DataPosition
-from forge.train.loop_state import Batch, Tally
+from forge.train.loop_state import Batch, StopVote, Tally
 from forge.train.loss import resolve_label_names
 from forge.train.optim import build_optimizer, build_scheduler, set_seed
 from forge.train.plain_models import not_a_dict_batch
@@ -88,6 +88,7 @@ class TrainerSetup:
         self.data_position = DataPosition(self.train_loader, is_main=self.is_main_process)
         self._tally = Tally()
         self._last_eval = (None, {})
+        self._stop_vote, self._stop_agreed = StopVote(), 0
         self.build_checkpoint_manager()
 
     def setup_optimizer(self) -> None:

@@ -2,8 +2,8 @@
 
     python -m torch.distributed.run --nproc_per_node=2 ddp_resume_script.py MODE OUTPUT_DIR
 
-MODE is ``straight`` (40 steps), ``stop`` (rank 0 gets SIGTERM at step 20; every rank must
-save and stop there) or ``resume`` (continue the newest checkpoint to step 40).
+MODE is ``straight`` (40 steps), ``stop`` (rank 0 gets SIGTERM at the end of step 20; every
+rank must save and stop at step 22: the stop is agreed in step 21's all-reduce, read a step later) or ``resume`` (continue the newest checkpoint to step 40).
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ def main(mode: str, output_dir: str) -> int:
     try:
         trainer.train(resume_from_checkpoint=mode == "resume")
     except TrainingInterrupted as stop:
-        assert mode == "stop" and stop.signum == signal.SIGTERM and stop.step == 20, stop
+        assert mode == "stop" and stop.signum == signal.SIGTERM and stop.step == 22, stop
         print(f"rank {rank} interrupted at step {stop.step}", flush=True)
         return 0
     assert mode != "stop", "training was not interrupted"

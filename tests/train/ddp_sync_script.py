@@ -48,8 +48,10 @@ def main(output_dir: str) -> int:
         except TrainingInterrupted as stop:
             stopped = stop.step
     by_step = reads.by_step()
-    quiet = [
-        s for s in quiet_steps(MAX_STEPS, LOGGING_STEPS, None) if s <= trainer.state.global_step
+    quiet = [  # the step the job stops at saves: it is no quiet step
+        s
+        for s in quiet_steps(MAX_STEPS, LOGGING_STEPS, None)
+        if s <= trainer.state.global_step and s != stopped
     ]
     result = {
         "rank": rank,

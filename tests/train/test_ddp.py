@@ -43,8 +43,8 @@ def ddp_runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("ddp")
     torchrun("straight", root / "straight")
     stopped = torchrun("stop", root / "resumed")
-    assert "rank 0 interrupted at step 20" in stopped
-    assert "rank 1 interrupted at step 20" in stopped
+    assert "rank 0 interrupted at step 22" in stopped  # signalled after 20: agreed in 21
+    assert "rank 1 interrupted at step 22" in stopped
     assert not checkpoint_dir(root / "resumed", 30).exists()
     torchrun("resume", root / "resumed")
     return root
