@@ -98,15 +98,16 @@ class CheckpointManager:
         self._commits = BackgroundCommit()  # the commit in flight, if any
         self._copy_gate = HostCopier()  # the snapshot copies an async commit still has to make
         self._staging: HostStaging | None = None  # async on CUDA: reused pinned buffers
-        self._commit_group: Any = None  # async, several ranks: the commit's own gloo group
-        if async_save:
-            if getattr(device, "type", None) == "cuda":
-                self._staging = HostStaging()
-            if topology.distributed:
-                import torch.distributed as dist
+        # several ranks: a gloo group of the manager's own, for a background commit's meetings
+        # and for agreeing to save after a failure (every rank creates it here, in one order)
+        self._group: Any = None
+        if async_save and getattr(device, "type", None) == "cuda":
+            self._staging = HostStaging()
+        if topology.distributed:
+            import torch.distributed as dist
 
-                if dist.is_initialized():  # every rank creates it here, in the same order
-                    self._commit_group = dist.new_group(backend="gloo")
+            if dist.is_initialized():
+                self._group = dist.new_group(backend="gloo")
 
     # ------------------------------------------------------------------ components
     def register(self, component: Component) -> None:
@@ -287,12 +288,30 @@ class CheckpointManager:
         return bool(self._agree_max(1.0 if failed else 0.0))
 
     def _commit_any_failed(self, failed: bool) -> bool:
-        """A background commit's meeting: over its own gloo group, on host tensors."""
-        if self._commit_group is None:
+        """A background commit's meeting: over the manager's gloo group, on host tensors."""
+        if self._group is None:
             return failed
         import torch
         import torch.distributed as dist
 
         flag = torch.tensor([1.0 if failed else 0.0])
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._commit_group)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self._group)
         return bool(flag.item())
+
+    def every_rank_agrees(self, timeout_s: float = 60.0) -> bool:
+        """Whether every rank of the job reaches this call within ``timeout_s`` (one process:
+        at once): before a save after a failure, which every rank takes part in, or none."""
+        if self._group is None:
+            return True
+        import datetime
+
+        import torch
+        import torch.distributed as dist
+
+        # an all-reduce that gives up: a rank that went on training never joins it
+        work = dist.all_reduce(torch.ones(1), group=self._group, async_op=True)
+        try:
+            work.wait(timeout=datetime.timedelta(seconds=timeout_s))
+        except RuntimeError:
+            return False
+        return True

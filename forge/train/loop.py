@@ -264,6 +264,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
                 if isinstance(failure, Exception):
                     logger.debug("the training thread stopped with: %s", error)
                     raise failure from error
+                self._keep_trained_steps()
                 raise
             finally:
                 if self.checkpoints is not None:  # a failed run still finishes a commit
@@ -279,6 +280,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
             self._evaluate_in_training(start=True)  # a first check of metrics and eval data
         self.wrapped_model.train()
         start_step, run_tally = state.global_step, Tally()
+        self._start_step = start_step
         self._tally.started = run_tally.started  # tokens/s counts training time only
         for epoch in itertools.count(self.data_position.epoch):  # until max_steps (or a stop)
             for micro_batches in self._accumulation_windows(epoch):
@@ -291,6 +293,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
                 self.lr_scheduler.step()
                 self.optimizer.zero_grad(set_to_none=True)
                 self._advance(step, run_tally)
+                self._step_open = False  # a completed step: its state may be saved
                 self._stop_agreed = self._stop_vote.cast(step.stop)
                 self._call("on_step_end")
                 synced = self._log_evaluate_save(epoch_end=False)
@@ -317,6 +320,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
         while self.state.global_step < self.max_steps and (
             window := list(itertools.islice(batches, accumulation))
         ):
+            self._step_open = True  # until the step is counted (_advance)
             position.took(len(window))
             yield window
         if self.state.global_step < self.max_steps:

@@ -14,13 +14,15 @@ before its first step:
 - the checkpoint manager and what a checkpoint holds (``register_components``): model,
   optimizer, scheduler, scaler, the loop's counters, the callbacks' state, what the transform
   stage and the callbacks register (``on_register``), data position and random generators;
-- the resume: the checkpoint found and validated on rank 0, every component restored.
+- the resume: the checkpoint found and validated on rank 0, every component restored;
+- after a failure between two steps, the last completed step saved (``_keep_trained_steps``).
 """
 
 from __future__ import annotations
 
 import functools
 import gc
+import logging
 import math
 import os
 from collections.abc import Mapping
@@ -52,6 +54,8 @@ from forge.train.optim import build_optimizer, build_scheduler, set_seed
 from forge.train.plain_models import not_a_dict_batch
 from forge.train.runtime import Intervals, apply_runtime_settings
 from forge.train.transforms import apply_activation_checkpointing, apply_model_settings
+
+logger = logging.getLogger(__name__)
 
 
 class TrainerSetup:
@@ -89,6 +93,7 @@ class TrainerSetup:
         self._tally = Tally()
         self._last_eval = (None, {})
         self._stop_vote, self._stop_agreed = StopVote(), 0
+        self._step_open, self._start_step = False, 0
         self.build_checkpoint_manager()
 
     def setup_optimizer(self) -> None:
@@ -393,6 +398,39 @@ class TrainerSetup:
         if manifest.metrics:
             self._last_eval = (state.global_step, dict(manifest.metrics))
         self.data_position.restart_epoch_unless_restored()
+
+    def _keep_trained_steps(self) -> None:
+        """After a failure, as Lightning's ``OnExceptionCheckpoint``: when it came between two
+        optimizer steps (an evaluation, the metrics, a callback, logging), the last step is
+        complete, so it is saved (unless a checkpoint holds it) and ``forge resume`` continues
+        from it. A failure inside a step (forward, backward, the optimizer step, a callback of
+        ``on_optimizer_step``) may have left the weights half-updated: nothing is saved. Every
+        rank of a job takes part in the save, or none does."""
+        step, manager = self.state.global_step, self.checkpoints
+        if manager is None or step <= self._start_step or manager.last_step == step:
+            return  # nothing trained since the newest checkpoint
+        if self._step_open:
+            why = f"step {step + 1} failed inside its forward, backward or optimizer step"
+        elif not manager.every_rank_agrees():
+            why = f"another rank did not stop after step {step} with this one"
+        else:
+            try:
+                path = self.save_checkpoint()
+                manager.wait()
+            except Exception as exc:  # the run's own failure is the one reported
+                self._info("saving step %d after the failure failed: %s", step, exc)
+                return
+            self._info(
+                "the run failed after step %d, which completed: %s holds it; `forge resume` "
+                "continues from there",
+                step,
+                path,
+                level=logging.WARNING,
+            )
+            return
+        rank = f"rank {self.topology.rank}: " if self.topology.distributed else ""
+        newest = f"step {manager.last_step}" if manager.last_step is not None else "none"
+        logger.warning("%s%s: no checkpoint was saved for it (newest: %s)", rank, why, newest)
 
     def _log_start(self) -> None:
         args, state = self.args, self.state

@@ -171,10 +171,12 @@ def assert_same_training(a: Trainer, b: Trainer) -> None:
     assert a.lr_scheduler.state_dict()["last_epoch"] == b.lr_scheduler.state_dict()["last_epoch"]
 
 
-def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 900) -> str:
+def run_torchrun(
+    script: Path, *args: str, nproc: int = 2, timeout: float = 900, expect_failure: bool = False
+) -> str:
     """``script args`` on ``nproc`` real processes under torchrun (gloo); its output. Fails with
-    that output on a non-zero exit; after ``timeout`` seconds ends torchrun and its workers
-    (their own session) and fails."""
+    that output on a non-zero exit (on a zero exit with ``expect_failure``); after ``timeout``
+    seconds ends torchrun and its workers (their own session) and fails."""
     import subprocess
     import sys
 
@@ -195,5 +197,5 @@ def run_torchrun(script: Path, *args: str, nproc: int = 2, timeout: float = 900)
         os.killpg(proc.pid, signal.SIGKILL)
         output, _ = proc.communicate()
         raise AssertionError(f"torchrun {script.name} timed out:\n{output}") from None
-    assert proc.returncode == 0, output
+    assert (proc.returncode != 0) == expect_failure, output
     return output
