@@ -142,9 +142,10 @@ class Evaluation:
         if not self.strategy.gives_eval_outputs:
             prediction_loss_only = True
             self._warn_no_outputs(metric_key_prefix)
-        if ignore_keys is None:  # as HF: what the model's config says, e.g. the KV cache
+        if ignore_keys is None:  # as HF: what the model's config says, else the KV cache
             config = getattr(model, "config", None)
-            default = ["past_key_values"] if config is not None else []
+            # the cache is "cache" in transformers 5, "past_key_values" before: never a prediction
+            default = ["cache", "past_key_values"] if config is not None else []
             ignore_keys = list(getattr(config, "keys_to_ignore_at_inference", default))
         streaming = args.batch_eval_metrics and compute_metrics is not None
         if streaming and self.topology.dp_size > 1:
