@@ -60,9 +60,83 @@ def check_training_contract(
     plan: list[str] = []
     if not problems and world_size is not None:
         plan, problems = _plan_job(cfg, trainer, variables, list(allow), world_size)
+    if not problems:
+        problems = _sanity_problems(cfg, trainer, variables, list(allow))
     if problems:
         raise ConfigError(problems, config=config or cfg.origin)
     return plan
+
+
+def _sanity_problems(
+    cfg: Config, trainer: CallNode, variables: Mapping[str, Any], allow: list[str]
+) -> list[Problem]:
+    """The sanity pass (forge/train/sanity.py) on a trainer built from the config here: what
+    training runs, run once, each failure located at the line of the part that failed."""
+    import gc
+    import time
+
+    from forge.train.args import TrainingArgumentsError
+    from forge.train.sanity import SanityFailure, run_sanity_pass
+
+    args_node = trainer.kwargs.get("args")
+    resolver = _resolver(cfg, allow)
+    started = time.perf_counter()
+    try:
+        built = Materializer(resolver.resolve, variables, cfg.describe_loc).value(trainer)
+    except TrainingArgumentsError as err:
+        key = "trainer.args"
+        if isinstance(args_node, CallNode):
+            return _located(cfg, args_node, key, err.problems)
+        return [cfg.problem(trainer.loc, p, None) for p in err.problems]
+    except Exception as err:  # what the workers would fail on first, said before they start
+        notes = " ".join(getattr(err, "__notes__", []))
+        message = f"building the trainer failed: {type(err).__name__}: {err}"
+        return [cfg.problem(trainer.loc, f"{message} ({notes})" if notes else message, None)]
+    args = getattr(built, "args", None)
+    if args is None or not getattr(args, "sanity_check", False):
+        return []
+    batches = int(getattr(args, "num_sanity_val_steps", 0) or 0)
+    try:
+        run_sanity_pass(built, batches)
+    except SanityFailure as failure:
+        if isinstance(failure.error, TrainingArgumentsError) and isinstance(args_node, CallNode):
+            return _located(cfg, args_node, "trainer.args", failure.error.problems)
+        return [_sanity_problem(cfg, trainer, failure, batches)]
+    finally:
+        del built
+        gc.collect()
+        _release_device_memory()
+    logger.info(
+        "sanity pass: one training batch and %d evaluation batch(es) ran in %.1f s",
+        batches,
+        time.perf_counter() - started,
+    )
+    return []
+
+
+def _sanity_problem(cfg: Config, trainer: CallNode, failure: Any, batches: int) -> Problem:
+
+    error = failure.error
+    node = trainer.kwargs.get(failure.part)
+    # where the part is written (the user's config), else where the trainer is given it
+    loc = node.loc if isinstance(node, Node) else trainer.arg_locs.get(failure.part)
+    text = f"{type(error).__name__}: {error}"
+    message = (
+        f"the sanity pass (what training runs, run once before it starts) failed while "
+        f"{failure.doing}: {text}"
+    )
+    hint = (
+        "fix it before training; trainer.args.num_sanity_val_steps: 0 skips the evaluation "
+        "batches, sanity_check: false the whole pass"
+    )
+    return cfg.problem(loc or trainer.loc, message, hint)
+
+
+def _release_device_memory() -> None:
+    import torch
+
+    if torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
 
 
 def _plan_job(
@@ -218,7 +292,10 @@ def _check(
         dropped = [k for k in keys if k not in inputs.columns]
         if len(dropped) < len(keys):  # with nothing kept, the key mismatch says more
             dataset, collator = keep_model_inputs(dataset, collator, inputs, quiet=True)
-    batch, problem = _sample_batch(cfg, dataset, collator, dataset_node, trainer, model_class)
+    size = getattr(args, "per_device_train_batch_size", SAMPLE_ITEMS)
+    batch, problem = _sample_batch(
+        cfg, dataset, collator, dataset_node, trainer, model_class, items=size
+    )
     if problem is not None or batch is None:
         return [problem] if problem else []
     # compute_loss_func or label smoothing: the trainer takes the labels out (HF's rule)
@@ -346,13 +423,16 @@ def _sample_batch(
     dataset_node: Any,
     trainer: CallNode,
     model_class: Any = None,
+    items: Any = SAMPLE_ITEMS,
 ) -> tuple[Any, Problem | None]:
-    """The first items of ``dataset`` collated as the trainer's loader would."""
+    """The first items of ``dataset`` collated as the trainer's loader would (no more than the
+    configured batch size: a collator may rely on it)."""
     from torch.utils.data import default_collate
 
     where = dataset_node.loc if isinstance(dataset_node, Node) else trainer.loc
     try:
-        count = min(SAMPLE_ITEMS, len(dataset))
+        limit = items if isinstance(items, int) and items >= 1 else SAMPLE_ITEMS
+        count = min(SAMPLE_ITEMS, limit, len(dataset))
     except TypeError:
         return None, None  # not map-style: the trainer reports that itself
     if count == 0:

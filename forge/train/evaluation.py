@@ -29,7 +29,7 @@ from torch.utils.data import Dataset
 
 from forge.train.args import TrainingArgumentsError
 from forge.train.loop_state import Batch
-from forge.train.loss import batch_size_of, is_causal_lm
+from forge.train.loss import batch_size_of, is_causal_lm, returned_loss
 from forge.train.optim import set_seed
 from forge.train.predictions import (
     Accumulator,
@@ -280,9 +280,7 @@ class Evaluation:
             loss, outputs = self.compute_loss(model, batch, return_outputs=True, **items)
             return loss.detach().mean(), outputs
         outputs = model(**batch)
-        found = getattr(outputs, "loss", None)
-        if found is None and isinstance(outputs, Mapping):
-            found = outputs.get("loss")
+        found = returned_loss(outputs)  # read as training reads it (a tuple's first too)
         return (found.detach().mean() if isinstance(found, torch.Tensor) else None), outputs
 
     # ------------------------------------------------------------------ helpers

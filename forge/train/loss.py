@@ -133,16 +133,23 @@ class TrainingLoss:
         return over_ranks(count) if over_ranks is not None else count
 
 
-def model_loss(outputs: Any, label: str, batch_keys: str = "") -> torch.Tensor:
-    """The loss a model returned: ``.loss``, ``["loss"]`` or, as Hugging Face reads a tuple,
-    its first element (a 0-d tensor); a ValueError that says what to do otherwise. ``label``
-    names the forward (``Net.forward``), ``batch_keys`` the keys of the batch it was given."""
+def returned_loss(outputs: Any) -> torch.Tensor | None:
+    """The loss a model returned, if any: ``.loss``, ``["loss"]`` or, as Hugging Face reads a
+    tuple, its first element when that is a 0-d tensor (training and evaluation read it alike)."""
     loss = getattr(outputs, "loss", None)
     if loss is None and isinstance(outputs, Mapping):
         loss = outputs.get("loss")
     if loss is None and isinstance(outputs, (tuple, list)) and outputs:
         first = outputs[0]
         loss = first if isinstance(first, torch.Tensor) and first.dim() == 0 else None
+    return loss
+
+
+def model_loss(outputs: Any, label: str, batch_keys: str = "") -> torch.Tensor:
+    """The loss a model returned (``returned_loss``); a ValueError that says what to do
+    otherwise. ``label`` names the forward (``Net.forward``), ``batch_keys`` the keys of the
+    batch it was given."""
+    loss = returned_loss(outputs)
     if loss is not None:
         return loss
     if isinstance(outputs, torch.Tensor):

@@ -194,9 +194,10 @@ def missing_metric_message(
     hint = suggestion(metric, produced, n=1)
     if not has_compute_metrics:
         hint += " (the trainer has no compute_metrics, which gives every metric but the loss)"
+    when = f"the evaluation at step {step}" if step else "the evaluation before training"
     return (
-        f"{args.config_key}.metric_for_best_model is {metric!r}, but the evaluation at step "
-        f"{step} produced only {', '.join(produced)}{hint}. Best-model tracking, "
+        f"{args.config_key}.metric_for_best_model is {metric!r}, but {when} produced only "
+        f"{', '.join(produced)}{hint}. Best-model tracking, "
         "load_best_model_at_end, early stopping and the protection of the best checkpoint need "
         "a metric the evaluation produces"
     )

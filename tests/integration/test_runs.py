@@ -167,7 +167,12 @@ def test_bad_training_argument_exits_2_and_leaves_no_run(project):
     assert not (project / "output" / "train" / "run_001").exists()
 
 
-def test_a_run_that_trained_before_a_config_error_is_kept_and_says_so(project, tmp_path):
+def test_a_metric_the_evaluation_does_not_produce_is_refused_before_the_run_exists(
+    project, tmp_path
+):
+    """The sanity pass evaluates before training: a misspelled metric_for_best_model fails in
+    seconds, at its line, and no run is created (it used to fail at the step-2 evaluation,
+    after training)."""
     results = tmp_path / "results"  # an HF port's own output_dir, outside the run directory
     result = run_forge(
         "train", "-p", str(project), *SMALL,
@@ -176,15 +181,12 @@ def test_a_run_that_trained_before_a_config_error_is_kept_and_says_so(project, t
         "--set", "trainer.args.metric_for_best_model=eval_acuracy",
     )  # fmt: skip
     assert result.returncode == 2
-    assert "metric_for_best_model is 'eval_acuracy', but the evaluation at step 2" in (
+    assert "metric_for_best_model is 'eval_acuracy', but the evaluation before training" in (
         result.stderr
     )
-    run_dir = project / "output" / "train" / "run_001"
-    assert "never started" not in result.stderr and run_dir.is_dir()
-    record = json.loads((run_dir / "run.json").read_text())
-    assert record["status"] == "failed" and record["error_kind"] == "usage"
-    assert record["reached_step"] == 2
-    assert (results / "metrics.jsonl").is_file()
+    assert "--set trainer.args.metric_for_best_model=eval_acuracy" in result.stderr
+    assert not (project / "output" / "train" / "run_001").exists()
+    assert not (results / "metrics.jsonl").exists()
 
 
 def test_sigterm_is_acknowledged_at_once_and_a_complete_run_has_nothing_to_resume(project):

@@ -31,6 +31,11 @@ def project_with(
         "train_dataset: &train_dataset null",
         "train_dataset: &train_dataset !singleton:./data.py:Blobs {}",
     )
+    # the blank scaffold evaluates: the trainer (built by the sanity pass) needs the split
+    text = text.replace(
+        "eval_dataset: &eval_dataset null",
+        "eval_dataset: &eval_dataset !singleton:./data.py:Blobs {n: 32, seed: 1}",
+    )
     if collator:
         text += f"\n-- block collator\n{collator}\n-- endblock\n"
     config.write_text(text)

@@ -227,7 +227,10 @@ def test_a_best_metric_no_evaluation_produces_is_an_error_at_the_first_evaluatio
     assert "trainer.args.metric_for_best_model is" in message
     assert "the evaluation at step 2" in message and expected in message
     assert trainer.state.global_step == 2  # stopped at the first evaluation
-    assert not (tmp_path / "checkpoints").exists()  # no checkpoint without its metric
+    # the step the failure came after is kept (issue 23), recording no metric it lacked
+    from forge.checkpoint import read_manifest
+
+    assert read_manifest(tmp_path / "checkpoints" / "checkpoint-000002").metrics == {}
 
 
 def test_best_model_by_accuracy_and_save_strategy_best(tmp_path):

@@ -106,6 +106,8 @@ class RunChecks(ValueChecks):
             self._bool(name, p)
         self._optional_int("eval_accumulation_steps", p, minimum=1, fix="use null to keep all")
         self._optional_int("max_eval_batches", p, minimum=1, fix="use null for the whole set")
+        self._bool("sanity_check", p)
+        self._int("num_sanity_val_steps", p, minimum=0, fix="or 0 for no evaluation batches")
         include = self.include_for_metrics
         if isinstance(include, str):
             include = [include]

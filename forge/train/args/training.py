@@ -193,6 +193,9 @@ class TrainingArguments(StepChecks, RunChecks):
     early_stopping_threshold: float = 0.0
     skip_nonfinite: bool = True
     max_eval_batches: int | None = None
+    # the sanity pass before training (forge/train/sanity.py); Lightning's name for its count
+    sanity_check: bool = True
+    num_sanity_val_steps: int = 2
     save_optimizer_state: bool = True
     save_scheduler_state: bool = True
     save_rng_state: bool = True

@@ -1,0 +1,129 @@
+"""The sanity pass: what training will run, run once before it starts (as Lightning's
+``num_sanity_val_steps``), so a mistake costs seconds instead of the steps trained before it.
+
+On a trainer built from the config (in the launching process, before any run directory exists),
+it runs the model-transform stage (adapters with their tokenizer, activation checkpointing,
+compile, the strategy's wrap as one process has it), the first training micro-batch of the
+configured loader at the configured batch size through the trainer's own forward and backward
+(no optimizer step), and ``num_sanity_val_steps`` evaluation batches through the whole
+evaluation path: the evaluation loader and collator, the forward, ``preprocess_logits_for_metrics``,
+``compute_metrics`` and the check of ``metric_for_best_model``. It changes nothing: the random
+generators are put back as they were, nothing is written, and the trainer it ran on is thrown
+away. A failure is a ``SanityFailure`` naming the part that failed, which the launcher locates
+at that part's line of the config.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any
+
+#: the parts a failure is located at: the trainer's constructor argument each one is
+PARTS = {
+    "data_collator": "data_collator",
+    "train_dataset": "train_dataset",
+    "eval_dataset": "eval_dataset",
+    "model": "model",
+    "compute_metrics": "compute_metrics",
+    "preprocess_logits_for_metrics": "preprocess_logits_for_metrics",
+    "args": "args",
+}
+
+
+class SanityFailure(Exception):
+    """The sanity pass failed in ``part`` (a trainer argument) while ``doing``."""
+
+    def __init__(self, part: str, doing: str, error: BaseException) -> None:
+        self.part, self.doing, self.error = part, doing, error
+        super().__init__(f"{doing}: {type(error).__name__}: {error}")
+
+
+@contextlib.contextmanager
+def preserved_random_state() -> Iterator[None]:
+    """Python's, numpy's and torch's generators (CUDA's too) as they were, afterwards."""
+    import numpy as np
+    import torch
+
+    python, numpy = random.getstate(), np.random.get_state()
+    devices = list(range(torch.cuda.device_count())) if torch.cuda.is_initialized() else []
+    with torch.random.fork_rng(devices=devices):
+        try:
+            yield
+        finally:
+            random.setstate(python)
+            np.random.set_state(numpy)
+
+
+def run_sanity_pass(trainer: Any, eval_batches: int) -> None:
+    """One training micro-batch forward and backward, and ``eval_batches`` evaluation batches,
+    through ``trainer``'s own paths (see the module docstring). ``trainer`` is not used for
+    training afterwards."""
+    phase = {"items": "training"}
+    with preserved_random_state(), trainer.strategy.process_group():
+        _wrap(trainer, "data_collator", lambda: f"collating {phase['items']} items")
+        _wrap(trainer, "compute_metrics", lambda: "computing the metrics")
+        _wrap(trainer, "preprocess_logits_for_metrics", lambda: "preprocessing the logits")
+        with _part("model", "building the model (the transform stage)"):
+            trainer.wrapped_model = trainer.transform_model()
+        with _part("train_dataset", "loading the first training batch"):
+            batch = next(iter(trainer.build_train_loader()))
+        phase["items"] = "evaluation"
+        trainer.wrapped_model.train()
+        with _part("model", "the first training batch's forward and backward"):
+            trainer.forward_backward([batch])
+        evaluates = trainer.eval_dataset is not None and trainer.args.eval_strategy != "no"
+        if eval_batches and evaluates:
+            _evaluate(trainer, eval_batches)
+        trainer.release_wrappers()
+
+
+def _evaluate(trainer: Any, batches: int) -> None:
+    args = trainer.args
+    limit = args.max_eval_batches
+    args.max_eval_batches = batches if limit is None else min(batches, limit)
+    try:
+        datasets = trainer.eval_dataset
+        parts = datasets if isinstance(datasets, dict) else {None: datasets}
+        with trainer._evaluation_weights():
+            for name, dataset in parts.items():
+                prefix = "eval" if name is None else f"eval_{name}"
+                with _part("model", f"{batches} evaluation batch(es)"):
+                    output = trainer.evaluation_loop(
+                        dataset,
+                        description=prefix,
+                        prediction_loss_only=True if trainer.compute_metrics is None else None,
+                        metric_key_prefix=prefix,
+                    )
+                with _part("args", "checking metric_for_best_model"):
+                    trainer._check_best_metric(output.metrics)
+    finally:
+        args.max_eval_batches = limit
+
+
+def _wrap(trainer: Any, name: str, doing: Any) -> None:
+    """Make a failure of the trainer's ``name`` callable a SanityFailure of that part."""
+    function = getattr(trainer, name, None)
+    if function is None:
+        return
+
+    def tagged(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return function(*args, **kwargs)
+        except SanityFailure:
+            raise
+        except Exception as error:
+            raise SanityFailure(name, doing(), error) from error
+
+    setattr(trainer, name, tagged)
+
+
+@contextlib.contextmanager
+def _part(part: str, doing: str) -> Iterator[None]:
+    try:
+        yield
+    except SanityFailure:
+        raise
+    except Exception as error:
+        raise SanityFailure(part, doing, error) from error
