@@ -604,7 +604,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from forge.cli.export import export_model, pretrained_loader
+    from forge.cli.export import export_model, loading_hint
 
     output = Path(args.output)
     export_model(
@@ -617,10 +617,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         merge_lora=args.merge_lora,
     )
     print(output)
-    if (output / "adapter_config.json").is_file():
-        logger.info("load it with PeftModel.from_pretrained(base_model, %r)", str(output))
-    else:
-        logger.info("load it with %s.from_pretrained(%r)", pretrained_loader(output), str(output))
+    logger.info("%s", loading_hint(output))
     return EXIT_OK
 
 
