@@ -629,8 +629,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from forge.runs import PROJECT_RUNS
 
     checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, runs=PROJECT_RUNS).path
-    what = "the moving average of the weights of " if args.ema else ""
-    logger.info("evaluating %s%s on the %s split", what, checkpoint, args.split)
+    logger.info("evaluating %s on the %s split", checkpoint, args.split)
     metrics = evaluate_checkpoint(checkpoint, args.split, args.allow or [], ema=args.ema)
     if args.json:
         print(json.dumps({"checkpoint": str(checkpoint), **metrics}))

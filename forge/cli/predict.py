@@ -91,7 +91,9 @@ def evaluate_checkpoint(
     Metrics are prefixed with the split (``eval_loss``, ``test_accuracy``). Nothing is written
     to the run. A pipeline run's model is evaluated whole, by the plain trainer, in this
     process (its checkpoints load into it). ``ema`` evaluates the moving average of the
-    weights the checkpoint holds (``ema_decay``); a checkpoint without one is refused.
+    weights the checkpoint holds (``ema_decay``); a checkpoint without one is refused. Which
+    weights are evaluated is logged: without ``ema``, a run that evaluated with its average
+    (``eval_with_ema``) reported other metrics than its trained weights give, and the log says so.
     """
     from forge.checkpoint import CheckpointError
     from forge.launch.worker import build_variables
@@ -113,8 +115,24 @@ def evaluate_checkpoint(
         trainer.load_weights(checkpoint)
         if average is not None:
             load_ema_weights(trainer.model, average, str(checkpoint))
+        logger.info("%s", _which_weights(trainer.args, checkpoint, average is not None))
         _at_checkpoint_step(trainer, checkpoint)
         return trainer.evaluate(dataset, metric_key_prefix=split)
+
+
+def _which_weights(args: Any, checkpoint: Path, ema: bool) -> str:
+    """The log line that says which weights ``forge evaluate`` evaluates."""
+    if ema:
+        return "evaluating the moving average of the weights it holds (--ema)"
+    if getattr(args, "eval_with_ema", False):
+        return (
+            "evaluating its trained weights, not the moving average of the weights that its run "
+            "evaluated with (eval_with_ema: true), so its metrics differ from the run's own; "
+            "--ema evaluates the average"
+        )
+    if getattr(args, "ema_decay", None):
+        return "evaluating its trained weights; --ema evaluates the moving average it holds"
+    return "evaluating its trained weights"
 
 
 def _one_process_trainer(trainer: Any) -> Any:
