@@ -136,8 +136,9 @@ def _stage_and_replace(output: Path, write: Any) -> None:
 def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: str | int) -> None:
     """A LoRA checkpoint's adapter (peft's files) or, with ``merge``, its merged model; the
     tokenizer files either way, never the training state."""
-    from forge.checkpoint.adapter import load_adapter_model
+    from forge.checkpoint.adapter import adapter_base, load_adapter_model
     from forge.checkpoint.io import save_model_weights
+    from forge.checkpoint.weights import hf_directory_problem
 
     keep = [
         p.name
@@ -145,16 +146,42 @@ def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: s
         if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(_STATE_SUFFIXES)
     ]
     if merge:
-        model = load_adapter_model(source)
-        save_model_weights(model, directory, max_shard_size=max_shard_size)
+        base = adapter_base(source)
+        problem = hf_directory_problem(base)
+        if problem is None:
+            save_model_weights(load_adapter_model(source), directory, max_shard_size=max_shard_size)
+            what = ""
+        else:  # a module of the user's own: built by its run's config, exported as a state dict
+            model = _plain_base_model(source, base, problem)
+            _save_state_dict(model.state_dict(), directory, max_shard_size)
+            what = f" (a {type(model).__name__}, no transformers model: its state dict)"
         keep = [name for name in keep if name not in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
-        logger.info("exported the base of %s with its LoRA adapter merged", source)
+        logger.info("exported the base of %s with its LoRA adapter merged%s", source, what)
     else:
         logger.info(
             "exported the LoRA adapter of %s (load it with PeftModel.from_pretrained)", source
         )
     for name in keep:
         shutil.copy2(source / name, directory / name)
+
+
+def _plain_base_model(source: Path, base: Path, problem: str) -> Any:
+    """A LoRA checkpoint's base that is no Hugging Face model directory, with the adapter
+    merged: the module its run's config builds, given the base's weights. Refused, saying why,
+    for an adapter outside its run (nothing else can build the module)."""
+    from forge.cli.predict import build_checkpoint_model, run_of_checkpoint
+
+    try:
+        run_of_checkpoint(source)
+    except UsageError:
+        raise UsageError(
+            f"--merge-lora: the base of {source}'s adapter, {base}, is no Hugging Face model "
+            f"directory ({problem}): it is a module only its run's config builds, and {source} "
+            "is not inside a forge run. Merge from the run's checkpoint, or export the adapter "
+            "without --merge-lora and merge it with PeftModel.from_pretrained(model, OUT)"
+            ".merge_and_unload() on the model holding the base's weights"
+        ) from None
+    return build_checkpoint_model(source)
 
 
 class _Plan:

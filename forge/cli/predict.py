@@ -173,10 +173,26 @@ def _at_checkpoint_step(trainer: Any, checkpoint: Path) -> None:
 def build_checkpoint_model(checkpoint: Path, allow: list[str] = ()) -> Any:
     """The model of the run that wrote ``checkpoint``, built as its training built it (the
     trainer's ``model`` in the run's ``config.yaml``: the module, or what its builder
-    returns), holding the checkpoint's weights by name, in eval mode."""
+    returns), holding the checkpoint's weights by name, in eval mode.
+
+    A LoRA checkpoint's model is the run's base (the weights of the base directory its manifest
+    records, their hash checked) with the checkpoint's adapter merged in: the module as built,
+    no peft needed to use it."""
+    from forge.checkpoint import load_model_weights
+    from forge.checkpoint.adapter import adapter_base, is_adapter_directory, merge_adapter
+
+    model = _build_run_model(checkpoint, allow)
+    if is_adapter_directory(checkpoint):
+        load_model_weights(model, adapter_base(checkpoint), strict=True)
+        return merge_adapter(model, checkpoint)
+    load_model_weights(model, checkpoint, strict=True)
+    return model.eval()
+
+
+def _build_run_model(checkpoint: Path, allow: list[str]) -> Any:
+    """The run's model as its training built it, before any weights are loaded."""
     from torch import nn
 
-    from forge.checkpoint import load_model_weights
     from forge.config.graph import CallNode
     from forge.launch.worker import build_variables
 
@@ -194,8 +210,7 @@ def build_checkpoint_model(checkpoint: Path, allow: list[str] = ()) -> Any:
         model = built if isinstance(built, nn.Module) else built()
     if not isinstance(model, nn.Module):
         raise RuntimeFailure(f"the run's trainer.model built a {type(model).__name__}, no module")
-    load_model_weights(model, checkpoint, strict=True)
-    return model.eval()
+    return model
 
 
 def _split_dataset(cfg: Any, trainer: Any, split: str, variables: dict[str, Any]) -> Any:

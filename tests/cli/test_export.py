@@ -281,3 +281,86 @@ def test_export_ema_of_a_plain_module_writes_its_average_as_a_state_dict(plain_e
     raw = load_file(tmp_path / "raw" / "model.safetensors")
     assert raw.keys() == trained.keys()
     assert all(torch.equal(raw[name], trained[name]) for name in trained)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA on a model of the user's own
+
+
+LORA_CONFIG = """\
+-- extends 'configs/lm.yaml'
+-- block trainer
+    == super()
+    peft_config: !singleton:peft:LoraConfig
+        r: 4
+        target_modules: [head]
+-- endblock
+"""
+
+
+@pytest.fixture(scope="module")
+def plain_lora_run(tmp_path_factory):
+    from tests.plain_project import train_in_process, write_project
+
+    root = write_project(tmp_path_factory.mktemp("plain") / "plain")
+    (root / "templates" / "configs" / "lora.yaml").write_text(LORA_CONFIG)
+    return train_in_process(root, "lora")
+
+
+def base_with_adapter(run_dir, ckpt):
+    """The oracle: the run's base, read from its base_model/ copy, with peft's adapter on it
+    (not merged)."""
+    from peft import PeftModel
+
+    base = load_file(run_dir / "base_model" / "model.safetensors")
+    model = tiny_lm_class(run_dir)(vocab_size=base["head.bias"].numel())
+    model.load_state_dict(base, strict=True)
+    return PeftModel.from_pretrained(model, ckpt).eval()
+
+
+def test_merge_lora_of_a_plain_module_writes_the_merged_state_dict(plain_lora_run, tmp_path):
+    ckpt = plain_lora_run / "checkpoints" / "checkpoint-000004"
+    assert not (plain_lora_run / "base_model" / "config.json").exists()
+    out = tmp_path / "merged"
+    export_model(ckpt, out, merge_lora=True)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    oracle = base_with_adapter(plain_lora_run, ckpt)
+    merged = strict_load(
+        tiny_lm_class(plain_lora_run)(vocab_size=oracle.head.base_layer.out_features), out
+    )
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        expected, got = oracle(input_ids=ids)["logits"], merged.eval()(input_ids=ids)["logits"]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    base = load_file(plain_lora_run / "base_model" / "model.safetensors")
+    assert not torch.equal(merged.head.weight, base["head.weight"])  # the adapter is in it
+    # outside its run nothing builds the module: refused, saying why and what to do
+    import shutil
+
+    alone = shutil.copytree(ckpt, tmp_path / "alone" / "checkpoint-000004")
+    with pytest.raises(UsageError, match="is no Hugging Face model directory .* not inside a"):
+        export_model(alone, tmp_path / "refused", merge_lora=True)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_predict_and_generate_use_a_plain_modules_lora_checkpoint(plain_lora_run, tmp_path):
+    from transformers import AutoTokenizer
+
+    from forge.cli.generate import generate_text
+    from forge.cli.predict import continue_with_module, predict_file
+
+    ckpt = plain_lora_run / "checkpoints" / "checkpoint-000004"
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    oracle = base_with_adapter(plain_lora_run, ckpt)
+    ids = tokenizer("def add", return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(continue_with_module(oracle, tokenizer, ids, 4, 0.0))
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('"def add"\n')
+    predict_file(ckpt, inputs, tmp_path / "out.jsonl", max_new_tokens=4)
+    assert json.loads((tmp_path / "out.jsonl").read_text())["prediction"] == expected
+    [text] = generate_text(ckpt, "def add", max_new_tokens=4, temperature=0.0)
+    assert text == tokenizer.decode(
+        ids[0].tolist() + continue_with_module(oracle, tokenizer, ids, 4, 0.0)
+    )
