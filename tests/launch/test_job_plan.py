@@ -270,3 +270,18 @@ def test_a_lora_runs_trainable_parameters_and_checkpoint_are_the_adapters(plain,
     on_disk = saved_size(checkpoint, "adapter_model.safetensors", "optimizer.pt")
     assert planned_size(lines) == pytest.approx(on_disk, rel=0.15)
     assert "(the adapter " in next(line for line in lines if line.startswith("  checkpoints"))
+
+
+def test_define_null_turns_the_moving_average_off_as_yaml_null_does(plain, capsys):
+    """`-D ema_decay=null` is YAML's null, the documented "off" (it rendered as the string
+    'None', which the argument check refused)."""
+    (plain / "templates" / "configs" / "ema.yaml").write_text(
+        "-- extends 'configs/lm.yaml'\n-- block trainer_args\n    == super()\n"
+        "    ema_decay: {{ ema_decay | default(0.9) }}\n-- endblock\n"
+    )
+    on = main(["train", "ema", "-p", str(plain), "--dry-run"])
+    assert on == 0 and "+ moving average" in capsys.readouterr().out
+    off = main(["train", "ema", "-p", str(plain), "-D", "ema_decay=null", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert off == 0, err
+    assert "memory/rank" in out and "moving average" not in out
