@@ -146,7 +146,7 @@ def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: s
         if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(_STATE_SUFFIXES)
     ]
     if merge:
-        base = adapter_base(source)
+        base = adapter_base(source, verify=False)  # its hash is checked where it is read
         problem = hf_directory_problem(base)
         if problem is None:
             save_model_weights(load_adapter_model(source), directory, max_shard_size=max_shard_size)
@@ -335,12 +335,12 @@ def _save_state_dict(tensors: dict[str, Any], directory: Path, max_shard_size: s
 
     from forge.checkpoint.io import quiet_hub_saves
 
-    seen: set[tuple[int, int, tuple[int, ...]]] = set()
+    seen: set[int] = set()
     unshared = {}
     for name, tensor in tensors.items():
-        key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape))
-        unshared[name] = tensor.clone() if tensor.numel() and key in seen else tensor
-        seen.add(key)
+        storage = tensor.untyped_storage().data_ptr()
+        unshared[name] = tensor.clone() if tensor.numel() and storage in seen else tensor
+        seen.add(storage)
     with quiet_hub_saves():  # its "successfully saved" names the staging directory
         save_torch_state_dict(
             unshared, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}

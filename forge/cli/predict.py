@@ -115,12 +115,12 @@ def evaluate_checkpoint(
         trainer.load_weights(checkpoint)
         if average is not None:
             load_ema_weights(trainer.model, average, str(checkpoint))
-        logger.info("%s", _which_weights(trainer.args, checkpoint, average is not None))
+        logger.info("%s", _which_weights(trainer.args, ema=average is not None))
         _at_checkpoint_step(trainer, checkpoint)
         return trainer.evaluate(dataset, metric_key_prefix=split)
 
 
-def _which_weights(args: Any, checkpoint: Path, ema: bool) -> str:
+def _which_weights(args: Any, *, ema: bool) -> str:
     """The log line that says which weights ``forge evaluate`` evaluates."""
     if ema:
         return "evaluating the moving average of the weights it holds (--ema)"
