@@ -29,7 +29,7 @@ def test_a_wrapper_trained_by_one_and_two_stages_exports_its_transformers_model(
     from transformers import AutoModelForCausalLM
 
     from forge.checkpoint import load_model_weights
-    from tests.test_predict import project_module
+    from tests.cli.test_predict import project_module
 
     root = write_project(tmp_path / "plain")
     checkpoints = {
