@@ -46,10 +46,10 @@ def test_the_steps_run_as_written_with_their_batch_index_and_logs(tmp_path, capl
     losses = steps_of(records, "loss")
     assert steps_of(records, "train_loss_step") == losses  # on_step: the step's value
     assert steps_of(records, "batch_index") == {s: float((s - 1) % 5) for s in range(1, 13)}
-    # on_epoch: the epoch's mean, logged at its last step (and at the run's end, mid-epoch)
+    # on_epoch: the epoch's mean, logged at its last step (none for the epoch cut short)
     epochs = steps_of(records, "train_loss_epoch")
-    assert sorted(epochs) == [5, 10, 12]
-    for end, first in ((5, 1), (10, 6), (12, 11)):
+    assert sorted(epochs) == [5, 10]
+    for end, first in ((5, 1), (10, 6)):
         mean = sum(losses[s] for s in range(first, end + 1)) / (end - first + 1)
         assert epochs[end] == pytest.approx(mean, abs=1e-7)
     # validation_step's self.log: eval_NAME; it returns no loss, so there is no eval_loss
@@ -396,3 +396,26 @@ def test_the_pipeline_trainer_is_refused():
     plan = TrainingPlan(10, 1, 5, 1, topology)
     with pytest.raises(LightningAdapterError, match="the pipeline trainer splits a model's"):
         LightningAdapter(StandIn()).trainer_parts(plan)
+
+
+def test_the_accelerate_trainer_trains_the_adapter_as_the_plain_one(tmp_path):
+    from forge.train import AccelTrainer
+
+    plain = adapter_trainer(tmp_path / "plain", max_steps=7)
+    plain.train()
+    accelerated = adapter_trainer(tmp_path / "accel", max_steps=7)
+    accelerated = AccelTrainer(
+        accelerated.model_init,
+        accelerated.args,
+        accelerated.train_dataset,
+        eval_dataset=accelerated.eval_dataset,
+        data_collator=accelerated.data_collator,
+    )
+    accelerated.train()
+    keys = ("loss", "train_loss_epoch", "learning_rate", "eval_val_acc")
+
+    def numbers(path):
+        return [{k: r[k] for k in keys if k in r} for r in logged(path)]
+
+    assert numbers(tmp_path / "accel") == numbers(tmp_path / "plain")
+    assert_same_tensors(plain.model.state_dict(), accelerated.model.state_dict())

@@ -131,14 +131,14 @@ class LightningAdapter(nn.Module):
             result = self._call(TRAINING, given, index)
         outputs: dict[str, Any] = {"loss": self._training_loss(result)}
         size = batch_size_of(batch)
-        report_epoch = progress.epoch_ended or progress.run_ends
         for record in records:
             if record.on_step:
                 outputs[record.step_name] = record.value
             if record.on_epoch:
                 weight = record.batch_size or size
                 mean = progress.add(record.epoch_name, record.value, weight)
-                if report_epoch:  # forge logs the mean of what a window's batches return
+                # returned once, by the epoch's last batch: the mean the window logs is this
+                if progress.epoch_ended:
                     outputs[record.epoch_name] = mean
         return outputs
 
@@ -219,9 +219,8 @@ class LightningAdapter(nn.Module):
                 "trainer splits a model's layers into stages: use Trainer or AccelTrainer"
             )
         progress = self.progress
+        progress.restart_epoch(0)  # a resume restores it once the checkpoint loads
         progress.batches_per_epoch = plan.batches_per_epoch
-        progress.accumulation = plan.gradient_accumulation_steps
-        progress.max_steps = plan.max_steps
         self._trainer._attach(plan=plan)
         callbacks = [LightningCallback(self)]
         source = f"{self._owner}.configure_optimizers"
@@ -242,14 +241,15 @@ class LightningAdapter(nn.Module):
 
 class LightningCallback(TrainerCallback):
     """The trainer side of a :class:`LightningAdapter`: its epoch progress is a checkpoint
-    component of each rank, and a step that ends an epoch logs (the ``on_epoch`` values)."""
+    component of each rank, and a step that ends an epoch logs its ``on_epoch`` means (before a
+    save at that step: a checkpoint's log window never holds them, so a resumed run logs what
+    the straight one does)."""
 
     def __init__(self, adapter: LightningAdapter) -> None:
         self.adapter = adapter
 
     def on_register(self, args, state, control, register, **kwargs):
         progress = self.adapter.progress
-        progress.state = state
 
         def restart(description: str) -> None:  # another data-parallel size: the epoch restarts
             progress.restart_epoch(int(state.epoch))
@@ -257,13 +257,12 @@ class LightningCallback(TrainerCallback):
         register(Component("lightning", progress, Scope.RANK, on_reshape=restart))
 
     def on_train_begin(self, args, state, control, **kwargs):
-        self.adapter.progress.state = state
         self.adapter._trainer._attach(state=state)
 
     def on_step_end(self, args, state, control, **kwargs):
         progress = self.adapter.progress
-        if progress.epoch_ended and progress.sums and args.logging_strategy != "no":
-            control.should_log = True
+        if progress.epoch_ended and progress.sums and args.logging_strategy == "steps":
+            control.should_log = True  # ("epoch" logs there anyway)
 
 
 def _returned_loss(result: Any) -> torch.Tensor | None:

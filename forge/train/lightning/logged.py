@@ -174,17 +174,14 @@ class TrainingProgress:
     ``current_epoch``), and the epoch's weighted sums of its ``on_epoch`` values: the adapter's
     checkpoint state (rank-scoped: each rank sees its own batches).
 
-    ``batches_per_epoch`` and ``accumulation`` come from the trainer when ``train()`` starts
-    (``TrainingPlan``); before that (a check, an evaluation) epochs are not counted.
+    ``batches_per_epoch`` comes from the trainer when ``train()`` starts (``TrainingPlan``);
+    before that (a check, an evaluation) epochs are not counted.
     """
 
     def __init__(self) -> None:
         self.epoch = 0
         self.batches = 0  # micro-batches of the epoch taken so far
         self.batches_per_epoch = 0
-        self.accumulation = 1
-        self.max_steps = 0
-        self.state: Any = None  # the trainer's TrainerState (global_step), once train() starts
         self.sums: dict[str, torch.Tensor] = {}  # value x batch size, summed (float64)
         self.weights: dict[str, float] = {}  # the batch sizes summed
 
@@ -201,15 +198,6 @@ class TrainingProgress:
     def epoch_ended(self) -> bool:
         """The epoch's last micro-batch has run."""
         return bool(self.batches_per_epoch) and self.batches >= self.batches_per_epoch
-
-    @property
-    def run_ends(self) -> bool:
-        """The micro-batch that just ran is the last of the last step (``max_steps``): Lightning
-        logs the epoch's values so far when training stops inside an epoch."""
-        if self.state is None or not self.max_steps:
-            return False
-        closes_step = self.batches % self.accumulation == 0 or self.epoch_ended
-        return closes_step and self.state.global_step + 1 >= self.max_steps
 
     def add(self, name: str, value: torch.Tensor, weight: int) -> torch.Tensor:
         """Add one batch's ``value`` of ``name``; its epoch mean so far (on the device)."""
