@@ -235,7 +235,8 @@ def _check(
     collator = built.value(trainer.kwargs.get("data_collator"))
     args = built.value(trainer.kwargs.get("args"))
     dropped: list[str] = []
-    if getattr(args, "remove_unused_columns", False):  # as the trainer's loader will
+    whole = getattr(model_class, "takes_whole_batch", False)  # keeps every column
+    if getattr(args, "remove_unused_columns", False) and not whole:  # as the trainer's loader will
         given = getattr(args, "label_names", None)
         inputs = ModelInputs.of(model_class, resolve_label_names(given, model_class, loss_func))
         keys = _item_keys(dataset)
