@@ -17,6 +17,7 @@ USAGE_ERRORS = frozenset(
         "TrainingArgumentsError",  # forge.train.args
         "LoraUsageError",  # forge.train.lora: the base model given
         "CheckpointUsageError",  # forge.checkpoint.resolve: options that contradict the path
+        "AmbiguousRunError",  # forge.runs: a run number several configs have
     }
 )
 # a usage error may subclass one of these (CheckpointUsageError is a CheckpointError): usage wins

@@ -23,6 +23,7 @@ __all__ = [
 OPTIONAL_PACKAGES: dict[str, str] = {
     "datasets": "pip install 'forge[datasets]'",
     "matplotlib": "pip install 'forge[plot]'",
+    "lightning": "pip install 'forge[lightning]'",
     "wandb": "pip install wandb",
     "mlflow": "pip install mlflow",
     "tensorboard": "pip install tensorboard",

@@ -40,6 +40,11 @@ class RunError(Exception):
     """A run directory is missing or cannot be used; the message says which and why."""
 
 
+class AmbiguousRunError(RunError):
+    """A run number that several configs have, given without saying which: the user's to fix
+    (exit 2; forge.error_kinds)."""
+
+
 class RunBusyError(RunError):
     """The run is being trained by live processes; resuming it now would train it twice."""
 
@@ -373,15 +378,24 @@ def _jsonable(value: Any) -> Any:
         return str(value)
 
 
+#: how `forge resume` names one of several runs with the same number
+CHOOSE_BY_CONFIG = "add --config NAME or use --run-dir DIR"
+
+
 def find_run(
     output_root: Path,
     *,
     number: int | None = None,
     run_dir: Path | None = None,
     config_name: str | None = None,
+    choose: Any = CHOOSE_BY_CONFIG,
 ) -> Path:
     """The run to resume: an explicit dir, run ``number`` (of ``config_name`` if given), or
-    the newest run of the project."""
+    the newest run of the project.
+
+    A ``number`` that several configs' runs have is an AmbiguousRunError whose fix is
+    ``choose``: the text, or a function of the matching run directories that gives it (each
+    command names the options it takes)."""
     if run_dir is not None:
         run_dir = Path(run_dir).resolve()
         if not (run_dir / "run.json").is_file():
@@ -398,9 +412,9 @@ def find_run(
             raise RunError(f"no run number {number} under {output_root} (runs: {names})")
         if len(matching) > 1:
             names = ", ".join(str(p.relative_to(output_root)) for p in matching)
-            raise RunError(
-                f"run number {number} exists for several configs ({names}); "
-                "add --config NAME or use --run-dir DIR"
+            fix = choose(matching) if callable(choose) else choose
+            raise AmbiguousRunError(
+                f"run number {number} exists for several configs ({names}); {fix}"
             )
         return matching[0]
     if not candidates:

@@ -5,7 +5,7 @@ to save and load, which class to describe) and the trainers (whose ``forward`` n
 inputs, whose config says how the loss shifts labels).
 
 Peeled always: ``DistributedDataParallel`` / ``DataParallel`` / FSDP(1) / DeepSpeed's engine
-and forge's ``LossAdapter`` (all keep the model as ``.module``), and ``torch.compile``
+and forge's ``LossAdapter`` and ``LightningAdapter`` (all keep the model as ``.module``), and ``torch.compile``
 (``._orig_mod``); Accelerate's ``prepare`` uses exactly these. Any other module that keeps a
 child as ``.module`` (a user's own wrapper) is peeled only when it holds no parameter or buffer
 of its own: one that does is the model, and its state (the child's under ``module.``) is saved
@@ -75,6 +75,7 @@ _WRAPPERS = {
     "FullyShardedDataParallel",
     "DeepSpeedEngine",
     "LossAdapter",
+    "LightningAdapter",
 }
 
 

@@ -279,8 +279,8 @@ def test_did_you_mean_has_one_implementation():
 def test_the_loop_reaches_strategies_and_features_only_through_their_seams():
     """The loop (forge/train/loop.py), what train() builds first (setup.py) and evaluation
     import no parallelism strategy but its protocol and no feature's module (a moving average
-    of the weights, LoRA, the pipeline's split): a strategy or a feature is added beside the
-    loop, not in it."""
+    of the weights, LoRA, the pipeline's split, the Lightning adapter): a strategy or a feature
+    is added beside the loop, not in it."""
     graph = import_graph()
     loop = ("forge.train.loop", "forge.train.setup", "forge.train.evaluation")
     beside = (
@@ -291,6 +291,7 @@ def test_the_loop_reaches_strategies_and_features_only_through_their_seams():
         "forge.train.pipeline",
         "forge.train.ema",
         "forge.train.lora",
+        "forge.train.lightning",
         "forge.train.trainers",
     )
     assert all(module in graph for module in loop + beside)

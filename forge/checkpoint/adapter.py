@@ -190,6 +190,17 @@ def load_adapter_model(checkpoint: Path, auto_class: Any = None, *, merge: bool 
     return model.merge_and_unload() if merge else model
 
 
+def merge_adapter(base: nn.Module, checkpoint: Path) -> nn.Module:
+    """``base`` (any module, holding the base weights) with an adapter directory's adapter
+    merged into its weights (``merge_and_unload``): the module itself, no peft wrapper, in
+    eval mode. For a base that is no transformers model, built by its run's config."""
+    from peft import PeftModel
+
+    with no_hf_progress_bars(), quiet_peft():
+        model = PeftModel.from_pretrained(base, checkpoint)
+    return model.merge_and_unload().eval()
+
+
 @contextlib.contextmanager
 def quiet_peft() -> Iterator[None]:
     """peft reads a flag that transformers renamed: a warning that is not the user's."""

@@ -188,6 +188,21 @@ def read_weights(
     return _read_files(files, names)
 
 
+def read_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every name of the saved model's ``state_dict``, on the CPU: ``read_weights``, and each
+    tied name that the save stored once (the safetensors metadata or the index names it) as a
+    copy of its tensor, so ``load_state_dict(strict=True)`` of the model takes the result."""
+    files, aliases = weight_files(Path(directory))
+    tensors = _read_files(files, None)
+    for file in files:
+        metadata = read_safetensors_header(file).get("__metadata__") or {}
+        aliases.update({k: v for k, v in metadata.items() if isinstance(v, str)})
+    for name, stored in aliases.items():
+        if name not in tensors and stored in tensors:
+            tensors[name] = tensors[stored].clone()
+    return tensors
+
+
 def _read_files(files: list[Path], names: set[str] | None) -> dict[str, torch.Tensor]:
     from forge.checkpoint.sharded import RowReader, is_sharded
 

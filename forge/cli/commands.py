@@ -522,6 +522,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                 project.output_dir,
                 number=args.run,
                 run_dir=Path(args.run_dir) if args.run_dir else None,
+                choose=lambda matching: f"use --run-dir {matching[0]} (or another of them)",
             )
         ]
     else:
@@ -604,7 +605,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from forge.cli.export import export_model, pretrained_loader
+    from forge.cli.export import export_model, loading_hint
 
     output = Path(args.output)
     export_model(
@@ -617,10 +618,7 @@ def cmd_export(args: argparse.Namespace) -> int:
         merge_lora=args.merge_lora,
     )
     print(output)
-    if (output / "adapter_config.json").is_file():
-        logger.info("load it with PeftModel.from_pretrained(base_model, %r)", str(output))
-    else:
-        logger.info("load it with %s.from_pretrained(%r)", pretrained_loader(output), str(output))
+    logger.info("%s", loading_hint(output))
     return EXIT_OK
 
 
@@ -632,8 +630,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     from forge.runs import PROJECT_RUNS
 
     checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, runs=PROJECT_RUNS).path
-    what = "the moving average of the weights of " if args.ema else ""
-    logger.info("evaluating %s%s on the %s split", what, checkpoint, args.split)
+    logger.info("evaluating %s on the %s split", checkpoint, args.split)
     metrics = evaluate_checkpoint(checkpoint, args.split, args.allow or [], ema=args.ema)
     if args.json:
         print(json.dumps({"checkpoint": str(checkpoint), **metrics}))
@@ -736,7 +733,7 @@ def cmd_code(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _run_dir(project: Project, run: str | None) -> Path:
+def _run_dir(project: Project, run: str | None, command: str) -> Path:
     """RUN as a run directory, a path under the project's output, a run number, or the newest."""
     from forge.runs import find_run
 
@@ -746,7 +743,12 @@ def _run_dir(project: Project, run: str | None) -> Path:
         if (candidate / "run.json").is_file():
             return candidate.resolve()
     if run.isdigit():
-        return find_run(project.output_dir, number=int(run))
+
+        def choose(matching: list[Path]) -> str:
+            under = matching[0].relative_to(project.output_dir).as_posix()
+            return f"name it by its path under output/: forge {command} {under} (or another)"
+
+        return find_run(project.output_dir, number=int(run), choose=choose)
     raise UsageError(
         f"RUN {run!r} is neither a run directory, a path under {project.output_dir} "
         "(e.g. train/run_001) nor a run number; `forge runs` lists them"
@@ -757,7 +759,7 @@ def cmd_plot(args: argparse.Namespace) -> int:
     from forge.cli.plot import save_plot
 
     project = _project(args)
-    run_dir = _run_dir(project, args.run)
+    run_dir = _run_dir(project, args.run, "plot")
     metrics = [m.strip() for m in args.metric.split(",") if m.strip()] if args.metric else None
     output = Path(args.output) if args.output else run_dir / "metrics.png"
     print(save_plot(run_dir, metrics, output))
@@ -769,7 +771,7 @@ def cmd_tb(args: argparse.Namespace) -> int:
     from forge.runs import RunError
 
     project = _project(args)
-    logdir = _run_dir(project, args.run) if args.run else project.output_dir
+    logdir = _run_dir(project, args.run, "tb") if args.run else project.output_dir
     if not logdir.is_dir():
         raise RunError(f"no runs under {logdir}; start one with `forge train CONFIG`")
     command = tensorboard_command(logdir, port=args.port, host=args.host)

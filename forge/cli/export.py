@@ -11,6 +11,12 @@ the meta device; forge.checkpoint.hf): a directory of other names would load as 
 model, so it is refused, naming the mismatch. A checkpoint of a module that holds one
 transformers model (a user's wrapper) exports that model, under its own names, when the
 wrapper has no weights of its own; ``submodule`` exports it even then.
+
+A module that neither is nor holds a transformers model (the user's own ``nn.Module``) has no
+Hugging Face form: its export is its state dict, every name of ``model.state_dict()`` (a tied
+weight under each of its names, buffers as saved) in ``model.safetensors`` (sharded with an
+index past ``max_shard_size``), beside the tokenizer files and without a ``config.json``, so
+``model.load_state_dict(load_file(OUT / "model.safetensors"), strict=True)`` takes it.
 """
 
 from __future__ import annotations
@@ -85,6 +91,15 @@ def export_model(
             f"(no {ADAPTER_CONFIG}: it is a full model); export it without --merge-lora"
         )
     weight_files, extras = _classify(source)
+    if not _is_transformers_checkpoint(source):
+        if submodule is not None:
+            raise UsageError(
+                f"--submodule {submodule}: {source}'s model {_class_name(source)}holds no "
+                "transformers model to export alone; leave out --submodule to export its state "
+                "dict"
+            )
+        _export_state_dict(source, output, max_shard_size, average, extras)
+        return source
     plan = _plan(source, weight_files, submodule)
     counted: list[int] = []
 
@@ -121,8 +136,9 @@ def _stage_and_replace(output: Path, write: Any) -> None:
 def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: str | int) -> None:
     """A LoRA checkpoint's adapter (peft's files) or, with ``merge``, its merged model; the
     tokenizer files either way, never the training state."""
-    from forge.checkpoint.adapter import load_adapter_model
+    from forge.checkpoint.adapter import adapter_base, load_adapter_model
     from forge.checkpoint.io import save_model_weights
+    from forge.checkpoint.weights import hf_directory_problem
 
     keep = [
         p.name
@@ -130,16 +146,42 @@ def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: s
         if p.is_file() and p.name != MANIFEST_NAME and not p.name.endswith(_STATE_SUFFIXES)
     ]
     if merge:
-        model = load_adapter_model(source)
-        save_model_weights(model, directory, max_shard_size=max_shard_size)
+        base = adapter_base(source, verify=False)  # its hash is checked where it is read
+        problem = hf_directory_problem(base)
+        if problem is None:
+            save_model_weights(load_adapter_model(source), directory, max_shard_size=max_shard_size)
+            what = ""
+        else:  # a module of the user's own: built by its run's config, exported as a state dict
+            model = _plain_base_model(source, base, problem)
+            _save_state_dict(model.state_dict(), directory, max_shard_size)
+            what = f" (a {type(model).__name__}, no transformers model: its state dict)"
         keep = [name for name in keep if name not in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
-        logger.info("exported the base of %s with its LoRA adapter merged", source)
+        logger.info("exported the base of %s with its LoRA adapter merged%s", source, what)
     else:
         logger.info(
             "exported the LoRA adapter of %s (load it with PeftModel.from_pretrained)", source
         )
     for name in keep:
         shutil.copy2(source / name, directory / name)
+
+
+def _plain_base_model(source: Path, base: Path, problem: str) -> Any:
+    """A LoRA checkpoint's base that is no Hugging Face model directory, with the adapter
+    merged: the module its run's config builds, given the base's weights. Refused, saying why,
+    for an adapter outside its run (nothing else can build the module)."""
+    from forge.cli.predict import build_checkpoint_model, run_of_checkpoint
+
+    try:
+        run_of_checkpoint(source)
+    except UsageError:
+        raise UsageError(
+            f"--merge-lora: the base of {source}'s adapter, {base}, is no Hugging Face model "
+            f"directory ({problem}): it is a module only its run's config builds, and {source} "
+            "is not inside a forge run. Merge from the run's checkpoint, or export the adapter "
+            "without --merge-lora and merge it with PeftModel.from_pretrained(model, OUT)"
+            ".merge_and_unload() on the model holding the base's weights"
+        ) from None
+    return build_checkpoint_model(source)
 
 
 class _Plan:
@@ -194,17 +236,9 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
     try:
         if (source / CONFIG_NAME).is_file():
             config, hint, from_file = read_config(source / CONFIG_NAME), None, True
-        elif record.get("hf_config"):
+        else:  # a module holding a transformers model (_is_transformers_checkpoint)
             config = config_from_dict(record["hf_config"], f"{source / MANIFEST_NAME} (model)")
             hint, from_file = record.get("hf_submodule"), False
-        else:
-            what = f"{record['class']}, which" if record.get("class") else "one that"
-            raise RuntimeFailure(
-                f"{source} has no config.json: its model is {what} neither is nor holds a "
-                "transformers model, so there is no Hugging Face model directory to export (its "
-                "weights are the checkpoint's safetensors files, loaded by name into the model "
-                "its run's config builds: forge evaluate and forge predict do that)"
-            )
         expected = expected_weights(config)
         found = weight_shapes(weight_files)
     except Unverifiable as exc:
@@ -247,6 +281,88 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
             f"--submodule {prefix} to export the {architecture} alone, without them"
         )
     return _Plan(config, architecture, prefix, from_file)
+
+
+def _is_transformers_checkpoint(source: Path) -> bool:
+    """Whether the checkpoint's model is a transformers model (its ``config.json``) or holds
+    one (the manifest's record of it); else it is a module of the user's own."""
+    return (source / CONFIG_NAME).is_file() or bool(_model_record(source).get("hf_config"))
+
+
+def _class_name(source: Path) -> str:
+    """``"(TinyLM) "``: the class the manifest records for the checkpoint's model, or ""."""
+    recorded = _model_record(source).get("class")
+    return f"({str(recorded).rpartition('.')[2]}) " if recorded else ""
+
+
+def _export_state_dict(
+    source: Path,
+    output: Path,
+    max_shard_size: str | int,
+    average: dict[str, Any] | None,
+    extras: list[str],
+) -> None:
+    """A plain module's export: its state dict (the moving average in place of the weights it
+    covers) as ``model.safetensors``, and the tokenizer files."""
+    from forge.checkpoint.weights import read_state_dict
+
+    def write(staging: Path) -> None:
+        tensors = read_state_dict(source)
+        if average is not None:
+            from forge.train.ema import with_ema_weights
+
+            tensors = with_ema_weights(tensors, average)
+        _save_state_dict(tensors, staging, max_shard_size)
+        for name in extras:
+            shutil.copy2(source / name, staging / name)
+
+    _stage_and_replace(output, write)
+    averaged = " (the moving average in place of its weights)" if average is not None else ""
+    logger.info(
+        "exported the state dict of the model %sof %s%s: it is no transformers model, so the "
+        "export is no Hugging Face model directory (no config.json)",
+        _class_name(source),
+        source,
+        averaged,
+    )
+
+
+def _save_state_dict(tensors: dict[str, Any], directory: Path, max_shard_size: str | int) -> None:
+    """``tensors`` as ``save_pretrained`` lays weights out, every name kept: tensors that
+    share memory (tied names) are written as copies, which ``save_torch_state_dict`` would
+    otherwise store once, leaving out names that ``load_state_dict(strict=True)`` needs."""
+    from huggingface_hub import save_torch_state_dict
+
+    from forge.checkpoint.io import quiet_hub_saves
+
+    seen: set[int] = set()
+    unshared = {}
+    for name, tensor in tensors.items():
+        storage = tensor.untyped_storage().data_ptr()
+        unshared[name] = tensor.clone() if tensor.numel() and storage in seen else tensor
+        seen.add(storage)
+    with quiet_hub_saves():  # its "successfully saved" names the staging directory
+        save_torch_state_dict(
+            unshared, directory, max_shard_size=max_shard_size, metadata={"format": "pt"}
+        )
+
+
+def loading_hint(directory: Path) -> str:
+    """How to load an export: a LoRA adapter, a Hugging Face directory or a state dict."""
+    directory = Path(directory)
+    if (directory / ADAPTER_CONFIG).is_file():
+        return f"load it with PeftModel.from_pretrained(base_model, {str(directory)!r})"
+    if (directory / CONFIG_NAME).is_file():
+        return f"load it with {pretrained_loader(directory)}.from_pretrained({str(directory)!r})"
+    if (directory / WEIGHTS_INDEX_NAME).is_file():
+        return (
+            "load it into the model with huggingface_hub.load_torch_model(model, "
+            f"{str(directory)!r}, strict=True)"
+        )
+    return (
+        "load it into the model with model.load_state_dict(safetensors.torch.load_file("
+        f"{str(directory / 'model.safetensors')!r}), strict=True)"
+    )
 
 
 def pretrained_loader(directory: Path) -> str:

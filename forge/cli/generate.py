@@ -38,8 +38,9 @@ def generate_text(
 ) -> list[str]:
     """Sample ``num`` continuations of ``prompt`` from a checkpoint's model and tokenizer.
 
-    A checkpoint that is no Hugging Face model directory (a plain module's, a wrapper's) is
-    built through its run's config and sampled one token at a time."""
+    A checkpoint that is no Hugging Face model directory (a plain module's, a wrapper's, a LoRA
+    checkpoint of such a base) is built through its run's config and sampled one token at a
+    time."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM
@@ -55,17 +56,18 @@ def generate_text(
     transformers.logging.disable_progress_bar()
 
     tokenizer = checkpoint_tokenizer(checkpoint)
-    if is_adapter_directory(checkpoint):  # LoRA: its base with the adapter merged in
-        check_generative(adapter_base(checkpoint, verify=False))
+    adapter = is_adapter_directory(checkpoint)
+    described = adapter_base(checkpoint, verify=False) if adapter else checkpoint
+    problem = hf_directory_problem(described)
+    if problem is not None:  # a module of the user's own (or a LoRA base that is one)
+        return _generate_with_module(
+            checkpoint, tokenizer, problem, prompt, num, max_new_tokens, temperature, top_k,
+            seed, allow,
+        )  # fmt: skip
+    check_generative(described)
+    if adapter:  # LoRA: its base with the adapter merged in
         model = load_adapter_model(checkpoint, AutoModelForCausalLM)
     else:
-        problem = hf_directory_problem(checkpoint)
-        if problem is not None:
-            return _generate_with_module(
-                checkpoint, tokenizer, problem, prompt, num, max_new_tokens, temperature, top_k,
-                seed, allow,
-            )  # fmt: skip
-        check_generative(checkpoint)
         model = load_pretrained(checkpoint, AutoModelForCausalLM)
     torch.manual_seed(seed)
     encoded = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")

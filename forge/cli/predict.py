@@ -91,7 +91,9 @@ def evaluate_checkpoint(
     Metrics are prefixed with the split (``eval_loss``, ``test_accuracy``). Nothing is written
     to the run. A pipeline run's model is evaluated whole, by the plain trainer, in this
     process (its checkpoints load into it). ``ema`` evaluates the moving average of the
-    weights the checkpoint holds (``ema_decay``); a checkpoint without one is refused.
+    weights the checkpoint holds (``ema_decay``); a checkpoint without one is refused. Which
+    weights are evaluated is logged: without ``ema``, a run that evaluated with its average
+    (``eval_with_ema``) reported other metrics than its trained weights give, and the log says so.
     """
     from forge.checkpoint import CheckpointError
     from forge.launch.worker import build_variables
@@ -113,8 +115,24 @@ def evaluate_checkpoint(
         trainer.load_weights(checkpoint)
         if average is not None:
             load_ema_weights(trainer.model, average, str(checkpoint))
+        logger.info("%s", _which_weights(trainer.args, ema=average is not None))
         _at_checkpoint_step(trainer, checkpoint)
         return trainer.evaluate(dataset, metric_key_prefix=split)
+
+
+def _which_weights(args: Any, *, ema: bool) -> str:
+    """The log line that says which weights ``forge evaluate`` evaluates."""
+    if ema:
+        return "evaluating the moving average of the weights it holds (--ema)"
+    if getattr(args, "eval_with_ema", False):
+        return (
+            "evaluating its trained weights, not the moving average of the weights that its run "
+            "evaluated with (eval_with_ema: true), so its metrics differ from the run's own; "
+            "--ema evaluates the average"
+        )
+    if getattr(args, "ema_decay", None):
+        return "evaluating its trained weights; --ema evaluates the moving average it holds"
+    return "evaluating its trained weights"
 
 
 def _one_process_trainer(trainer: Any) -> Any:
@@ -155,10 +173,26 @@ def _at_checkpoint_step(trainer: Any, checkpoint: Path) -> None:
 def build_checkpoint_model(checkpoint: Path, allow: list[str] = ()) -> Any:
     """The model of the run that wrote ``checkpoint``, built as its training built it (the
     trainer's ``model`` in the run's ``config.yaml``: the module, or what its builder
-    returns), holding the checkpoint's weights by name, in eval mode."""
+    returns), holding the checkpoint's weights by name, in eval mode.
+
+    A LoRA checkpoint's model is the run's base (the weights of the base directory its manifest
+    records, their hash checked) with the checkpoint's adapter merged in: the module as built,
+    no peft needed to use it."""
+    from forge.checkpoint import load_model_weights
+    from forge.checkpoint.adapter import adapter_base, is_adapter_directory, merge_adapter
+
+    model = _build_run_model(checkpoint, allow)
+    if is_adapter_directory(checkpoint):
+        load_model_weights(model, adapter_base(checkpoint), strict=True)
+        return merge_adapter(model, checkpoint)
+    load_model_weights(model, checkpoint, strict=True)
+    return model.eval()
+
+
+def _build_run_model(checkpoint: Path, allow: list[str]) -> Any:
+    """The run's model as its training built it, before any weights are loaded."""
     from torch import nn
 
-    from forge.checkpoint import load_model_weights
     from forge.config.graph import CallNode
     from forge.launch.worker import build_variables
 
@@ -176,8 +210,7 @@ def build_checkpoint_model(checkpoint: Path, allow: list[str] = ()) -> Any:
         model = built if isinstance(built, nn.Module) else built()
     if not isinstance(model, nn.Module):
         raise RuntimeFailure(f"the run's trainer.model built a {type(model).__name__}, no module")
-    load_model_weights(model, checkpoint, strict=True)
-    return model.eval()
+    return model
 
 
 def _split_dataset(cfg: Any, trainer: Any, split: str, variables: dict[str, Any]) -> Any:

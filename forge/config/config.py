@@ -166,6 +166,23 @@ class Config:
             return "" if line is None else f"rendered line {line}"
         return f"{display_path(file)}:{line}"
 
+    def variables_at(self, loc: Loc) -> list[str]:
+        """The template variables that the template line which wrote ``loc`` reads (a `-D`
+        there changes what it writes), in the order they are read; none for a `--set`."""
+        if loc.origin:
+            return []
+        file, line, _ = self._where(loc.line)
+        if file is None:
+            return []
+        names = [
+            ref.name
+            for info in self.templates.values()
+            if info.file == file
+            for ref in info.references
+            if ref.line == line and ref.kind in ("read", "default")
+        ]
+        return list(dict.fromkeys(names))
+
     def describe_loc(self, loc: Loc) -> str:
         """`trainer.args (templates/configs/train.yaml:12)`, for notes on build errors."""
         location = self.location_text(loc)

@@ -5,7 +5,9 @@ Render is pure: it reads templates and produces YAML text, never importing user 
 
 from __future__ import annotations
 
+import json
 import logging
+import math
 import re
 import secrets
 from collections.abc import Callable, Mapping
@@ -170,6 +172,7 @@ def render_config(
         keep_trailing_newline=True,
         undefined=jinja2.StrictUndefined,
         autoescape=False,
+        finalize=yaml_text,
     )
     env.filters[STRIP_NEWLINES_FILTER] = strip_newlines
     # Globals reach every template: parents, includes and imports alike.
@@ -246,6 +249,38 @@ def _parse_unused_inline(env: jinja2.Environment, loader: TemplateLoader) -> Non
     for name, (source, filename) in loader.inline.items():
         if name not in used:
             env.parse(source, name, filename)
+
+
+def yaml_text(value: Any) -> Any:
+    """What ``{{ value }}`` writes (Jinja's ``finalize``): a value that Python prints otherwise
+    than YAML reads it is written as YAML: None as ``null`` (Python's ``None`` is the string
+    'None' in YAML), lists and mappings as flow YAML (their strings quoted, their nulls null,
+    their booleans true/false), so ``-D v=null`` or ``-D v=[a, null]`` renders to the value
+    the ``-D`` was read as. Anything else is written as Python prints it: a string as it is (a
+    template quotes it where YAML needs that, e.g. with ``| tojson``), a number, a boolean
+    (``True``, which YAML reads as true)."""
+    if value is None or isinstance(value, list | tuple | dict):
+        return _flow_yaml(value)
+    return value
+
+
+def _flow_yaml(value: Any) -> str:
+    if value is None:
+        return "null"
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int):
+        return str(value)
+    if isinstance(value, float):
+        if math.isnan(value):
+            return ".nan"
+        return repr(value) if math.isfinite(value) else (".inf" if value > 0 else "-.inf")
+    if isinstance(value, list | tuple):
+        return "[" + ", ".join(_flow_yaml(item) for item in value) + "]"
+    if isinstance(value, dict):
+        pairs = (f"{_flow_yaml(k)}: {_flow_yaml(v)}" for k, v in value.items())
+        return "{" + ", ".join(pairs) + "}"
+    return json.dumps(str(value), ensure_ascii=False)  # a string: quoted, as JSON (YAML) does
 
 
 def parse_define(text: str) -> tuple[str, Any]:

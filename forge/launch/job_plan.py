@@ -5,7 +5,10 @@ the training dataset that the preflight check builds anyway).
 Parallelism is data parallel x pipeline parallel x sharding (DP x PP x FSDP); sharding is
 always 1 today, and every per-rank figure goes through :func:`rank_memory`, which takes the
 shard factor, so a sharded trainer plugs its factor in. Memory is the model state only
-(weights, gradients, optimizer state): activations depend on the batch and are not counted.
+(weights, gradients, optimizer state, the moving average of the weights with ``ema_decay``):
+activations depend on the batch and are not counted. A LoRA run (``peft_config``) is counted
+with its adapter put on the meta model: its trainable parameters are the adapter's, and its
+checkpoints hold the adapter, not the frozen base.
 """
 
 from __future__ import annotations
@@ -29,6 +32,10 @@ OPTIMIZER_STATES = {
 _OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw"}
 
 
+#: bytes per parameter of the moving average of the weights (forge.train.ema keeps fp32)
+AVERAGE_BYTES = 4
+
+
 @dataclass(frozen=True)
 class RankMemory:
     """Bytes of model state one rank holds."""
@@ -36,10 +43,11 @@ class RankMemory:
     weights: int
     gradients: int
     optimizer: int
+    average: int = 0  # the moving average of the trainable weights (ema_decay), fp32
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer
+        return self.weights + self.gradients + self.optimizer + self.average
 
 
 def optimizer_states(kind: str, options: Mapping[str, Any] | None = None) -> int | None:
@@ -58,11 +66,18 @@ def optimizer_states(kind: str, options: Mapping[str, Any] | None = None) -> int
 
 
 def rank_memory(
-    held: int, trainable: int, bytes_per_param: int, states: int, *, shard: int = 1
+    held: int,
+    trainable: int,
+    bytes_per_param: int,
+    states: int,
+    *,
+    shard: int = 1,
+    average: bool = False,
 ) -> RankMemory:
     """Model state of a rank holding ``held`` parameters (``trainable`` of them trained) of
-    ``bytes_per_param`` each, with ``states`` optimizer states per trainable parameter, the
-    whole of it split ``shard`` ways (FSDP's factor; 1 without sharding)."""
+    ``bytes_per_param`` each, with ``states`` optimizer states per trainable parameter and,
+    with ``average``, an fp32 moving average of each trainable parameter, the whole of it split
+    ``shard`` ways (FSDP's factor; 1 without sharding)."""
     if shard < 1:
         raise ValueError(f"shard factor must be at least 1 (got {shard})")
     per = bytes_per_param
@@ -70,6 +85,7 @@ def rank_memory(
         weights=math.ceil(held * per / shard),
         gradients=math.ceil(trainable * per / shard),
         optimizer=math.ceil(trainable * states * per / shard),
+        average=math.ceil(trainable * AVERAGE_BYTES / shard) if average else 0,
     )
 
 
@@ -98,6 +114,12 @@ class ParameterCount:
     bytes_per_param: int
     per_process: list[int]  # parameters each process of one pipeline holds (one entry: no PP)
     trainable_per_process: list[int]
+    adapter: bool = False  # a LoRA run's: the trainable parameters are the adapter's
+
+    @property
+    def saved(self) -> int:
+        """Parameters a checkpoint's weights hold: the model's, or a LoRA run's adapter."""
+        return self.trainable if self.adapter else self.total
 
 
 def count_parameters(model: Any, pipeline_plan: Any = None) -> ParameterCount:
@@ -183,39 +205,53 @@ def describe_plan(
         return lines + _checkpoint_lines(args, total, None, checkpoints_dir)
     per_rank = ", ".join(f"{n:,}" for n in params.per_process)
     split = f"; per pipeline stage process {per_rank}" if pp > 1 else ""
+    adapter = "; LoRA: the adapter's" if params.adapter else ""
     lines.append(
         f"  parameters    {params.total:,} total, {params.trainable:,} trainable "
-        f"({params.dtype}){split}"
+        f"({params.dtype}{adapter}){split}"
     )
+    average = bool(getattr(args, "ema_decay", None))  # forge.train.ema: 0 or null is off
     if states is None:
         lines.append(f"  memory/rank   optimizer {kind}: its state size is not known to forge")
         return lines + _checkpoint_lines(args, total, None, checkpoints_dir)
     memories = [
-        rank_memory(held, trained, params.bytes_per_param, states, shard=shard)
+        rank_memory(held, trained, params.bytes_per_param, states, shard=shard, average=average)
         for held, trained in zip(params.per_process, params.trainable_per_process, strict=True)
     ]
     top = max(memories, key=lambda m: m.total)
+    averaged = f" + moving average {human_bytes(top.average)} (fp32)" if average else ""
     lines.append(
         f"  memory/rank   weights {human_bytes(top.weights)} + gradients "
         f"{human_bytes(top.gradients)} + optimizer {human_bytes(top.optimizer)} ({kind}: "
-        f"{states} state(s) per parameter) = {human_bytes(top.total)}"
+        f"{states} state(s) per parameter){averaged} = {human_bytes(top.total)}"
         + (" on the largest stage" if len(memories) > 1 else "")
         + "; activations not counted"
     )
-    whole = rank_memory(params.total, params.trainable, params.bytes_per_param, states)
-    return lines + _checkpoint_lines(args, total, whole, checkpoints_dir)
+    saved = rank_memory(
+        params.saved, params.trainable, params.bytes_per_param, states, average=average
+    )
+    return lines + _checkpoint_lines(args, total, saved, checkpoints_dir, params.adapter)
 
 
 def _checkpoint_lines(
-    args: Any, total_steps: int | None, whole: RankMemory | None, checkpoints_dir: str
+    args: Any,
+    total_steps: int | None,
+    saved: RankMemory | None,
+    checkpoints_dir: str,
+    adapter: bool = False,
 ) -> list[str]:
+    """The checkpoints line: their size (the weights, or a LoRA run's adapter, the optimizer
+    state and the moving average of the weights; no gradients), how often, where."""
     if args.save_strategy == "no":
         return [f"  checkpoints   none (save_strategy: no); the run directory is {checkpoints_dir}"]
     size = ""
-    if whole is not None:
+    if saved is not None:
+        weights = "the adapter" if adapter else "weights"
+        averaged = f" + moving average {human_bytes(saved.average)}" if saved.average else ""
         size = (
-            f"about {human_bytes(whole.weights + whole.optimizer)} each (weights "
-            f"{human_bytes(whole.weights)} + optimizer {human_bytes(whole.optimizer)}), "
+            f"about {human_bytes(saved.total - saved.gradients)} each ({weights} "
+            f"{human_bytes(saved.weights)} + optimizer {human_bytes(saved.optimizer)}"
+            f"{averaged}), "
         )
     when = f"every {args.save_steps} steps" if args.save_strategy == "steps" else "every epoch"
     saves = ""
@@ -256,11 +292,14 @@ def make_plan(
     args = build(trainer.kwargs["args"])
     pp, pipeline = 1, None
     model = None
+    peft_node = trainer.kwargs.get("peft_config")
     try:
-        with torch.device("meta"):
-            model = build(trainer.kwargs.get("model"))
-            if not isinstance(model, nn.Module):
-                model = model()
+        model = _meta_model(build, trainer.kwargs.get("model"))
+        if peft_node is not None:  # the adapter step, as the trainer takes it (the base frozen)
+            from forge.train.lora import apply_lora
+
+            with torch.device("meta"):
+                model = apply_lora(model, build(peft_node))
     except Exception as err:  # a model that reads weights or cannot run on meta
         logger.debug("model not built on the meta device (%s: %s)", type(err).__name__, err)
         model = None
@@ -282,6 +321,8 @@ def make_plan(
     except TypeError:  # an iterable dataset
         dataset_size = None
     params = count_parameters(model, pipeline) if isinstance(model, nn.Module) else None
+    if params is not None and peft_node is not None:
+        params.adapter = True
     shard = 1
     settings = getattr(args, "fsdp_settings", None)
     if pp == 1 and world_size > 1 and callable(settings) and settings() is not None:
@@ -308,6 +349,25 @@ def make_plan(
         optimizer=_optimizer(trainer.kwargs.get("optimizer"), args),
         checkpoints_dir=checkpoints_dir,
     )
+
+
+def _meta_model(build: Any, node: Any) -> Any:
+    """The trainer's model on the meta device: a LoRA base read from a directory
+    (``forge.train.lora:load_base_model``) from its config alone, any other as the config
+    builds it."""
+    import torch
+    from torch import nn
+
+    from forge.config.graph import CallNode
+
+    if isinstance(node, CallNode) and node.spec == "forge.train.lora:load_base_model":
+        from forge.train.lora import base_skeleton
+
+        given = node.kwargs.get("path", node.args[0] if node.args else None)
+        return base_skeleton(build(given) if given is not None else None)
+    with torch.device("meta"):
+        model = build(node)
+        return model if isinstance(model, nn.Module) else model()
 
 
 def _optimizer(node: Any, args: Any) -> tuple[str, int | None]:

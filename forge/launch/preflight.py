@@ -200,6 +200,11 @@ def _adapter_problems(
     except Exception as err:  # the trainer builds them and reports what fails
         logger.debug("LoRA targets not checked before launch (%s: %s)", type(err).__name__, err)
         return []
+    from forge.train.lora import known_target_modules
+
+    unnamed = hasattr(peft_config, "target_modules") and not peft_config.target_modules
+    if unnamed and known_target_modules(model) is None:
+        return [_unnamed_targets_problem(cfg, peft_node, model)]
     try:
         lora_config_for(model, peft_config)
     except TrainingArgumentsError as err:
@@ -211,6 +216,25 @@ def _adapter_problems(
             problems.append(cfg.problem(loc, text if key.startswith("trainer.") else message, None))
         return problems
     return []
+
+
+def _unnamed_targets_problem(cfg: Config, peft_node: CallNode, model: Any) -> Problem:
+    """A model of no style forge knows, whose LoRA config names no target_modules: the fix is
+    where the config sets them, a -D variable the line that writes them reads, that line, or a
+    target_modules to add to the peft_config."""
+    from forge.train.lora import example_targets, unknown_targets
+
+    example = example_targets(model)
+    loc = peft_node.arg_locs.get("target_modules")
+    if loc is None:
+        hint = f"add target_modules: {example} to trainer.peft_config (the layers to adapt)"
+        return cfg.problem(peft_node.loc, unknown_targets(model), hint)
+    names = cfg.variables_at(loc)
+    if names:
+        hint = "name them with " + " or ".join(f"-D {name}='{example}'" for name in names)
+    else:
+        hint = f"name them there, e.g. target_modules: {example}"
+    return cfg.problem(loc, unknown_targets(model), hint)
 
 
 def _located(cfg: Config, args_node: CallNode, key: str, messages: list[str]) -> list[Problem]:
@@ -285,7 +309,8 @@ def _check(
     collator = built.value(trainer.kwargs.get("data_collator"))
     args = built.value(trainer.kwargs.get("args"))
     dropped: list[str] = []
-    if getattr(args, "remove_unused_columns", False):  # as the trainer's loader will
+    whole = getattr(model_class, "takes_whole_batch", False)  # keeps every column
+    if getattr(args, "remove_unused_columns", False) and not whole:  # as the trainer's loader will
         given = getattr(args, "label_names", None)
         inputs = ModelInputs.of(model_class, resolve_label_names(given, model_class, loss_func))
         keys = _item_keys(dataset)

@@ -13,6 +13,7 @@ from typing import Any
 _EXPORTS = {
     "AccelTrainer": "trainers",
     "AccelTrainingArguments": "args.accelerate",
+    "LightningAdapter": "lightning",
     "LossAdapter": "plain_models",
     "TrainingArguments": "args",
     "TrainingArgumentsError": "args",

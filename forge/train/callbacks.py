@@ -207,6 +207,10 @@ class CallbackHandler:
     def add(self, callback: TrainerCallback | type[TrainerCallback]) -> None:
         self.callbacks.append(callback() if isinstance(callback, type) else callback)
 
+    def remove(self, callback: TrainerCallback) -> None:
+        """Take ``callback`` (this very object) out, if it is in."""
+        self.callbacks = [cb for cb in self.callbacks if cb is not callback]
+
     def call(
         self,
         event: str,

@@ -29,6 +29,7 @@ pipeline's stages hold it).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -42,6 +43,8 @@ from forge.checkpoint import CheckpointError, Component, Scope, read_manifest
 from forge.checkpoint.registry import read_component_states
 from forge.train.callbacks import TrainerCallback
 from forge.wrappers import unwrap_model
+
+logger = logging.getLogger(__name__)
 
 #: the checkpoint component's name (files ``ema.pt`` or ``ema-stage-K-of-N.pt``)
 EMA_COMPONENT = "ema"
@@ -221,6 +224,8 @@ class EMACallback(TrainerCallback):
         self.average = WeightsEMA(
             model, self.decay, warmup_steps=self.warmup_steps, update_every=self.update_every
         )
+        stages = getattr(kwargs.get("topology"), "num_stages", 1)
+        logger.info("%s", self.describe(stages))
         register(
             Component(
                 EMA_COMPONENT,
@@ -230,6 +235,27 @@ class EMACallback(TrainerCallback):
                 reshard=WeightsEMA.reshard,
                 on_absent=self.average.reset_to_weights,  # after the weights were restored
             )
+        )
+
+    def describe(self, stages: int = 1) -> str:
+        """The log line that says the average is on, how it updates, and which weights
+        evaluation uses (of this process's parameters: with ``stages`` > 1, a stage's own)."""
+        count = sum(param.numel() for _, param in self.average.params) if self.average else 0
+        whose = f" (this process's pipeline stage of {stages})" if stages > 1 else ""
+        warmup = f"warmup {self.warmup_steps} steps" if self.warmup_steps else "no warmup"
+        every = (
+            f"every {self.update_every} applied optimizer steps"
+            if self.update_every > 1
+            else "after every applied optimizer step"
+        )
+        evaluation = (
+            "evaluation and the best checkpoint use the average (eval_with_ema)"
+            if self.evaluate
+            else "evaluation uses the trained weights (eval_with_ema: false)"
+        )
+        return (
+            f"moving average of the weights (EMA) of {count:,} trainable parameters{whose}: decay "
+            f"{self.decay:g}, {warmup}, updated {every}; {evaluation}"
         )
 
     def evaluation_weights(self, args, state, control, **kwargs):
@@ -243,6 +269,11 @@ class EMACallback(TrainerCallback):
         if args.load_best_model_at_end and state.best_checkpoint:
             self.average.load_state_dict(read_ema_component(Path(state.best_checkpoint)))
             self.average.copy_to_weights()
+            logger.info(
+                "the model holds the moving average of the weights of the best checkpoint, %s "
+                "(load_best_model_at_end with eval_with_ema: its metric was the average's)",
+                state.best_checkpoint,
+            )
 
 
 def moving_average(trainer: Any) -> WeightsEMA | None:

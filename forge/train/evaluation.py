@@ -9,7 +9,9 @@ through its stages there); a strategy that gives no outputs reports the loss onl
 Each rank runs its share of the dataset (``forge.data.build_eval_loader``); the loss is the
 mean over samples, over label tokens for token-level labels, whatever the batching, and
 predictions, labels, inputs and losses are gathered across ranks in dataset order for
-``compute_metrics`` (forge/train/predictions.py has the pieces). Evaluation forks the random
+``compute_metrics`` (forge/train/predictions.py has the pieces). The model's scalar outputs
+besides the loss (a ponder cost, what a LightningModule logs) are averaged as the loss is and
+reported as ``eval_NAME``, beside what ``compute_metrics`` returns. Evaluation forks the random
 generators, so it never changes the training trajectory; the weights it runs with may be
 chosen by a callback (``evaluation_weights``: a moving average of the weights).
 """
@@ -34,6 +36,7 @@ from forge.train.optim import set_seed
 from forge.train.predictions import (
     Accumulator,
     LossMean,
+    OutputMeans,
     gather_in_order,
     labels_of,
     loss_weight,
@@ -52,6 +55,7 @@ class Evaluation:
     def init_evaluation(self) -> None:
         self._eval_loaders: dict[int, tuple[Any, Any]] = {}  # id -> (dataset, its loader)
         self._warned_outputs = False
+        self._output_means: OutputMeans | None = None  # during an evaluation's batches
 
     # ------------------------------------------------------------------ HF's entry points
     def evaluate(
@@ -168,6 +172,7 @@ class Evaluation:
         devices = [self.device] if self.device.type == "cuda" else []
         batches = list(itertools.islice(range(len(loader)), args.max_eval_batches))
         rounds = self.strategy.eval_forwards(len(batches))
+        self._output_means = output_means = OutputMeans()  # _forward_eval adds to it
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
             for step, batch in zip(batches, loader, strict=False):
                 batch = self._to_device(batch)
@@ -202,6 +207,7 @@ class Evaluation:
                 if args.eval_accumulation_steps and (step + 1) % args.eval_accumulation_steps == 0:
                     for accumulator in kept.values():
                         accumulator.to_host()
+            self._output_means = None  # what follows repeats a batch
             if batches:  # a sharded model's forward is collective: keep every rank in step
                 for _ in range(rounds - len(batches)):
                     self.prediction_step(
@@ -241,6 +247,11 @@ class Evaluation:
                 label_names,
             )
         metrics = self._checked_metrics(metrics)
+        if self.strategy.gives_eval_outputs:  # compute_metrics' names win over the outputs'
+            outputs = output_means.reduced(
+                self.all_reduce_sum, self.device, self.topology.distributed
+            )
+            metrics = {**outputs, **metrics}
         loss, weight = losses.reduced(self.all_reduce_sum, self.device)
         if weight:  # some rank's batches gave a loss
             metrics["loss"] = loss
@@ -278,10 +289,15 @@ class Evaluation:
             num_items = self.loss.num_items_in_batch([batch], self.model)
             items = {} if num_items is None else {"num_items_in_batch": num_items}
             loss, outputs = self.compute_loss(model, batch, return_outputs=True, **items)
-            return loss.detach().mean(), outputs
-        outputs = model(**batch)
-        found = returned_loss(outputs)  # read as training reads it (a tuple's first too)
-        return (found.detach().mean() if isinstance(found, torch.Tensor) else None), outputs
+            loss = loss.detach().mean()
+        else:
+            outputs = model(**batch)
+            found = returned_loss(outputs)  # read as training reads it (a tuple's first too)
+            loss = found.detach().mean() if isinstance(found, torch.Tensor) else None
+        if self._output_means is not None:  # weighed as the loss is
+            weight = loss_weight(batch_size_of(batch), labels, is_causal_lm(self.model))
+            self._output_means.add(outputs, weight)
+        return loss, outputs
 
     # ------------------------------------------------------------------ helpers
     def _evaluation_weights(self) -> Any:

@@ -66,6 +66,7 @@ from forge.train.loop_state import (
 )
 from forge.train.loss import TrainingLoss, batch_size_of, takes_keyword
 from forge.train.memory import peak_memory
+from forge.train.model_parts import ModelParts
 from forge.train.optim import MetricSchedule, current_lr
 from forge.train.precision import device_problems, numerics
 from forge.train.runtime import Intervals
@@ -169,6 +170,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
         self.optimizer: Optimizer | None = None
         self.lr_scheduler: LRScheduler | None = None
         self.scaler: torch.amp.GradScaler | None = None
+        self.model_parts = ModelParts()  # what the model brings (forge/train/model_parts.py)
         self.train_loader: Any = None
         self.max_steps = 0
         self.num_epochs = 0

@@ -202,21 +202,46 @@ def adaptable_layers(model: nn.Module) -> dict[str, nn.Module]:
     }
 
 
-def default_target_modules(model: nn.Module) -> list[str]:
-    """The attention and MLP projections of a Llama-, OPT-, GPT-2-, BERT- or T5-style model;
-    TrainingArgumentsError naming the layers there are for any other."""
+def known_target_modules(model: nn.Module) -> list[str] | None:
+    """The attention and MLP projections of a Llama-, OPT-, GPT-2-, BERT- or T5-style model,
+    or None for a model of no style forge knows."""
     present = {name.rpartition(".")[2] for name in adaptable_layers(model)}
     for _, attention, mlp in _FAMILIES:
         if set(attention) <= present:
             return [name for name in (*attention, *mlp) if name in present]
+    return None
+
+
+def default_target_modules(model: nn.Module) -> list[str]:
+    """The attention and MLP projections of a Llama-, OPT-, GPT-2-, BERT- or T5-style model;
+    TrainingArgumentsError naming the layers there are for any other. (Where the config sets
+    the LoRA config, forge train's check says how to name them there: forge.launch.preflight.)"""
+    found = known_target_modules(model)
+    if found is not None:
+        return found
     raise TrainingArgumentsError(
         [
-            f"{PEFT_KEY}.target_modules: forge cannot tell which layers of a "
-            f"{type(model).__name__} to adapt (it knows Llama-, OPT-, GPT-2-, BERT- and T5-style "
-            "attention and MLP projections); name them with -D lora_target_modules='[...]' "
-            f"(its linear layers are named {_layer_names(model)})"
+            f"{PEFT_KEY}.target_modules: {unknown_targets(model)}; name them in the LoRA "
+            f"config's target_modules, e.g. target_modules: {example_targets(model)} (a config "
+            "that takes its peft_config from the template library's trainers/lora.yaml sets "
+            "them with -D lora_target_modules='[...]')"
         ]
     )
+
+
+def unknown_targets(model: nn.Module) -> str:
+    """Why ``model``'s LoRA targets must be named, and the names of the layers there are."""
+    return (
+        f"forge cannot tell which layers of a {type(model).__name__} to adapt (it knows Llama-, "
+        "OPT-, GPT-2-, BERT- and T5-style attention and MLP projections); the layers LoRA can "
+        f"adapt are named {_layer_names(model)}"
+    )
+
+
+def example_targets(model: nn.Module) -> str:
+    """``[a, b]``: a flow list of (up to two of) ``model``'s adaptable layer names."""
+    names = sorted({n.rpartition(".")[2] for n in adaptable_layers(model)})
+    return f"[{', '.join(names[:2])}]"
 
 
 def target_problems(model: nn.Module, targets: Any, field: str = "target_modules") -> list[str]:

@@ -192,8 +192,13 @@ def takes_keyword(function: Callable[..., Any], name: str) -> bool:
 def default_label_names(model: Any) -> list[str]:
     """The batch keys that hold labels: the ``forward`` parameters with "label" in their name
     (start/end positions for question answering), as HF's Trainer finds them. ``model`` is a
-    module (looked at through its wrappers) or a module class."""
+    module (looked at through its wrappers) or a module class. No names for a model that hands its
+    step the batch whole (``takes_whole_batch``, as LightningAdapter), whose step reads its
+    labels itself."""
     from transformers.utils import find_labels
+
+    if getattr(model, "takes_whole_batch", False):
+        return []
 
     return find_labels(
         model if isinstance(model, type) else type(unwrap_model(model, through_adapters=True))

@@ -1,5 +1,6 @@
-"""Models written for plain PyTorch or Lightning rather than Hugging Face, and what to say when
-a batch or a model's output does not fit the trainers' contract.
+"""Models written for plain PyTorch rather than Hugging Face, and what to say when a batch or a
+model's output does not fit the trainers' contract (a LightningModule has an adapter of its own:
+forge/train/lightning/).
 
 forge's trainers call ``model(**batch)`` and read the loss from ``.loss`` or ``["loss"]``
 (Hugging Face's convention). A model whose ``forward`` returns its loss as a bare tensor, or

@@ -6,7 +6,8 @@ dataset, predictions and labels are padded with -100 and concatenated, moved to 
 every ``eval_accumulation_steps`` batches (else at the end), gathered across ranks in dataset
 order, and handed to ``compute_metrics`` as an ``EvalPrediction`` of numpy arrays. The loss is
 averaged per sample, or per label token when the labels are token-level, so it does not depend
-on how the data was split into batches or ranks.
+on how the data was split into batches or ranks; so are the model's scalar outputs besides the
+loss (``model_metrics``: a ponder cost, what a LightningModule's ``self.log`` recorded).
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import torch
 
 from forge.suggest import suggestion
 from forge.train import dist
+from forge.train.loop_state import model_metrics
 from forge.train.loss import IGNORE_INDEX
 
 
@@ -183,6 +185,48 @@ class LossMean:
         if self.nan_inf_filter and finite_weight > 0:
             return finite_sum / finite_weight, finite_weight
         return (all_sum / all_weight if all_weight else float("nan")), all_weight
+
+
+class OutputMeans:
+    """Weighted means of a model's scalar outputs (``model_metrics``) over evaluation batches,
+    each batch weighed as its loss is (``loss_weight``); sums stay on the device until
+    ``reduced``."""
+
+    def __init__(self) -> None:
+        self.sums: dict[str, torch.Tensor | float] = {}
+        self.weights: dict[str, float] = {}
+
+    def add(self, outputs: Any, weight: int) -> None:
+        if weight <= 0:
+            return
+        for name, value in model_metrics(outputs).items():
+            value = value.detach().double() if isinstance(value, torch.Tensor) else float(value)
+            held = self.sums.get(name)
+            self.sums[name] = value * weight if held is None else held + value * weight
+            self.weights[name] = self.weights.get(name, 0.0) + weight
+
+    def reduced(self, all_reduce_sum: Any, device: torch.device, distributed: bool) -> dict:
+        """Each output's mean over every rank's batches (the ranks agree on the names first
+        when ``distributed``: a rank may have had no batch)."""
+        names = sorted(self.sums)
+        if distributed:
+            names = sorted({name for found in dist.all_gather_objects(names) for name in found})
+        if not names:
+            return {}
+        rows = [
+            torch.as_tensor(self.sums.get(name, 0.0), dtype=torch.float64, device=device)
+            for name in names
+        ]
+        weights = torch.tensor(
+            [self.weights.get(name, 0.0) for name in names], dtype=torch.float64, device=device
+        )
+        totals = all_reduce_sum(torch.cat([torch.stack(rows), weights])).tolist()
+        count = len(names)
+        return {
+            name: totals[i] / totals[count + i]
+            for i, name in enumerate(names)
+            if totals[count + i] > 0
+        }
 
 
 def missing_metric_message(

@@ -9,6 +9,8 @@ before its first step:
   forge/train/lora.py) -> placement on the device -> activation checkpointing ->
   ``torch.compile`` -> the strategy's parallel wrap (``parallelize``); each step is a method a
   subclass may override, and forge/train/transforms.py has the steps themselves;
+- what the model brings (``trainer_parts``: forge/train/model_parts.py): its own optimizer and
+  schedule where the trainer is given neither, and callbacks for this ``train()``;
 - the optimizer (through the strategy) and the learning-rate schedule;
 - this rank's loaders (forge/data/trainer_loaders.py);
 - the checkpoint manager and what a checkpoint holds (``register_components``): model,
@@ -50,6 +52,7 @@ from forge.train.callbacks import TrainerControl, TrainerState
 from forge.train.data_position import DataPosition
 from forge.train.loop_state import Batch, StopVote, Tally
 from forge.train.loss import resolve_label_names
+from forge.train.model_parts import ModelParts, TrainingPlan, offered_parts
 from forge.train.optim import build_optimizer, build_scheduler, set_seed
 from forge.train.plain_models import not_a_dict_batch
 from forge.train.runtime import Intervals, apply_runtime_settings
@@ -79,9 +82,10 @@ class TrainerSetup:
             self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
             self.num_epochs = math.ceil(args.num_train_epochs)
         self._every = Intervals.of(args, self.max_steps)
+        self.model_parts = self.adopt_model_parts()
         self.setup_optimizer()
         self.lr_scheduler = build_scheduler(
-            self.lr_scheduler_factory, self.optimizer, args, self.max_steps
+            self.model_parts.lr_scheduler, self.optimizer, args, self.max_steps
         )
         self.state = TrainerState(
             max_steps=self.max_steps,
@@ -96,10 +100,45 @@ class TrainerSetup:
         self._step_open, self._start_step = False, 0
         self.build_checkpoint_manager()
 
+    def adopt_model_parts(self) -> ModelParts:
+        """What the model offers (``trainer_parts``, forge/train/model_parts.py), as this
+        ``train()`` uses it: the model's optimizer and schedule unless the trainer was given
+        either of its own (then the trainer's, and a warning), the model's callbacks in place of
+        those a previous ``train()`` added."""
+        plan = TrainingPlan(
+            max_steps=self.max_steps,
+            num_epochs=self.num_epochs,
+            batches_per_epoch=len(self.train_loader),
+            gradient_accumulation_steps=self.args.gradient_accumulation_steps,
+            topology=self.topology,
+        )
+        parts = offered_parts(self.model, plan)
+        offers = parts.optimizer is not None or parts.lr_scheduler is not None
+        given = self.optimizer_factory is not None or self.lr_scheduler_factory is not None
+        if offers and given:
+            self._warn(
+                "the trainer's optimizer / lr_scheduler are given, so those of %s are not used",
+                parts.source,
+            )
+        elif offers:
+            self._info(
+                "optimizer and learning-rate schedule from %s (%s.learning_rate, "
+                "lr_scheduler_type and warmup are not used)",
+                parts.source,
+                self.args.config_key,
+            )
+        if given or not offers:
+            parts.optimizer, parts.lr_scheduler = self.optimizer_factory, self.lr_scheduler_factory
+        for callback in self.model_parts.callbacks:  # a previous train()'s model
+            self.callback_handler.remove(callback)
+        for callback in parts.callbacks:
+            self.callback_handler.add(callback)
+        return parts
+
     def setup_optimizer(self) -> None:
         """The optimizer over the model's parameters (through the strategy), and its grad
         scaler; the learning-rate schedule is built by the loop afterwards, on ``optimizer``."""
-        optimizer = build_optimizer(self.optimizer_factory, self.model, self.args)
+        optimizer = build_optimizer(self.model_parts.optimizer, self.model, self.args)
         self.optimizer = self.strategy.prepare_optimizer(optimizer)
         self.scaler = self.strategy.scaler
 
@@ -230,8 +269,9 @@ class TrainerSetup:
         )
 
     def _model_inputs(self) -> ModelInputs | None:
-        """What ``remove_unused_columns`` keeps (None: keep every column)."""
-        if not self.args.remove_unused_columns:
+        """What ``remove_unused_columns`` keeps (None: keep every column, also for a model
+        that hands its step the batch whole: ``takes_whole_batch``, as LightningAdapter)."""
+        if not self.args.remove_unused_columns or getattr(self.model, "takes_whole_batch", False):
             return None
         return ModelInputs.of(unwrap_model(self.model, through_adapters=True), self.label_names)
 

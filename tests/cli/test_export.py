@@ -102,11 +102,38 @@ def test_a_non_empty_output_is_refused_without_force(model, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []  # no leftovers
 
 
-def test_a_checkpoint_of_a_model_that_is_not_a_hugging_face_one_is_named(tmp_path):
-    ckpt = whole_checkpoint(torch.nn.Linear(4, 4), tmp_path / "ckpt")
-    with pytest.raises(RuntimeFailure, match="has no config.json"):
-        export_model(ckpt, tmp_path / "out")
-    assert not (tmp_path / "out").exists()
+def strict_load(module, out):
+    """``module`` given an export's state dict with ``load_state_dict(strict=True)``."""
+    module.load_state_dict(load_file(out / "model.safetensors"), strict=True)
+    return module
+
+
+@pytest.mark.parametrize("shard", [None, "2KB"])
+def test_a_plain_module_exports_its_state_dict_that_loads_strictly(tmp_path, shard):
+    """A module that is no transformers model has no Hugging Face form: its export is its
+    state dict, tied weights under each of their names, buffers too, so load_state_dict with
+    strict=True takes it (past --max-shard-size, huggingface_hub.load_torch_model)."""
+    from huggingface_hub import load_torch_model
+
+    from tests.checkpoint.checkpoint_helpers import TinyNet
+
+    torch.manual_seed(0)
+    net = TinyNet()
+    ckpt = whole_checkpoint(net, tmp_path / "ckpt")
+    out = tmp_path / "out"
+    export_model(ckpt, out, **({"max_shard_size": shard} if shard else {}))
+    assert not (out / "config.json").exists() and not list(out.glob("*.pt"))
+    fresh = TinyNet()
+    if shard is None:
+        assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+        strict_load(fresh, out)
+    else:
+        assert (out / "model.safetensors.index.json").is_file()
+        load_torch_model(fresh, out, strict=True)
+    for name, tensor in net.state_dict().items():
+        assert torch.equal(fresh.state_dict()[name], tensor), name
+    with pytest.raises(UsageError, match="holds no transformers model"):
+        export_model(ckpt, tmp_path / "sub", submodule="body")
 
 
 def wrapper_checkpoint(wrapper, root, layout):
@@ -206,3 +233,134 @@ def test_an_older_wrapper_checkpoint_with_its_inner_config_exports_that_model(tm
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.randint(0, 96, (1, 8))
     assert torch.equal(gpt2_logits(loaded, ids), gpt2_logits(wrapper.lm, ids))
+
+
+# ---------------------------------------------------------------------------------------------
+# a model of the user's own, trained with a moving average of its weights
+
+
+EMA_OVERRIDES = ["trainer.args.ema_decay=0.9", "trainer.args.eval_with_ema=true"]
+
+
+@pytest.fixture(scope="module")
+def plain_ema_run(tmp_path_factory):
+    from tests.plain_project import train_in_process, write_project
+
+    root = write_project(tmp_path_factory.mktemp("plain") / "plain")
+    return train_in_process(root, "lm", EMA_OVERRIDES)
+
+
+def tiny_lm_class(run_dir):
+    """The project's own TinyLM class, imported from its file."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location(
+        "plain_export_model", run_dir.parents[2] / "model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.TinyLM
+
+
+def test_export_ema_of_a_plain_module_writes_its_average_as_a_state_dict(plain_ema_run, tmp_path):
+    from forge.train.ema import read_ema_state
+
+    ckpt = plain_ema_run / "checkpoints" / "checkpoint-000004"
+    out = tmp_path / "ema"
+    export_model(ckpt, out, ema=True)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    average = read_ema_state(ckpt)
+    trained = load_file(ckpt / "model.safetensors")
+    model = strict_load(tiny_lm_class(plain_ema_run)(vocab_size=trained["head.bias"].numel()), out)
+    for name, param in model.named_parameters():
+        assert torch.equal(param.detach(), average[name]), name
+        assert not torch.equal(param.detach(), trained[name]), name
+    export_model(ckpt, tmp_path / "raw")  # without --ema: the trained weights
+    raw = load_file(tmp_path / "raw" / "model.safetensors")
+    assert raw.keys() == trained.keys()
+    assert all(torch.equal(raw[name], trained[name]) for name in trained)
+
+
+# ---------------------------------------------------------------------------------------------
+# LoRA on a model of the user's own
+
+
+LORA_CONFIG = """\
+-- extends 'configs/lm.yaml'
+-- block trainer
+    == super()
+    peft_config: !singleton:peft:LoraConfig
+        r: 4
+        target_modules: [head]
+-- endblock
+"""
+
+
+@pytest.fixture(scope="module")
+def plain_lora_run(tmp_path_factory):
+    from tests.plain_project import train_in_process, write_project
+
+    root = write_project(tmp_path_factory.mktemp("plain") / "plain")
+    (root / "templates" / "configs" / "lora.yaml").write_text(LORA_CONFIG)
+    return train_in_process(root, "lora")
+
+
+def base_with_adapter(run_dir, ckpt):
+    """The oracle: the run's base, read from its base_model/ copy, with peft's adapter on it
+    (not merged)."""
+    from peft import PeftModel
+
+    base = load_file(run_dir / "base_model" / "model.safetensors")
+    model = tiny_lm_class(run_dir)(vocab_size=base["head.bias"].numel())
+    model.load_state_dict(base, strict=True)
+    return PeftModel.from_pretrained(model, ckpt).eval()
+
+
+def test_merge_lora_of_a_plain_module_writes_the_merged_state_dict(plain_lora_run, tmp_path):
+    ckpt = plain_lora_run / "checkpoints" / "checkpoint-000004"
+    assert not (plain_lora_run / "base_model" / "config.json").exists()
+    out = tmp_path / "merged"
+    export_model(ckpt, out, merge_lora=True)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "model.safetensors", "tokenizer.json", "tokenizer_config.json",
+    ]  # fmt: skip
+    oracle = base_with_adapter(plain_lora_run, ckpt)
+    merged = strict_load(
+        tiny_lm_class(plain_lora_run)(vocab_size=oracle.head.base_layer.out_features), out
+    )
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        expected, got = oracle(input_ids=ids)["logits"], merged.eval()(input_ids=ids)["logits"]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    base = load_file(plain_lora_run / "base_model" / "model.safetensors")
+    assert not torch.equal(merged.head.weight, base["head.weight"])  # the adapter is in it
+    # outside its run nothing builds the module: refused, saying why and what to do
+    import shutil
+
+    alone = shutil.copytree(ckpt, tmp_path / "alone" / "checkpoint-000004")
+    with pytest.raises(UsageError, match="is no Hugging Face model directory .* not inside a"):
+        export_model(alone, tmp_path / "refused", merge_lora=True)
+    assert not (tmp_path / "refused").exists()
+
+
+def test_predict_and_generate_use_a_plain_modules_lora_checkpoint(plain_lora_run, tmp_path):
+    from transformers import AutoTokenizer
+
+    from forge.cli.generate import generate_text
+    from forge.cli.predict import continue_with_module, predict_file
+
+    ckpt = plain_lora_run / "checkpoints" / "checkpoint-000004"
+    tokenizer = AutoTokenizer.from_pretrained(ckpt)
+    oracle = base_with_adapter(plain_lora_run, ckpt)
+    ids = tokenizer("def add", return_tensors="pt")["input_ids"]
+    expected = tokenizer.decode(continue_with_module(oracle, tokenizer, ids, 4, 0.0))
+    inputs = tmp_path / "in.jsonl"
+    inputs.write_text('"def add"\n')
+    predict_file(ckpt, inputs, tmp_path / "out.jsonl", max_new_tokens=4)
+    assert json.loads((tmp_path / "out.jsonl").read_text())["prediction"] == expected
+    [text] = generate_text(ckpt, "def add", max_new_tokens=4, temperature=0.0)
+    assert text == tokenizer.decode(
+        ids[0].tolist() + continue_with_module(oracle, tokenizer, ids, 4, 0.0)
+    )

@@ -87,3 +87,38 @@ def test_tb_without_runs_exits_1(tmp_path):
     result = run_forge("tb", "-p", str(tmp_path), "--print-command")
     assert result.returncode == 1
     assert "no runs" in result.stderr
+
+
+def test_a_run_number_several_configs_have_is_refused_with_a_fix_each_command_takes(
+    tmp_path, capsys
+):
+    """Run 1 of configs a and b: plot and tb (a RUN argument) and checkpoints (--run N) each
+    say how to name one run with what that command accepts, and the named run is found."""
+    from forge.cli import main
+    from forge.runs import create_run
+
+    (tmp_path / "meta.yaml").write_text("name: p\n")
+    for config in ("a", "b"):
+        run = create_run(
+            tmp_path / "output" / config, config_name=f"{config}.yaml", config_text="x: 1\n",
+            project_root=tmp_path, overrides=[], variables={}, nproc=1,
+        )  # fmt: skip
+        (run / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "loss": 1.0}\n')
+    project = ["-p", str(tmp_path)]
+    for command, fix in (
+        (["plot", "1"], "name it by its path under output/: forge plot a/run_001"),
+        (["tb", "1", "--print-command"], "name it by its path under output/: forge tb a/run_001"),
+        (["checkpoints", "--run", "1"], f"use --run-dir {tmp_path / 'output' / 'a' / 'run_001'}"),
+    ):
+        assert main([*command, *project]) == 2, command
+        err = capsys.readouterr().err
+        assert "run number 1 exists for several configs (a/run_001, b/run_001)" in err
+        assert fix in err and "--config" not in err, err
+    assert main(["plot", "a/run_001", *project]) == 0
+    assert capsys.readouterr().out.strip() == str(
+        tmp_path / "output" / "a" / "run_001" / "metrics.png"
+    )
+    assert (
+        main(["checkpoints", "--run-dir", str(tmp_path / "output" / "a" / "run_001"), *project])
+        == 0
+    )

@@ -193,3 +193,38 @@ def test_evaluate_gives_the_checkpoints_metrics_at_its_step(plain_runs, config, 
         metrics = evaluate_checkpoint(ckpt)
     assert metrics["eval_loss"] == pytest.approx(saved["eval_loss"], rel=1e-5)
     assert "eval at step 4 |" in caplog.text and "eval at step 0" not in caplog.text
+
+
+@pytest.fixture(scope="module")
+def ema_run(tmp_path_factory):
+    """lm trained with a moving average of its weights, evaluated with it (eval_with_ema)."""
+    from tests.plain_project import train_in_process, write_project
+
+    root = write_project(tmp_path_factory.mktemp("plain_ema") / "plain")
+    return train_in_process(
+        root, "lm", ["trainer.args.ema_decay=0.9", "trainer.args.eval_with_ema=true"]
+    )
+
+
+def test_evaluate_says_which_weights_it_evaluates(ema_run, plain_runs, caplog):
+    """The run reported the average's eval_loss (eval_with_ema): evaluate without --ema says it
+    evaluates the trained weights, which give another loss, and names --ema; with --ema it
+    says it evaluates the average and gives the run's number."""
+    from forge.checkpoint import read_manifest
+    from forge.cli.predict import evaluate_checkpoint
+
+    ckpt = newest(ema_run)
+    reported = read_manifest(ckpt).metrics["eval_loss"]
+    with caplog.at_level(logging.INFO):
+        trained_loss = evaluate_checkpoint(ckpt)["eval_loss"]
+    assert trained_loss != pytest.approx(reported, rel=1e-5)
+    assert "evaluating its trained weights, not the moving average of the weights" in caplog.text
+    assert "eval_with_ema" in caplog.text and "--ema evaluates the average" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        assert evaluate_checkpoint(ckpt, ema=True)["eval_loss"] == pytest.approx(reported, rel=1e-5)
+    assert "evaluating the moving average of the weights it holds (--ema)" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.INFO):  # a run without an average: its weights, said plainly
+        evaluate_checkpoint(newest(plain_runs["lm"]))
+    assert "evaluating its trained weights" in caplog.text and "--ema" not in caplog.text

@@ -167,3 +167,68 @@ def test_readme_plain_pytorch_model_and_data_train_with_the_adapters(tmp_path):
         result = run_forge("train", name, "-p", "plain", *steps, cwd=tmp_path)
         assert result.returncode == 0, (name, result.stderr)
         assert "eval at step 10 | eval_loss " in result.stderr, name
+
+
+def lightning_project(root) -> str:
+    """docs/models-and-data.md's LightningModule project, made as the page says: `forge new lit
+    --from blank`, its data.py (the plain PyTorch example's), lit_model.py and the config;
+    returns the project's name."""
+    assert run_forge("new", "lit", "--from", "blank", cwd=root).returncode == 0
+    project = root / "lit"
+    (project / "data.py").write_text(readme_python("# data.py"))
+    (project / "lit_model.py").write_text(readme_python("# lit_model.py"))
+    config = readme_block("# templates/configs/lightning.yaml")
+    (project / "templates" / "configs" / "lightning.yaml").write_text(config)
+    return "lit"
+
+
+def test_docs_lightning_config_checks(tmp_path):
+    """The config renders and passes the check before training (the batch reaches the
+    adapter whole); the fast representative of the training below."""
+    pytest.importorskip("lightning", reason="needs Lightning: pip install 'forge[lightning]'")
+    name = lightning_project(tmp_path)
+    result = run_forge("train", "lightning", "-p", name, "--dry-run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("config lightning.yaml renders and checks"), result.stdout
+
+
+def test_docs_lightning_refusal_is_what_the_adapter_says(tmp_path):
+    """The refusal the page shows is the adapter's, for the page's LitClassifier with an
+    on_train_epoch_end."""
+    pytest.importorskip("lightning", reason="needs Lightning: pip install 'forge[lightning]'")
+    from forge.train import LightningAdapter
+    from forge.train.lightning import LightningAdapterError
+
+    shown = docs.find(r"```\n(LightningAdapter does not run [^\n]*)\n```", "the refusal").group(1)
+    namespace: dict = {}
+    exec(compile(readme_python("# lit_model.py"), "lit_model.py", "exec"), namespace)
+    hooked = type(
+        "LitClassifier",
+        (namespace["LitClassifier"],),
+        {"on_train_epoch_end": lambda self: None},
+    )
+    with pytest.raises(LightningAdapterError) as error:
+        LightningAdapter(hooked())
+    assert str(error.value) == shown
+
+
+@pytest.mark.slow  # fast representatives: the two tests above, tests/train/test_lightning_*.py
+def test_docs_lightning_module_trains_through_the_adapter(tmp_path):
+    pytest.importorskip("lightning", reason="needs Lightning: pip install 'forge[lightning]'")
+    name = lightning_project(tmp_path)
+    (one_process, *_) = docs.commands("forge train lightning")
+    result = run_forge(*one_process, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    # 4 batches an epoch: the epoch's mean at its end, validation_step's val_acc as eval_val_acc
+    assert re.search(
+        r"step 4/8 \| loss [\d.]+ \| train_loss_step [\d.]+ \| train_loss_epoch", result.stderr
+    ), result.stderr
+    assert "eval at step 4 | eval_val_acc " in result.stderr
+    assert (
+        "optimizer and learning-rate schedule from LitClassifier.configure_optimizers"
+        in result.stderr
+    )
+    run = json.loads(
+        (tmp_path / name / "output" / "lightning" / "run_001" / "run.json").read_text()
+    )
+    assert run["status"] == "completed"

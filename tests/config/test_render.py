@@ -196,6 +196,34 @@ def test_parse_define_types(text, expected):
     assert parse_define(text) == expected
 
 
+@pytest.mark.parametrize(
+    ("define", "expected"),
+    [
+        ("v=null", None),  # YAML's null is off, not the string 'None'
+        ("v=~", None),
+        ("v=true", True),
+        ("v=false", False),
+        ("v=[1, null, true, abc]", [1, None, True, "abc"]),
+        ("v={a: null, b: [x]}", {"a": None, "b": ["x"]}),
+        ("v=20", 20),
+        ("v=1e-5", 1e-5),
+        ("v=abc", "abc"),
+        ("v=None", "None"),  # not YAML's null: a string, as YAML reads it
+        ("v=[it's, 'a: b', null]", ["it's", "a: b", None]),
+    ],
+)
+def test_a_define_renders_as_the_yaml_value_it_was_read_as(config_project, define, expected):
+    """`-D v=VALUE` is read as YAML; `{{ v }}` writes it back so the rendered YAML reads the
+    same value: null is null (no 'None'), true is true, inside lists and mappings too."""
+    from forge.config.yaml_io import parse_value
+
+    project = config_project("x: {{ v | default(0.5) }}\n")
+    name, value = parse_define(define)
+    assert value == expected
+    text = render_config(project, "train", {name: value}).text
+    assert parse_value(text.partition(": ")[2]) == expected, text
+
+
 @pytest.mark.parametrize("text", ["novalue", "=3", "bad-name=1", "1x=2"])
 def test_parse_define_rejects_bad_syntax(text):
     with pytest.raises(ConfigError, match="expected NAME=VALUE"):

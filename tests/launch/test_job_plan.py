@@ -196,3 +196,92 @@ def test_an_fsdp_dry_run_shards_the_model_state_over_its_ranks(project, capsys):
         float(n) * units[u] for n, u in re.findall(r"= ([\d.]+) (B|KiB|MiB|GiB);", whole + sharded)
     ]
     assert len(total) == 2 and total[1] == pytest.approx(total[0] / 2, rel=0.02)
+
+
+# ---------------------------------------------------------------------------------------------
+# what a checkpoint holds: the moving average of the weights, a LoRA run's adapter
+
+UNITS = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+LORA_CONFIG = """\
+-- extends 'configs/lm.yaml'
+-- block trainer
+    == super()
+    peft_config: !singleton:peft:LoraConfig
+        r: 64
+        target_modules: [head]
+-- endblock
+"""  # an adapter large enough that the files' fixed overhead is a few percent of them
+
+
+@pytest.fixture(scope="module")
+def plain(tmp_path_factory):
+    from tests.plain_project import write_project
+
+    root = write_project(tmp_path_factory.mktemp("plain") / "plain")
+    (root / "templates" / "configs" / "lora.yaml").write_text(LORA_CONFIG)
+    return root
+
+
+def planned(root, config, *overrides, capsys):
+    """The plan's lines for ``config`` of the project at ``root`` (--set ``overrides``)."""
+    sets = [word for item in overrides for word in ("--set", item)]
+    code = main(["train", config, "-p", str(root), *sets, "--dry-run"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    return out.splitlines()
+
+
+def planned_size(lines) -> float:
+    line = next(line for line in lines if line.startswith("  checkpoints"))
+    number, unit = re.search(r"about ([\d.]+) (B|KiB|MiB|GiB) each", line).groups()
+    return float(number) * UNITS[unit]
+
+
+def saved_size(checkpoint, *names) -> int:
+    return sum((checkpoint / name).stat().st_size for name in names)
+
+
+def test_the_checkpoint_size_counts_the_moving_average_of_the_weights(plain, capsys):
+    from tests.plain_project import train_in_process
+
+    ema = ["trainer.args.ema_decay=0.9"]
+    lines = planned(plain, "lm", *ema, capsys=capsys)
+    checkpoint = train_in_process(plain, "lm", ema) / "checkpoints" / "checkpoint-000004"
+    on_disk = saved_size(checkpoint, "model.safetensors", "optimizer.pt", "ema.pt")
+    assert planned_size(lines) == pytest.approx(on_disk, rel=0.1)
+    checkpoints = next(line for line in lines if line.startswith("  checkpoints"))
+    assert "+ moving average" in checkpoints
+    memory = next(line for line in lines if line.startswith("  memory/rank"))
+    assert "+ moving average" in memory
+
+
+def test_a_lora_runs_trainable_parameters_and_checkpoint_are_the_adapters(plain, capsys):
+    from safetensors.torch import load_file
+
+    from tests.plain_project import train_in_process
+
+    lines = planned(plain, "lora", capsys=capsys)
+    run = train_in_process(plain, "lora")
+    checkpoint = run / "checkpoints" / "checkpoint-000004"
+    adapter = load_file(checkpoint / "adapter_model.safetensors")
+    trainable = sum(t.numel() for t in adapter.values())
+    params = next(line for line in lines if line.startswith("  parameters"))
+    assert f", {trainable:,} trainable (float32" in params, params
+    on_disk = saved_size(checkpoint, "adapter_model.safetensors", "optimizer.pt")
+    assert planned_size(lines) == pytest.approx(on_disk, rel=0.15)
+    assert "(the adapter " in next(line for line in lines if line.startswith("  checkpoints"))
+
+
+def test_define_null_turns_the_moving_average_off_as_yaml_null_does(plain, capsys):
+    """`-D ema_decay=null` is YAML's null, the documented "off" (it rendered as the string
+    'None', which the argument check refused)."""
+    (plain / "templates" / "configs" / "ema.yaml").write_text(
+        "-- extends 'configs/lm.yaml'\n-- block trainer_args\n    == super()\n"
+        "    ema_decay: {{ ema_decay | default(0.9) }}\n-- endblock\n"
+    )
+    on = main(["train", "ema", "-p", str(plain), "--dry-run"])
+    assert on == 0 and "+ moving average" in capsys.readouterr().out
+    off = main(["train", "ema", "-p", str(plain), "-D", "ema_decay=null", "--dry-run"])
+    out, err = capsys.readouterr()
+    assert off == 0, err
+    assert "memory/rank" in out and "moving average" not in out

@@ -126,3 +126,48 @@ def test_the_pipeline_trainer_refuses_compute_loss_func_at_its_line(tmp_path):
 @pytest.fixture(autouse=True)
 def _quiet_cwd(monkeypatch, tmp_path):
     monkeypatch.chdir(tmp_path)  # problems name files relative to the working directory
+
+
+# ------------------------------------------------------------------ LoRA targets of a plain module
+
+OWN_PEFT = """\
+-- extends 'configs/lm.yaml'
+-- block trainer
+    == super()
+    peft_config: !singleton:peft:LoraConfig
+        r: 4
+-- endblock
+"""
+LIBRARY_PEFT = """\
+-- extends 'configs/lm.yaml'
+-- import 'trainers/lora.yaml' as lora
+-- block trainer
+    == super()
+== lora.peft_config()
+-- endblock
+"""
+
+
+@pytest.mark.parametrize("config", ["own", "library"])
+def test_lora_targets_a_plain_module_needs_are_asked_for_where_the_config_sets_them(
+    tmp_path, capsys, config
+):
+    """A module of no known style must name its LoRA targets: a peft_config of the user's own
+    is told to add target_modules (no -D reads it), the library's macro -D lora_target_modules."""
+    from forge.cli import main
+    from tests.plain_project import write_project
+
+    root = write_project(tmp_path / "plain")
+    (root / "templates" / "configs" / "own.yaml").write_text(OWN_PEFT)
+    (root / "templates" / "configs" / "library.yaml").write_text(LIBRARY_PEFT)
+    assert main(["train", config, "-p", str(root), "--dry-run"]) == 2
+    err = capsys.readouterr().err
+    assert "forge cannot tell which layers of a TinyLM to adapt" in err
+    assert "embed, head" in err and "Traceback" not in err
+    if config == "own":
+        assert "own.yaml:4:" in err  # the peft_config line: it has no target_modules
+        assert "add target_modules: [embed, head] to trainer.peft_config" in err
+        assert "-D" not in err
+    else:
+        assert "trainers/lora.yaml:" in err  # the line that writes target_modules
+        assert "-D lora_target_modules='[embed, head]'" in err

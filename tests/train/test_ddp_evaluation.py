@@ -1,5 +1,5 @@
 """Evaluation on 2 ranks (torchrun, gloo) gives what one process gives: every row once, in
-dataset order, the same per-sample loss."""
+dataset order, the same per-sample loss, the same means of the model's scalar outputs."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from tests.train.ddp_eval_script import EVAL_SIZE
+from tests.train.ddp_eval_script import EVAL_SIZE, with_label_mean
 from tests.train.test_evaluation import classifier, forge_classifier_trainer
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -39,7 +39,10 @@ def test_two_ranks_gather_every_prediction_in_order(tmp_path):
         return {"rows": len(eval_pred.label_ids)}
 
     trainer = forge_classifier_trainer(
-        tmp_path / "one", classifier(), eval_size=EVAL_SIZE, per_device_eval_batch_size=4
+        tmp_path / "one",
+        with_label_mean(classifier()),
+        eval_size=EVAL_SIZE,
+        per_device_eval_batch_size=4,
     )
     trainer.compute_metrics = record
     one = trainer.evaluate()
@@ -47,3 +50,7 @@ def test_two_ranks_gather_every_prediction_in_order(tmp_path):
     assert ddp["labels"] == seen["labels"].tolist()  # dataset order
     np.testing.assert_allclose(ddp["predictions"], seen["predictions"], atol=1e-5)
     assert abs(ddp["metrics"]["eval_loss"] - one["eval_loss"]) < 1e-6
+    # a scalar output: its mean over the 21 rows, on one process as on two
+    label_mean = float(np.mean(seen["labels"]))
+    assert one["eval_label_mean"] == pytest.approx(label_mean, abs=1e-6)  # float32 means
+    assert ddp["metrics"]["eval_label_mean"] == pytest.approx(label_mean, abs=1e-6)

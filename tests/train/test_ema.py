@@ -5,6 +5,7 @@ evaluates with it without changing the training, and that export --ema writes it
 from __future__ import annotations
 
 import functools
+import logging
 
 import pytest
 import torch
@@ -275,6 +276,29 @@ def test_eval_with_ema_reports_the_averages_loss_and_leaves_training_unchanged(t
         by_hand = plain.evaluate()["eval_loss"]
     assert by_hand == pytest.approx(averaged.evaluate()["eval_loss"], abs=0)
     assert averaged.state.best_metric == min(evals[True])
+
+
+@pytest.mark.parametrize("with_ema", [False, True])
+def test_the_log_says_the_average_is_on_and_which_weights_evaluation_uses(
+    tmp_path, caplog, with_ema
+):
+    args = make_args(
+        tmp_path, max_steps=2, ema_decay=0.9, ema_warmup_steps=5, ema_update_every=2,
+        eval_with_ema=with_ema,
+    )  # fmt: skip
+    trainer = make_trainer(args)
+    with caplog.at_level(logging.INFO, logger="forge.train.ema"):
+        trainer.train()
+    count = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
+    [line] = [r.getMessage() for r in caplog.records if r.name == "forge.train.ema"]
+    assert line.startswith(
+        f"moving average of the weights (EMA) of {count:,} trainable parameters: decay 0.9, "
+        "warmup 5 steps, updated every 2 applied optimizer steps"
+    ), line
+    if with_ema:
+        assert line.endswith("evaluation and the best checkpoint use the average (eval_with_ema)")
+    else:
+        assert line.endswith("evaluation uses the trained weights (eval_with_ema: false)")
 
 
 def test_load_best_model_at_end_with_eval_with_ema_loads_the_best_average(tmp_path):

@@ -158,3 +158,31 @@ def test_peak_rss_is_the_process_peak_in_mib():
     assert during >= resident + 500
     assert after == during
     assert set(peak_memory(torch.device("cpu"))) == {"peak_rss_mb"}
+
+
+class FirstTokenLM(MetricLM):
+    """Returns, beside the loss, the mean first token of its batch: a value known per item."""
+
+    def forward(self, input_ids, attention_mask=None, labels=None):
+        outputs = super().forward(input_ids, attention_mask, labels)
+        return {**outputs, "first_token": input_ids[:, 0].float().mean()}
+
+
+def test_evaluation_reports_the_models_scalar_outputs_as_eval_metrics(tmp_path):
+    """Any model's scalar outputs besides the loss are averaged over the evaluation's batches,
+    each weighed as its loss is (here by its label tokens), and reported as ``eval_NAME``:
+    batches of 8, 8 and 4 items give the mean over the 20 items, not over the 3 batches."""
+    dataset = TokenDataset(20, seed=1)
+    trainer = Trainer(
+        FirstTokenLM,
+        make_args(tmp_path, max_steps=2, per_device_eval_batch_size=8),
+        TokenDataset(16),
+        eval_dataset=dataset,
+        data_collator=CausalLMCollator(pad_token_id=0),
+    )
+    trainer.train()
+    metrics = trainer.evaluate()
+    assert metrics["eval_first_token"] == pytest.approx(dataset.ids[:, 0].double().mean().item())
+    assert metrics["eval_constant"] == 0.5
+    assert "eval_per_row" not in metrics and "eval_count" not in metrics
+    assert 0 < metrics["eval_aux_loss"] < metrics["eval_loss"]
