@@ -45,6 +45,7 @@ from torch.utils.data import Dataset
 
 from forge.checkpoint import (
     Checkpoint,
+    CheckpointError,
     Component,
     unwrap_model,
 )
@@ -266,7 +267,8 @@ class BaseTrainer(TrainerSetup, Evaluation):
                 if isinstance(failure, Exception):
                     logger.debug("the training thread stopped with: %s", error)
                     raise failure from error
-                self._keep_trained_steps()
+                if not isinstance(error, CheckpointError):  # a save's own failure: not again
+                    self._keep_trained_steps()
                 raise
             finally:
                 if self.checkpoints is not None:  # a failed run still finishes a commit

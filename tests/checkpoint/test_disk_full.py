@@ -386,3 +386,38 @@ def test_a_real_full_disk_under_torch_save_to_a_path(small_disk: Path) -> None:
     needed, free = _figures(str(caught.value))
     assert needed == "8.0 MiB"
     assert free == format_bytes(free_bytes(small_disk))
+
+
+def test_a_full_disk_on_a_writer_thread_is_the_error_even_when_its_cleanup_broke_this_thread(
+    ckpt_dir, monkeypatch
+) -> None:
+    """The race, made certain: the writer thread meets the full disk and removes the temporary
+    directory while the calling thread is about to write into it. The calling thread's write
+    then fails (the directory is gone), and the user must still be told of the full disk."""
+    import threading
+
+    removed = threading.Event()
+    abort, target = CheckpointWriter._abort, CheckpointWriter._target
+
+    def abort_then_tell(self) -> None:
+        abort(self)
+        removed.set()
+
+    def target_after_the_cleanup(self, name: str) -> Path:
+        if name == "trainer_state.json":  # the calling thread's write after the thread's
+            assert removed.wait(60), "the writer thread never cleaned up"
+            # what mkdir(exist_ok=True) raises when the directory goes between its two looks
+            raise FileExistsError(errno.EEXIST, "File exists", str(self.path))
+        return target(self, name)
+
+    model, tokenizer = TinyNet(), _tokenizer()
+    _save_checkpoint(ckpt_dir, 100, model, tokenizer)
+    monkeypatch.setattr(CheckpointWriter, "_abort", abort_then_tell)
+    monkeypatch.setattr(CheckpointWriter, "_target", target_after_the_cleanup)
+    _fail_torch_save(monkeypatch, ERROR_FORMS["oserror-enospc"])
+    _report_free(monkeypatch, FREE)
+    with pytest.raises(DiskFullError) as caught:
+        _save_checkpoint(ckpt_dir, 200, model, tokenizer)
+    monkeypatch.undo()
+    assert str(caught.value).startswith("disk full: could not ")
+    assert sorted(os.listdir(ckpt_dir)) == ["checkpoint-000100"]

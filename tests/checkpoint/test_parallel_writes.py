@@ -116,3 +116,33 @@ def test_a_record_that_does_not_fit_its_file_is_hashed_again(tmp_path):
     checkpoint = two_ranks(tmp_path, storage)
     assert storage.read_back == ["state-rank-00001.pt"]  # not the other rank's wrong hash
     assert validate_checkpoint(checkpoint) == []
+
+
+def test_every_file_a_checkpoint_holds_was_fsynced_before_its_rename(tmp_path, monkeypatch):
+    """Files written on the writer threads (torch, safetensors, JSON), the model's, the
+    manifest: each reached the disk (fsync) before the directory was renamed into place."""
+    import os
+
+    synced: set[str] = set()
+    renamed: list[set[str]] = []
+    real_fsync, real_rename = os.fsync, os.rename
+
+    def fsync(fd: int) -> None:  # the manifest is fsynced as manifest.json.tmp, then renamed
+        synced.add(Path(os.readlink(f"/proc/self/fd/{fd}")).name.removesuffix(".tmp"))
+        real_fsync(fd)
+
+    def rename(src, dst):
+        renamed.append(set(synced))  # what had been fsynced when the checkpoint appeared
+        real_rename(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "rename", rename)
+    with CheckpointWriter(tmp_path, 3) as writer:
+        writer.save_model(tiny_llama(0))
+        writer.save_torch("optimizer.pt", {"exp_avg": torch.ones(4096)})
+        writer.save_torch("data-rank-00000.pt", {"position": torch.tensor(3)})
+        writer.save_safetensors("ema.safetensors", {"w": torch.ones(128)})
+        writer.save_json("trainer_state.json", {"step": 3})
+    monkeypatch.undo()
+    files = set(read_manifest(writer.final_path).files) | {"manifest.json"}
+    assert renamed and files <= renamed[-1], sorted(files - renamed[-1])

@@ -271,3 +271,55 @@ def test_a_failed_deferred_copy_never_blocks_the_loop():
     with pytest.raises(RuntimeError):
         copier.copy_deferred()
     copier.wait_copied()  # returns: the failure reaches the loop through the commit instead
+
+
+class Events(TrainerCallback):
+    """The order of on_save and on_train_end."""
+
+    def __init__(self) -> None:
+        self.events: list[str] = []
+
+    def on_save(self, args, state, control, checkpoint_path=None, **kwargs):
+        self.events.append(f"save {Path(checkpoint_path).name}")
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.events.append("train_end")
+
+
+def test_on_a_signal_the_stops_checkpoint_is_saved_before_training_ends(tmp_path):
+    """The checkpoint a signal saves in the background is committed, and its on_save run,
+    before on_train_end: a callback that closes its files there has recorded it first."""
+    events = Events()
+    trainer = _run(
+        tmp_path / "run", async_save=True, max_steps=40, callbacks=[SignalAtStep(6), events]
+    )
+    with pytest.raises(TrainingInterrupted):
+        trainer.train()
+    assert events.events[-2:] == ["save checkpoint-000006", "train_end"], events.events
+
+
+def test_the_optimizer_step_waits_for_a_slow_deferred_copy(tmp_path, monkeypatch):
+    """An async save copies the parameters and moments on the commit thread while the loop
+    runs the next forward and backward; the next optimizer step must wait for those copies.
+    A copy made slow here (it would lose a race with any step otherwise) must still hold the
+    state of its step: the async checkpoints equal the synchronous run's."""
+    from forge.checkpoint.snapshot import HostCopier
+
+    copy_deferred = HostCopier.copy_deferred
+
+    def slow(self):
+        threading.Event().wait(0.3)  # the loop reaches the next optimizer step first
+        copy_deferred(self)
+
+    monkeypatch.setattr(HostCopier, "copy_deferred", slow)
+    _run(tmp_path / "sync", async_save=False).train()
+    _run(tmp_path / "async", async_save=True).train()
+    for step in (4, 8, 12):
+        name = f"checkpoint-{step:06d}"
+        sync, background = (tmp_path / run / "checkpoints" / name for run in ("sync", "async"))
+        weights = "model.safetensors"
+        assert read_manifest(sync).files[weights] == read_manifest(background).files[weights]
+        for file, state in _state_files(sync).items():
+            assert_same_tensors(
+                _tensors(state), _tensors(_state_files(background)[file]), f"{name}/{file}"
+            )
