@@ -668,9 +668,32 @@ def parse_run_config(
 
 
 def checkpoint_count(run_dir: Path) -> int:
-    """Checkpoints run.json records that are still on disk (rotation deletes old ones)."""
+    """The run's checkpoints on disk: those run.json records that are still there (rotation
+    deletes old ones), and any committed one it does not record yet (a run killed between a
+    background commit and the step that records it)."""
     entries = RunRecord.load(run_dir).data.get("checkpoints", [])
-    return sum((Path(run_dir) / entry["path"]).is_dir() for entry in entries if "path" in entry)
+    recorded = {
+        (Path(run_dir) / entry["path"]).name
+        for entry in entries
+        if "path" in entry and (Path(run_dir) / entry["path"]).is_dir()
+    }
+    return len(recorded | {path.name for _, path in committed_checkpoints(run_dir)})
+
+
+def committed_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(step, path) of every checkpoint of the run whose commit completed (its manifest and
+    files are in place; hashes are not read), oldest first."""
+    from forge.checkpoint.layout import find_checkpoints
+
+    found = find_checkpoints(Path(run_dir) / "checkpoints", verify_hashes=False)
+    return [(info.step, info.path) for info in found if info.valid]
+
+
+def newest_step(run_dir: Path, data: dict[str, Any]) -> int:
+    """The step a run has reached: what run.json says, or its newest committed checkpoint's
+    when that is further (run.json is updated a step or more after a background commit)."""
+    committed = committed_checkpoints(run_dir)
+    return max(int(data.get("step") or 0), committed[-1][0] if committed else 0)
 
 
 def configured_max_steps(cfg: Any) -> int | None:

@@ -114,6 +114,24 @@ def test_checkpoint_count_skips_rotated_checkpoints(tmp_path):
     assert checkpoint_count(run) == 2
 
 
+def test_a_committed_checkpoint_run_json_does_not_record_yet_is_counted(tmp_path):
+    """A run killed after a background commit ended, before the step that records it in
+    run.json: forge runs shows the checkpoint and the step it reaches."""
+    import torch
+
+    from forge.checkpoint import CheckpointWriter
+    from forge.runs import newest_step
+
+    run = make_run(tmp_path / "c", tmp_path)
+    with CheckpointWriter(run / "checkpoints", 10) as writer:
+        writer.save_torch("trainer.pt", {"step": torch.tensor(10)})
+    (run / "checkpoints" / "checkpoint-000020").mkdir()  # an unfinished one does not count
+    data = RunRecord.load(run).data
+    assert data.get("checkpoints", []) == [] and int(data.get("step") or 0) == 0
+    assert checkpoint_count(run) == 1
+    assert newest_step(run, data) == 10
+
+
 RUN_CONFIG = (
     "trainer: !singleton:builtins:dict\n    args: !singleton:builtins:dict {max_steps: 40}\n"
 )

@@ -472,7 +472,14 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from forge.runs import RunError, RunRecord, all_run_dirs, checkpoint_count, run_is_live
+    from forge.runs import (
+        RunError,
+        RunRecord,
+        all_run_dirs,
+        checkpoint_count,
+        newest_step,
+        run_is_live,
+    )
 
     project = _project(args)
     rows, damaged = [], []
@@ -496,7 +503,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 name,
                 data.get("config", "?"),
                 status,
-                str(data.get("step", 0)),
+                str(newest_step(run_dir, data)),
                 str(checkpoint_count(run_dir)),
                 best_text,
                 data.get("created", "")[:19],

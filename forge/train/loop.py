@@ -50,7 +50,6 @@ from forge.checkpoint import (
     unwrap_model,
 )
 from forge.checkpoint.manager import CheckpointManager
-from forge.train import dist
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 from forge.train.checks import check_eval_dataset, check_trainer_arguments
@@ -69,7 +68,7 @@ from forge.train.loss import TrainingLoss, batch_size_of, takes_keyword
 from forge.train.memory import peak_memory
 from forge.train.model_parts import ModelParts
 from forge.train.optim import MetricSchedule, current_lr
-from forge.train.precision import device_problems, numerics
+from forge.train.precision import numerics
 from forge.train.runtime import Intervals
 from forge.train.setup import TrainerSetup
 from forge.train.signals import StopSignals, TrainingInterrupted
@@ -185,6 +184,8 @@ class BaseTrainer(TrainerSetup, Evaluation):
         )
         self._stop_vote, self._stop_agreed = StopVote(), 0
         self._tally = Tally()
+        self._run_tally: Tally | None = None  # this train() call's steps
+        self._loss_before = (0.0, 0)  # the loss sum and steps of the run before this call
         self._last_eval: tuple[int | None, dict[str, float]] = (None, {})
         self._eval_model: nn.Module | None = None
         self._in_train = False
@@ -199,19 +200,6 @@ class BaseTrainer(TrainerSetup, Evaluation):
     def make_strategy(self, device: torch.device) -> ParallelStrategy:
         """The parallelism strategy this trainer runs (one process: none)."""
         return ParallelStrategy(self.args, self.topology, device)
-
-    def _resolve_device(self) -> torch.device:
-        """This rank's device, checked against the launcher's LOCAL_RANK and against the
-        precision ``args`` ask for, so a mismatch fails here rather than at the first step."""
-        args, topology = self.args, self.topology
-        try:
-            device = dist.resolve_device(args.device, topology.local_rank, topology.world_size)
-        except ValueError as exc:
-            raise TrainingArgumentsError([f"{args.config_key}.device {exc}"]) from None
-        problems = device_problems(args, device)
-        if problems:
-            raise TrainingArgumentsError(problems)
-        return device
 
     @property
     def device(self) -> torch.device:
@@ -284,6 +272,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
             self._evaluate_in_training(start=True)  # a first check of metrics and eval data
         self.wrapped_model.train()
         start_step, run_tally = state.global_step, Tally()
+        self._run_tally = run_tally  # this call's steps; the run's loss before it is saved
         self._start_step = start_step
         self._tally.started = run_tally.started  # tokens/s counts training time only
         for epoch in itertools.count(self.data_position.epoch):  # until max_steps (or a stop)
@@ -417,6 +406,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
         self.checkpoints.wait()  # the best checkpoint and run.json are final from here on
         self._settle()
         summary = train_summary(steps, run_tally, self.state, self._counts_flops)
+        summary["train_loss"] = self._run_loss()  # the run's, a resumed one's included
         if steps:  # a run resumed at its end trained nothing to summarise
             self._call("on_log", logs=summary)
         if args.load_best_model_at_end and state.best_checkpoint:
@@ -434,7 +424,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
             "nonfinite_skipped": float(state.nonfinite_skipped),
             **self._last_eval[1],
         }
-        return TrainOutput(state.global_step, run_tally.mean_loss, metrics)
+        return TrainOutput(state.global_step, summary["train_loss"], metrics)
 
     # ------------------------------------------------------------------ one step
     def forward_backward(self, window: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -624,7 +614,22 @@ class BaseTrainer(TrainerSetup, Evaluation):
             "position": {"epoch": self.data_position.epoch, "batch": self.data_position.batch},
             "trainer_state": {**self.state.state_dict(), **recording},
             "log_tally": self._tally.state_dict(),
+            "run_loss": dict(zip(("sum", "steps"), self._run_loss_sums(), strict=True)),
         }
+
+    def _run_loss_sums(self) -> tuple[float, int]:
+        """The loss summed over every finite step of the run so far (the steps before a resume
+        too), and their count."""
+        total, steps = self._loss_before
+        if self._run_tally is not None:
+            self._run_tally.settle()
+            total, steps = total + self._run_tally.loss_sum, steps + self._run_tally.finite_steps
+        return total, steps
+
+    def _run_loss(self) -> float:
+        """The mean loss of every step of the run so far: what a straight run reports."""
+        total, steps = self._run_loss_sums()
+        return total / steps if steps else float("nan")
 
     def load_state_dict(self, saved: dict[str, Any]) -> None:
         state = self.state
@@ -632,6 +637,8 @@ class BaseTrainer(TrainerSetup, Evaluation):
         state.epoch = float(saved["epoch"])
         state.load_state_dict(saved.get("trainer_state", {}))
         self._tally.load_state_dict(saved.get("log_tally", {}))
+        run_loss = saved.get("run_loss") or {}  # checkpoints before it: the resumed steps only
+        self._loss_before = (float(run_loss.get("sum", 0.0)), int(run_loss.get("steps", 0)))
         position = saved["position"]
         self.data_position.seek(int(position["epoch"]), int(position["batch"]))
 

@@ -48,6 +48,7 @@ from forge.checkpoint.manager import BestRule, CheckpointManager
 from forge.data import trainer_loaders
 from forge.data.columns import ModelInputs
 from forge.train import dist
+from forge.train.args import TrainingArgumentsError
 from forge.train.callbacks import TrainerControl, TrainerState
 from forge.train.data_position import DataPosition
 from forge.train.loop_state import Batch, StopVote, Tally
@@ -55,6 +56,7 @@ from forge.train.loss import resolve_label_names
 from forge.train.model_parts import ModelParts, TrainingPlan, offered_parts
 from forge.train.optim import build_optimizer, build_scheduler, set_seed
 from forge.train.plain_models import not_a_dict_batch
+from forge.train.precision import device_problems
 from forge.train.runtime import Intervals, apply_runtime_settings
 from forge.train.transforms import apply_activation_checkpointing, apply_model_settings
 
@@ -65,6 +67,19 @@ class TrainerSetup:
     """What ``train()`` builds before its first step; see the module docstring."""
 
     # ------------------------------------------------------------------ setup
+    def _resolve_device(self) -> torch.device:
+        """This rank's device, checked against the launcher's LOCAL_RANK and against the
+        precision ``args`` ask for, so a mismatch fails here rather than at the first step."""
+        args, topology = self.args, self.topology
+        try:
+            device = dist.resolve_device(args.device, topology.local_rank, topology.world_size)
+        except ValueError as exc:
+            raise TrainingArgumentsError([f"{args.config_key}.device {exc}"]) from None
+        problems = device_problems(args, device)
+        if problems:
+            raise TrainingArgumentsError(problems)
+        return device
+
     def _setup_training(self) -> None:
         args = self.args
         apply_runtime_settings(args, self.topology.is_main)
@@ -98,6 +113,7 @@ class TrainerSetup:
         self._last_eval = (None, {})
         self._stop_vote, self._stop_agreed = StopVote(), 0
         self._step_open, self._start_step = False, 0
+        self._run_tally, self._loss_before = None, (0.0, 0)  # the run's loss (_run_loss)
         self.build_checkpoint_manager()
 
     def adopt_model_parts(self) -> ModelParts:

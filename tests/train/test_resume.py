@@ -45,7 +45,7 @@ def train_straight(output_dir, **overrides):
     trainer = make_trainer(
         resume_args(output_dir, **overrides), train_size=TRAIN_SIZE, eval_size=16
     )
-    trainer.train()
+    trainer.output = trainer.train()
     return trainer
 
 
@@ -213,3 +213,20 @@ def test_resuming_a_finished_run_from_its_directory_trains_no_further(straight, 
     assert trainer.state.resumed_from == str(checkpoint_dir(out, 40))
     assert (out / "metrics.jsonl").read_text() == lines  # nothing evaluated or logged again
     assert_same_training(straight, trainer)
+
+
+def test_a_resumed_run_reports_the_training_loss_of_the_straight_run(straight, tmp_path):
+    """train_loss (and what train() returns) is the mean over every step of the run, the
+    steps before the resume included, as the straight run reports it."""
+    out = tmp_path / "run"
+    first = make_trainer(
+        resume_args(out), train_size=TRAIN_SIZE, eval_size=16, callbacks=[SignalAtStep(20)]
+    )
+    with pytest.raises(TrainingInterrupted):
+        first.train()
+    resumed = make_trainer(resume_args(out), train_size=TRAIN_SIZE, eval_size=16)
+    output = resumed.train(resume_from_checkpoint=True)
+    assert straight.state.global_step == output.global_step == 40
+    expected = straight.output.training_loss
+    assert output.training_loss == pytest.approx(expected, rel=1e-12)
+    assert output.metrics["train_loss"] == pytest.approx(expected, rel=1e-12)
