@@ -214,7 +214,7 @@ def _join(args: argparse.Namespace, project: Project, nproc: int, nodes, rest, r
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from forge.cli.length_note import length_note
+    from forge.cli.length_note import length_note, moot_arguments
     from forge.launch.cluster import ONE_NODE
     from forge.launch.preflight import check_training_contract
     from forge.launch.torchrun import launch_training, resolve_max_restarts, resolve_nproc
@@ -247,6 +247,7 @@ def cmd_train(args: argparse.Namespace) -> int:
         cfg, variables, args.allow or [], config=name, world_size=world_size
     )
     length = length_note(cfg)
+    moot = [sentence for _, sentence in moot_arguments(cfg)]
     if args.dry_run:
         from forge.launch.job_plan import make_plan
 
@@ -258,6 +259,8 @@ def cmd_train(args: argparse.Namespace) -> int:
         print(f"  {next_run}/")
         if length:
             print(f"  {length}")
+        for sentence in moot:
+            print(f"  {sentence}")
         for line in plan:
             print(line)
         figures = make_plan(
@@ -273,6 +276,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         return EXIT_OK
     if length and topology.is_main and nodes.creates_run:
         logger.warning("%s", length)
+    if topology.is_main and nodes.creates_run:
+        for sentence in moot:
+            logger.warning("%s", sentence)
     if not nodes.creates_run:
         return _join(args, project, nproc, nodes, torchrun_args, max_restarts)
 
@@ -705,7 +711,9 @@ def cmd_new_config(args: argparse.Namespace) -> int:
 
 
 def cmd_code(args: argparse.Namespace) -> int:
+    from forge.cli.length_note import moot_arguments
     from forge.config.codegen import generate_script
+    from forge.config.graph import CallNode
 
     project = _project(args)
     name, cfg = _load(args, project)
@@ -721,6 +729,9 @@ def cmd_code(args: argparse.Namespace) -> int:
         words += ["--set", override]
     if args.target != "trainer":
         words += ["--target", args.target]
+    trainer = cfg.targets.get("trainer")
+    trainer_args = trainer.kwargs.get("args") if isinstance(trainer, CallNode) else None
+    moot = {name for name, _ in moot_arguments(cfg)}  # values that change nothing: not written
     script = generate_script(
         cfg.targets,
         target=args.target,
@@ -728,6 +739,7 @@ def cmd_code(args: argparse.Namespace) -> int:
         config_name=name,
         command=shlex.join(words),
         script_name=Path(args.output).name if args.output else "train.py",
+        omit={id(trainer_args): moot} if moot and trainer_args is not None else None,
     )
     compile(script, args.output or "<forge code>", "exec")  # a generator bug fails here, not later
     if not args.output:

@@ -67,7 +67,14 @@ def default_inputs(project_root: Path, config_name: str) -> dict[str, ScriptInpu
 class _Emitter:
     """Turns nodes into Python expressions, appending a statement for each object built."""
 
-    def __init__(self, values: list[Any], inputs: Mapping[str, ScriptInput], project_root: Path):
+    def __init__(
+        self,
+        values: list[Any],
+        inputs: Mapping[str, ScriptInput],
+        project_root: Path,
+        omit: Mapping[int, set[str]] | None = None,
+    ):
+        self.omit = dict(omit or {})  # node id -> keyword arguments not written
         self.inputs = inputs
         self.project_root = project_root
         self.statements: list[str] = []
@@ -142,7 +149,10 @@ class _Emitter:
         function = self._callable(node.spec)
         parts = [self.expr(v) for v in node.args]
         odd: list[str] = []
+        dropped = self.omit.get(id(node), set())
         for key, value in node.kwargs.items():
+            if key in dropped:
+                continue
             text = self.expr(value)
             if key.isidentifier() and not keyword.iskeyword(key):
                 parts.append(f"{key}={text}")
@@ -272,14 +282,17 @@ def generate_script(
     command: str,
     script_name: str = "train.py",
     inputs: Mapping[str, ScriptInput] | None = None,
+    omit: Mapping[int, set[str]] | None = None,
 ) -> str:
-    """A standalone script that builds ``targets[target]`` and, for a trainer, trains it."""
+    """A standalone script that builds ``targets[target]`` and, for a trainer, trains it;
+    ``omit`` names keyword arguments (by their call node's id) not to write (values that
+    change nothing)."""
     if target not in targets:
         raise ConfigError(Problem(f"no target {target!r}", hint="targets: " + ", ".join(targets)))
     project_root = Path(project_root).resolve()
     if inputs is None:
         inputs = default_inputs(project_root, config_name)
-    emitter = _Emitter([targets[target]], inputs, project_root)
+    emitter = _Emitter([targets[target]], inputs, project_root, omit)
     result = emitter.expr(targets[target], name_hint=target)
     is_trainer = target == "trainer"
     function = f"build_{re.sub(r'[^0-9A-Za-z_]', '_', target).lstrip('_') or 'target'}"
