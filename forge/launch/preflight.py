@@ -54,22 +54,23 @@ def check_training_contract(
     trainer = cfg.targets.get("trainer")
     if not isinstance(trainer, CallNode) or trainer.args:
         return []  # a trainer given positionally or built another way: its own checks apply
-    problems = _check(cfg, trainer, variables, list(allow))
+    # one build of the config's objects for the checks and the sanity pass (a dataset is
+    # built, and a corpus read, once)
+    materializer = Materializer(_resolver(cfg, list(allow)).resolve, variables, cfg.describe_loc)
+    problems = _check(cfg, trainer, variables, list(allow), materializer)
     if not problems:
         problems = _adapter_problems(cfg, trainer, variables, list(allow))
     plan: list[str] = []
     if not problems and world_size is not None:
         plan, problems = _plan_job(cfg, trainer, variables, list(allow), world_size)
     if not problems:
-        problems = _sanity_problems(cfg, trainer, variables, list(allow))
+        problems = _sanity_problems(cfg, trainer, materializer)
     if problems:
         raise ConfigError(problems, config=config or cfg.origin)
     return plan
 
 
-def _sanity_problems(
-    cfg: Config, trainer: CallNode, variables: Mapping[str, Any], allow: list[str]
-) -> list[Problem]:
+def _sanity_problems(cfg: Config, trainer: CallNode, materializer: Materializer) -> list[Problem]:
     """The sanity pass (forge/train/sanity.py) on a trainer built from the config here: what
     training runs, run once, each failure located at the line of the part that failed."""
     import gc
@@ -79,10 +80,9 @@ def _sanity_problems(
     from forge.train.sanity import SanityFailure, run_sanity_pass
 
     args_node = trainer.kwargs.get("args")
-    resolver = _resolver(cfg, allow)
     started = time.perf_counter()
     try:
-        built = Materializer(resolver.resolve, variables, cfg.describe_loc).value(trainer)
+        built = materializer.value(trainer)
     except TrainingArgumentsError as err:
         key = "trainer.args"
         if isinstance(args_node, CallNode):
@@ -258,7 +258,11 @@ def _resolver(cfg: Config, allow: list[str]) -> Resolver:
 
 
 def _check(
-    cfg: Config, trainer: CallNode, variables: Mapping[str, Any], allow: list[str]
+    cfg: Config,
+    trainer: CallNode,
+    variables: Mapping[str, Any],
+    allow: list[str],
+    built: Materializer,
 ) -> list[Problem]:
     model_node = trainer.kwargs.get("model")
     dataset_node = trainer.kwargs.get("train_dataset")
@@ -283,7 +287,6 @@ def _check(
     if problems or not isinstance(model_node, CallNode):
         return problems
     resolver = _resolver(cfg, allow)
-    built = Materializer(resolver.resolve, variables, cfg.describe_loc)
     for role, call_args in FACTORY_CALLS.items():
         node = trainer.kwargs.get(role)
         if isinstance(node, CallNode) and node.kind == "partial":
