@@ -118,3 +118,39 @@ def test_a_run_with_the_sanity_pass_is_bitwise_the_run_without_it(project):
     with_pass, without = (load_file(run / "model.safetensors") for run in runs)
     assert with_pass.keys() == without.keys()
     assert all((with_pass[k] == without[k]).all() for k in with_pass)
+
+
+PIPELINE_EXTRA = """\
+-- extends 'configs/pipeline.yaml'
+-- block collator
+data_collator: &data_collator !singleton:./extra.py:WithPixels []
+-- endblock
+"""
+
+EXTRA_PY = '''
+import torch
+
+
+class WithPixels:
+    """Batches of a vision-language model: token ids and images."""
+
+    def __call__(self, items):
+        ids = torch.stack([item["input_ids"] for item in items])
+        return {"input_ids": ids, "labels": ids, "pixel_values": torch.zeros(len(items), 3, 4, 4)}
+'''
+
+
+def test_batches_the_pipeline_cannot_take_are_refused_before_the_run_exists(tmp_path):
+    """The pipeline's first stage takes input ids only: a batch with images failed on every
+    rank after torchrun started (the dry run printed a full plan). Now the sanity pass runs the
+    batch through the pipeline trainer's own path first."""
+    from tests.plain_project import write_project
+
+    project = write_project(tmp_path / "plain")
+    (project / "extra.py").write_text(EXTRA_PY)
+    (project / "templates" / "configs" / "pixels.yaml").write_text(PIPELINE_EXTRA)
+    result = run_forge("train", "pixels", "-p", str(project), "--nproc", "2", "--dry-run")
+    assert result.returncode == 2, result.stderr
+    assert "cannot pass on ['pixel_values']" in result.stderr
+    assert "the first training batch's forward and backward" in result.stderr
+    assert no_runs(project, "pixels")
