@@ -20,6 +20,7 @@ import torch
 
 from forge.checkpoint.io import CheckpointError, weight_files
 from forge.checkpoint.layout import SHARDS_METADATA
+from forge.wrappers import class_label
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -176,7 +177,7 @@ def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: boo
     missing = sorted(set(expected) - set(source))
     if strict and missing:
         raise CheckpointError(
-            f"{directory}: weights do not match {type(model).__name__} (missing keys: "
+            f"{directory}: weights do not match {class_label(model)} (missing keys: "
             f"{', '.join(missing[:5])})"
         )
     state: dict[str, Any] = {}
@@ -199,7 +200,7 @@ def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: boo
         model.load_state_dict(state, strict=False)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+            f"{directory}: weights do not fit {class_label(model)}: {exc}"
         ) from exc
 
 

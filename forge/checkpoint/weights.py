@@ -40,7 +40,7 @@ from forge.checkpoint.io import (
     weight_files,
 )
 from forge.checkpoint.layout import SHARDS_METADATA
-from forge.wrappers import is_peft_model, unwrap_model
+from forge.wrappers import class_label, is_peft_model, unwrap_model
 
 if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
     import torch
@@ -136,13 +136,13 @@ def load_model_weights(
         if unexpected:
             parts.append(f"unexpected keys: {few(unexpected)}")
         raise CheckpointError(
-            f"{directory}: weights do not match {type(model).__name__} ({'; '.join(parts)})"
+            f"{directory}: weights do not match {class_label(model)} ({'; '.join(parts)})"
         )
     try:
         model.load_state_dict({k: v for k, v in loaded.items() if k in expected}, strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise CheckpointError(
-            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+            f"{directory}: weights do not fit {class_label(model)}: {exc}"
         ) from exc
 
 
@@ -253,7 +253,7 @@ def _load_hf_converted(model: nn.Module, directory: Path, *, strict: bool) -> No
             )
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(
-            f"{directory}: cannot load weights into {type(model).__name__}: {exc}"
+            f"{directory}: cannot load weights into {class_label(model)}: {exc}"
         ) from exc
     problems = {
         k: v
@@ -262,13 +262,13 @@ def _load_hf_converted(model: nn.Module, directory: Path, *, strict: bool) -> No
     }
     if strict and problems:
         parts = "; ".join(f"{k.replace('_', ' ')}: {few(map(str, v))}" for k, v in problems.items())
-        raise CheckpointError(f"{directory}: weights do not match {type(model).__name__} ({parts})")
+        raise CheckpointError(f"{directory}: weights do not match {class_label(model)} ({parts})")
     state = loaded.state_dict()
     try:
         model.load_state_dict(state, strict=strict)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+            f"{directory}: weights do not fit {class_label(model)}: {exc}"
         ) from exc
 
 

@@ -274,6 +274,8 @@ class Resolver:
             raise SpecError(f"cannot load {file!r} as Python")
         module = importlib.util.module_from_spec(spec)
         module.__forge_mtime__ = mtime  # type: ignore[attr-defined]
+        # what messages call it (forge.wrappers.class_label): the file, not the internal name
+        module.__forge_file__ = os.path.normpath(file)  # type: ignore[attr-defined]
         sys.modules[name] = module  # dataclasses and pickling look modules up here
         importer.remember(path, module)  # before it runs: an import cycle gets this module
         try:

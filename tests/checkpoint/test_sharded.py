@@ -151,3 +151,18 @@ def test_a_tied_embedding_moves_between_a_whole_and_a_sharded_checkpoint(one_ran
     assert all(torch.equal(t, loaded[n]) for n, t in _full_state(again).items())
     # every name of the state dict, the tied one from the metadata (forge export's reader)
     assert sorted(read_state_dict(checkpoint)) == sorted(whole.state_dict())
+
+
+def test_a_sharded_model_is_named_by_its_own_class(one_rank, tmp_path):
+    """FSDP2 makes the model an FSDPLlamaForCausalLM; a message names the user's class."""
+    from forge.checkpoint.io import save_model_weights
+    from forge.checkpoint.weights import load_model_weights
+    from tests.checkpoint.checkpoint_helpers import tiny_llama
+
+    save_model_weights(tiny_llama(0, tied=True), tmp_path / "tied")
+    untied = _sharded(tiny_llama(1))  # its head is a weight of its own, not in the checkpoint
+    with pytest.raises(CheckpointError) as refused:
+        load_model_weights(untied, tmp_path / "tied")
+    assert "weights do not match LlamaForCausalLM (missing keys: lm_head.weight)" in str(
+        refused.value
+    )
