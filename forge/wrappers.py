@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from torch import nn
 
-__all__ = ["is_peft_model", "unwrap_model"]
+__all__ = ["class_label", "is_peft_model", "unwrap_model"]
 
 
 def is_peft_model(model: object) -> bool:
@@ -66,6 +66,21 @@ def unwrap_model(model: nn.Module, *, through_adapters: bool = False) -> nn.Modu
         if not isinstance(inner, nn.Module):
             return model
         model = inner
+
+
+def class_label(obj: object, *, qualified: bool = False) -> str:
+    """How forge names the class of ``obj`` (or the class ``obj``) to the user:
+    ``seqmodel.py:GRUClassifier`` for a class of a project file (a ``./seqmodel.py`` spec loads
+    it under an internal module name, which means nothing to the user), else the class's name
+    (``qualified``: with its module, ``transformers.models....LlamaForCausalLM``). FSDP2's
+    ``FSDP<Name>`` subclass is named as the class it shards."""
+    cls = obj if isinstance(obj, type) else type(obj)
+    if any(base.__name__ == "FSDPModule" for base in cls.__bases__):
+        cls = next(base for base in cls.__bases__ if base.__name__ != "FSDPModule")
+    file = getattr(sys.modules.get(cls.__module__), "__forge_file__", None)
+    if file:
+        return f"{file}:{cls.__qualname__}"
+    return f"{cls.__module__}.{cls.__qualname__}" if qualified else cls.__qualname__
 
 
 #: wrappers that keep the model as ``.module`` and whose own state, if any, is the model's

@@ -17,7 +17,13 @@ from forge.checkpoint.hf import MODEL_RECORD, describe_model, is_hf_model, prepa
 from forge.checkpoint.io import CheckpointError
 from forge.checkpoint.layout import SHARDS_METADATA
 from forge.checkpoint.registry import Component, Scope
-from forge.checkpoint.sharded import load_sharded_weights, local_piece, split_state
+from forge.checkpoint.sharded import (
+    load_sharded_weights,
+    local_piece,
+    split_state,
+    tied_aliases,
+    without_tied_copies,
+)
 from forge.checkpoint.weights import load_model_weights
 from forge.wrappers import is_peft_model, unwrap_model
 
@@ -218,7 +224,9 @@ class ModelWeights:
 class ShardedWeights:
     """A sharded model's weights as a checkpoint component (scope ``sharded``): every rank
     writes its rows of each parameter, rank 0 also the tensors that are whole on every rank
-    (buffers). Loads from any checkpoint of the model, sharded or not."""
+    (buffers). A tied weight is written once, under the name ``save_pretrained`` keeps, its
+    other names recorded in the files' metadata. Loads from any checkpoint of the model,
+    sharded or not."""
 
     def __init__(self, model: torch.nn.Module, tokenizer: Any = None) -> None:
         self.model = model
@@ -228,7 +236,9 @@ class ShardedWeights:
         import torch.distributed as dist
 
         main = not dist.is_initialized() or dist.get_rank() == 0
-        return split_state(self.model.state_dict(), keep_whole=main)
+        return split_state(
+            without_tied_copies(self.model, self.model.state_dict()), keep_whole=main
+        )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # loads through load_checkpoint
         raise NotImplementedError("sharded weights load from a checkpoint directory")
@@ -237,8 +247,8 @@ class ShardedWeights:
         if writer.is_main:  # the config (forge export builds the directory from it), tokenizer
             writer.set_meta(**{MODEL_RECORD: describe_model(self.model)})
             ModelWeights(self.model, self.tokenizer).write_extras(writer)
-        layout = json.dumps(state["layout"])
-        writer.save_safetensors(stage_file, state["tensors"], metadata={SHARDS_METADATA: layout})
+        metadata = {**tied_aliases(self.model), SHARDS_METADATA: json.dumps(state["layout"])}
+        writer.save_safetensors(stage_file, state["tensors"], metadata=metadata)
 
     def load_checkpoint(self, checkpoint: Path, manifest: Any) -> None:
         load_sharded_weights(self.model, checkpoint, strict=True)

@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from forge.wrappers import class_label
+
 if TYPE_CHECKING:
     from torch import nn
 
@@ -84,7 +86,7 @@ def prepare_config(model: nn.Module) -> Any:
 def describe_model(model: nn.Module) -> dict[str, Any]:
     """What a checkpoint's manifest records of its model: its class and, for a module that
     holds one transformers model, that model's name in it and its config."""
-    record: dict[str, Any] = {"class": f"{type(model).__module__}.{type(model).__qualname__}"}
+    record: dict[str, Any] = {"class": class_label(model, qualified=True)}
     found = hf_model_in(model)
     if found is not None and found[0]:
         name, part = found

@@ -20,6 +20,7 @@ import torch
 
 from forge.checkpoint.io import CheckpointError, weight_files
 from forge.checkpoint.layout import SHARDS_METADATA
+from forge.wrappers import class_label
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -110,18 +111,23 @@ class RowReader:
     def __init__(self, directory: Path) -> None:
         from safetensors import safe_open
 
-        files, _ = weight_files(directory)
+        files, aliases = weight_files(directory)
+        named: dict[str, str] = dict(aliases)  # the index's and the files' metadata
         self.pieces: dict[str, list[tuple[Path, int, int]]] = {}  # name -> (file, offset, rows)
         self.shapes: dict[str, list[int]] = {}
         for file in files:
             with safe_open(file, framework="pt", device="cpu") as handle:
-                layout = json.loads((handle.metadata() or {}).get(SHARDS_METADATA, "{}"))
+                metadata = handle.metadata() or {}
+                layout = json.loads(metadata.get(SHARDS_METADATA, "{}"))
+                named.update(metadata)
                 for name in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                     shape = list(handle.get_slice(name).get_shape())
                     offset, *whole = layout.get(name, [0, *shape])
                     rows = shape[0] if shape else 1
                     self.pieces.setdefault(name, []).append((file, offset, rows))
                     self.shapes[name] = whole
+        # a tied name stored once -> the name that holds it (other metadata names no tensor)
+        self.aliases = {k: v for k, v in named.items() if v in self.pieces and k not in self.pieces}
 
     def names(self) -> set[str]:
         return set(self.pieces)
@@ -152,24 +158,35 @@ class RowReader:
 
 def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: bool = True) -> None:
     """Load a checkpoint's weights (sharded or whole, any number of shards) into a model
-    whose parameters may be DTensors: each rank reads only its own rows."""
+    whose parameters may be DTensors: each rank reads only its own rows. A tied weight is
+    read under whichever of its names the checkpoint holds (``save_pretrained`` and the
+    sharded save keep one)."""
     from torch.distributed.tensor import DTensor
 
+    from forge.checkpoint.weights import tied_names
+
     reader = RowReader(directory)
+    saved = reader.names()
+    ties = tied_names(model)
     expected = model.state_dict()
-    missing = sorted(set(expected) - reader.names())
+    source: dict[str, str] = {}  # a name of the model -> the name its tensor is saved under
+    for name in expected:
+        found = [n for n in (name, *ties.get(name, ()), reader.aliases.get(name)) if n in saved]
+        if found:
+            source[name] = found[0]
+    missing = sorted(set(expected) - set(source))
     if strict and missing:
         raise CheckpointError(
-            f"{directory}: weights do not match {type(model).__name__} (missing keys: "
+            f"{directory}: weights do not match {class_label(model)} (missing keys: "
             f"{', '.join(missing[:5])})"
         )
     state: dict[str, Any] = {}
     for name, value in expected.items():
-        if name not in reader.names():
+        if name not in source:
             continue
         if isinstance(value, DTensor):
             local, offset, _ = local_piece(value)
-            rows = reader.read(name, offset, offset + local.shape[0])
+            rows = reader.read(source[name], offset, offset + local.shape[0])
             state[name] = DTensor.from_local(
                 rows.to(local.dtype),
                 value.device_mesh,
@@ -178,13 +195,30 @@ def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: boo
                 stride=value.stride(),
             )
         else:
-            state[name] = reader.read(name)
+            state[name] = reader.read(source[name])
     try:
         model.load_state_dict(state, strict=False)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+            f"{directory}: weights do not fit {class_label(model)}: {exc}"
         ) from exc
+
+
+def without_tied_copies(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
+    """``model``'s state dict with each tied tensor under one name (the one
+    ``save_pretrained`` keeps), as a whole model's save stores it."""
+    from forge.checkpoint.weights import tied_names
+
+    ties = tied_names(model)
+    return {name: value for name, value in state.items() if ties.get(name, [name])[0] == name}
+
+
+def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
+    """Each tied name that ``without_tied_copies`` leaves out -> the name that holds its
+    tensor (written as safetensors metadata, as ``save_torch_state_dict`` records them)."""
+    from forge.checkpoint.weights import tied_names
+
+    return {name: group[0] for name, group in tied_names(model).items() if group[0] != name}
 
 
 def has_dtensors(tensors: Iterable[Any]) -> bool:

@@ -18,7 +18,8 @@ from __future__ import annotations
 import json
 import os
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable
+from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -39,27 +40,37 @@ from forge.checkpoint.io import (
     weight_files,
 )
 from forge.checkpoint.layout import SHARDS_METADATA
-from forge.wrappers import is_peft_model, unwrap_model
+from forge.wrappers import class_label, is_peft_model, unwrap_model
 
 if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
     import torch
     from torch import nn
 
 
-def _tied_groups(state: Mapping[str, torch.Tensor]) -> dict[str, list[str]]:
-    """For each tied state-dict key, every key (itself included) naming the same tensor."""
-    by_identity: dict[tuple, list[str]] = {}
-    for name, tensor in state.items():
-        if tensor.numel() == 0 or tensor.device.type == "meta":
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """For each name of ``model``'s parameters and buffers that shares its tensor with another
+    (tied weights: one parameter under several names), every such name, first the one
+    ``named_parameters`` keeps (the name ``save_pretrained`` writes). Read from the modules,
+    not the state dict: a sharded model's state dict gives each name a DTensor of its own."""
+    from forge.checkpoint.sharded import has_dtensors
+
+    holders: dict[tuple, list[str]] = {}
+    for name, tensor in chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    ):
+        if tensor is None:
             continue
-        identity = (
-            tensor.untyped_storage().data_ptr(),
-            tensor.storage_offset(),
-            tuple(tensor.shape),
-            tensor.dtype,
-        )
-        by_identity.setdefault(identity, []).append(name)
-    return {name: group for group in by_identity.values() for name in group if len(group) > 1}
+        if tensor.numel() == 0 or tensor.device.type == "meta" or has_dtensors([tensor]):
+            identity: tuple = (id(tensor),)
+        else:  # two parameters over one storage are tied as well
+            identity = (
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.dtype,
+            )
+        holders.setdefault(identity, []).append(name)
+    return {name: group for group in holders.values() if len(group) > 1 for name in group}
 
 
 def load_model_weights(
@@ -95,7 +106,7 @@ def load_model_weights(
         return
     files, aliases = weight_files(directory)
     expected = model.state_dict()
-    tied = _tied_groups(expected)
+    tied = tied_names(model)
     loaded = _read_files(files, set(expected) if subset else None)
 
     missing = set()
@@ -125,13 +136,13 @@ def load_model_weights(
         if unexpected:
             parts.append(f"unexpected keys: {few(unexpected)}")
         raise CheckpointError(
-            f"{directory}: weights do not match {type(model).__name__} ({'; '.join(parts)})"
+            f"{directory}: weights do not match {class_label(model)} ({'; '.join(parts)})"
         )
     try:
         model.load_state_dict({k: v for k, v in loaded.items() if k in expected}, strict=False)
     except RuntimeError as exc:  # shape mismatches
         raise CheckpointError(
-            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+            f"{directory}: weights do not fit {class_label(model)}: {exc}"
         ) from exc
 
 
@@ -242,7 +253,7 @@ def _load_hf_converted(model: nn.Module, directory: Path, *, strict: bool) -> No
             )
     except (OSError, ValueError, RuntimeError) as exc:
         raise CheckpointError(
-            f"{directory}: cannot load weights into {type(model).__name__}: {exc}"
+            f"{directory}: cannot load weights into {class_label(model)}: {exc}"
         ) from exc
     problems = {
         k: v
@@ -251,13 +262,13 @@ def _load_hf_converted(model: nn.Module, directory: Path, *, strict: bool) -> No
     }
     if strict and problems:
         parts = "; ".join(f"{k.replace('_', ' ')}: {few(map(str, v))}" for k, v in problems.items())
-        raise CheckpointError(f"{directory}: weights do not match {type(model).__name__} ({parts})")
+        raise CheckpointError(f"{directory}: weights do not match {class_label(model)} ({parts})")
     state = loaded.state_dict()
     try:
         model.load_state_dict(state, strict=strict)
     except RuntimeError as exc:
         raise CheckpointError(
-            f"{directory}: weights do not fit {type(model).__name__}: {exc}"
+            f"{directory}: weights do not fit {class_label(model)}: {exc}"
         ) from exc
 
 

@@ -33,6 +33,7 @@ from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
 from forge.checkpoint.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX_NAME
 from forge.checkpoint.layout import MANIFEST_NAME
 from forge.cli.exits import RuntimeFailure, UsageError
+from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
 
@@ -154,7 +155,7 @@ def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: s
         else:  # a module of the user's own: built by its run's config, exported as a state dict
             model = _plain_base_model(source, base, problem)
             _save_state_dict(model.state_dict(), directory, max_shard_size)
-            what = f" (a {type(model).__name__}, no transformers model: its state dict)"
+            what = f" (a {class_label(model)}, no transformers model: its state dict)"
         keep = [name for name in keep if name not in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
         logger.info("exported the base of %s with its LoRA adapter merged%s", source, what)
     else:
@@ -275,7 +276,7 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
         )
     outside = [name for name in found if prefix and not name.startswith(f"{prefix}.")]
     if outside and submodule is None:
-        raise RuntimeFailure(
+        raise UsageError(  # the export it asks for needs --submodule
             f"{source}: the checkpoint's model holds a {architecture} as {prefix!r} and weights "
             f"outside it ({few(outside)}), which a {architecture} directory cannot hold; pass "
             f"--submodule {prefix} to export the {architecture} alone, without them"
@@ -290,9 +291,12 @@ def _is_transformers_checkpoint(source: Path) -> bool:
 
 
 def _class_name(source: Path) -> str:
-    """``"(TinyLM) "``: the class the manifest records for the checkpoint's model, or ""."""
-    recorded = _model_record(source).get("class")
-    return f"({str(recorded).rpartition('.')[2]}) " if recorded else ""
+    """``"(model.py:TinyLM) "``: the class the manifest records for the checkpoint's model
+    (a project file's as ``file:Class``, another by its name alone), or ""."""
+    recorded = str(_model_record(source).get("class") or "")
+    if not recorded:
+        return ""
+    return f"({recorded if ':' in recorded else recorded.rpartition('.')[2]}) "
 
 
 def _export_state_dict(

@@ -21,6 +21,7 @@ from forge.cli.predict import (
     model_through_run,
     module_logits,
 )
+from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
 
@@ -105,7 +106,7 @@ def _generate_with_module(
     ids = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
     if module_logits(model, ids[:, -1:]).dim() != 3:
         raise UsageError(
-            f"{checkpoint} holds a {type(model).__name__} whose logits are not a causal LM's "
+            f"{checkpoint} holds a {class_label(model)} whose logits are not a causal LM's "
             "[batch, tokens, vocabulary]: it does not generate text; `forge predict CKPT "
             "--input FILE.jsonl --output OUT.jsonl` writes its predictions"
         )

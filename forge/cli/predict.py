@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.cli.exits import RuntimeFailure, UsageError
+from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
 
@@ -209,7 +210,7 @@ def _build_run_model(checkpoint: Path, allow: list[str]) -> Any:
             built = trainer.model if trainer.model is not None else trainer.model_init
         model = built if isinstance(built, nn.Module) else built()
     if not isinstance(model, nn.Module):
-        raise RuntimeFailure(f"the run's trainer.model built a {type(model).__name__}, no module")
+        raise RuntimeFailure(f"the run's trainer.model built a {class_label(model)}, no module")
     return model
 
 
@@ -369,7 +370,7 @@ def module_logits(model: Any, input_ids: Any) -> Any:
         p.kind is p.VAR_KEYWORD for p in parameters.values()
     ):
         raise UsageError(
-            f"{type(model).__name__}.forward takes no input_ids (it takes "
+            f"{class_label(model)}.forward takes no input_ids (it takes "
             f"{', '.join(parameters)}); forge predict feeds a tokenized text as input_ids"
         )
     with torch.no_grad():
@@ -379,7 +380,7 @@ def module_logits(model: Any, input_ids: Any) -> Any:
     logits = output if torch.is_tensor(output) else _get(output, "logits")
     if not torch.is_tensor(logits):
         raise UsageError(
-            f"{type(model).__name__}.forward returned {type(output).__name__} without logits; "
+            f"{class_label(model)}.forward returned {type(output).__name__} without logits; "
             "forge predict reads its logits (a tensor, or a 'logits' entry)"
         )
     return logits.float()
@@ -419,7 +420,7 @@ def _module_prediction(
         )
         return {"prediction": tokenizer.decode(new, skip_special_tokens=True)}
     raise UsageError(
-        f"{type(model).__name__} returned logits of shape {list(logits.shape)}, neither a "
+        f"{class_label(model)} returned logits of shape {list(logits.shape)}, neither a "
         "classifier's [batch, classes] nor a causal LM's [batch, tokens, vocabulary of "
         f"{len(tokenizer)}]"
     )

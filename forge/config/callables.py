@@ -25,6 +25,7 @@ from forge.extras import missing_package_note
 from forge.suggest import did_you_mean, offer, suggestion
 
 from .errors import display_path, short_list
+from .project_imports import project_importer
 
 logger = logging.getLogger(__name__)
 
@@ -256,22 +257,32 @@ class Resolver:
         self._require_inside_code_roots(file, base, path)
         if not path.is_file():
             raise SpecError(f"no file {file!r} (looked for {path})")
+        importer = project_importer()  # the project's files import each other by name
+        importer.use(self.code_roots or [base])
+        imported = importer.loaded(path)
+        if imported is not None:  # another project file imported it by name first: one module
+            return imported
         digest = hashlib.sha1(str(path).encode()).hexdigest()[:10]
         name = f"{_FILE_MODULE_PREFIX}{path.stem}_{digest}"
         module = sys.modules.get(name)
         mtime = path.stat().st_mtime_ns
         if module is not None and getattr(module, "__forge_mtime__", None) == mtime:
+            importer.remember(path, module)
             return module
         spec = importlib.util.spec_from_file_location(name, path)
         if spec is None or spec.loader is None:
             raise SpecError(f"cannot load {file!r} as Python")
         module = importlib.util.module_from_spec(spec)
         module.__forge_mtime__ = mtime  # type: ignore[attr-defined]
+        # what messages call it (forge.wrappers.class_label): the file, not the internal name
+        module.__forge_file__ = os.path.normpath(file)  # type: ignore[attr-defined]
         sys.modules[name] = module  # dataclasses and pickling look modules up here
+        importer.remember(path, module)  # before it runs: an import cycle gets this module
         try:
             spec.loader.exec_module(module)
         except Exception as err:  # the project's own code failed
             sys.modules.pop(name, None)
+            importer.forget(path)
             line = getattr(err, "lineno", None) or _line_in(err, path)
             where = f"{file}:{line}" if line else file
             note = missing_package_note(err.name) if isinstance(err, ImportError) else ""

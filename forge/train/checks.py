@@ -9,6 +9,7 @@ from typing import Any
 from torch import nn
 
 from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.wrappers import class_label
 
 
 def check_trainer_arguments(
@@ -22,7 +23,7 @@ def check_trainer_arguments(
     if not isinstance(model, nn.Module) and not callable(model):
         raise TypeError(
             "trainer.model must be an nn.Module or a callable that builds one "
-            f"(got {type(model).__name__})"
+            f"(got {class_label(model)})"
         )
     if given.get("processing_class") is not None and given.get("tokenizer") is not None:
         raise TypeError(

@@ -41,7 +41,7 @@ from forge.config.errors import short_list
 from forge.suggest import suggestion
 from forge.train import dist
 from forge.train.args import TrainingArgumentsError
-from forge.wrappers import is_peft_model
+from forge.wrappers import class_label, is_peft_model
 
 logger = logging.getLogger(__name__)
 
@@ -232,7 +232,7 @@ def default_target_modules(model: nn.Module) -> list[str]:
 def unknown_targets(model: nn.Module) -> str:
     """Why ``model``'s LoRA targets must be named, and the names of the layers there are."""
     return (
-        f"forge cannot tell which layers of a {type(model).__name__} to adapt (it knows Llama-, "
+        f"forge cannot tell which layers of a {class_label(model)} to adapt (it knows Llama-, "
         "OPT-, GPT-2-, BERT- and T5-style attention and MLP projections); the layers LoRA can "
         f"adapt are named {_layer_names(model)}"
     )
@@ -254,7 +254,7 @@ def target_problems(model: nn.Module, targets: Any, field: str = "target_modules
             return []
         return [
             f"{PEFT_KEY}.{field}: the pattern {targets!r} matches no module name of "
-            f"{type(model).__name__} (e.g. {short_list(names[:5])}); its layers LoRA adapts are "
+            f"{class_label(model)} (e.g. {short_list(names[:5])}); its layers LoRA adapts are "
             f"named {_layer_names(model)}"
         ]
     leaves = {name.rpartition(".")[2] for name in names}
@@ -264,7 +264,7 @@ def target_problems(model: nn.Module, targets: Any, field: str = "target_modules
             continue
         hint = suggestion(target, leaves) or "."
         problems.append(
-            f"{PEFT_KEY}.{field}: {type(model).__name__} has no module named {target!r}{hint} "
+            f"{PEFT_KEY}.{field}: {class_label(model)} has no module named {target!r}{hint} "
             f"Its layers LoRA adapts are named {_layer_names(model)}"
         )
     return problems

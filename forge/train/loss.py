@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from forge.train.plain_models import bare_tensor_message
-from forge.wrappers import unwrap_model
+from forge.wrappers import class_label, unwrap_model
 
 IGNORE_INDEX = -100  # label value the loss skips; also the padding of gathered arrays
 
@@ -69,7 +69,7 @@ class TrainingLoss:
         elif labels is not None:
             loss = self.smoother(outputs, labels, shift_labels=is_causal_lm(model))
         else:
-            loss = model_loss(outputs, f"{type(unwrap_model(model)).__name__}.forward")
+            loss = model_loss(outputs, f"{class_label(unwrap_model(model))}.forward")
         return (loss, outputs) if return_outputs else loss
 
     def _call_func(self, outputs: Any, labels: Any, num_items: Any) -> torch.Tensor:

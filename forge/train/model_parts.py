@@ -19,6 +19,7 @@ from typing import Any
 from torch import nn
 
 from forge.train.topology import Topology
+from forge.wrappers import class_label
 
 __all__ = ["ModelParts", "TrainingPlan", "offered_parts"]
 
@@ -57,7 +58,7 @@ def offered_parts(model: nn.Module, plan: TrainingPlan) -> ModelParts:
     parts = offer(plan)
     if not isinstance(parts, ModelParts):
         raise TypeError(
-            f"{type(model).__name__}.trainer_parts must return forge.train.model_parts."
+            f"{class_label(model)}.trainer_parts must return forge.train.model_parts."
             f"ModelParts (got {type(parts).__name__})"
         )
     return parts

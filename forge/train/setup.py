@@ -59,6 +59,7 @@ from forge.train.plain_models import not_a_dict_batch
 from forge.train.precision import device_problems
 from forge.train.runtime import Intervals, apply_runtime_settings
 from forge.train.transforms import apply_activation_checkpointing, apply_model_settings
+from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
 
@@ -192,7 +193,7 @@ class TrainerSetup:
         model = self.model_init()
         if not isinstance(model, nn.Module):
             raise TypeError(
-                f"trainer.model built a {type(model).__name__}, not an nn.Module; pass a module "
+                f"trainer.model built a {class_label(model)}, not an nn.Module; pass a module "
                 "or a callable (e.g. !partial) that returns one"
             )
         return model

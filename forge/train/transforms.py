@@ -31,6 +31,7 @@ from forge.suggest import suggestion
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.lora import LoraStep
 from forge.train.runtime import name_causal_lm_loss
+from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
 
@@ -120,7 +121,7 @@ def checkpointed_blocks(
     problems = [
         message
         for name in names
-        if (message := selection_problem(modules, name, type(model).__name__, args)) and strict
+        if (message := selection_problem(modules, name, class_label(model), args)) and strict
     ]
     if problems:
         raise TrainingArgumentsError(problems)
@@ -185,7 +186,7 @@ def _repeated_layers(modules: dict[str, nn.Module]) -> str | None:
 
 
 def _no_layers_message(model: nn.Module, args: TrainingArguments) -> str:
-    kind = type(model).__name__
+    kind = class_label(model)
     return (
         f"{args.config_key}.activation_checkpointing wraps a model's repeated layers (a "
         f"ModuleList of blocks of one class) and uses a Hugging Face model's "
@@ -293,7 +294,7 @@ def _hf_checkpointing(model: nn.Module, args: TrainingArguments, every: int) -> 
     if keyword is not None:
         options[keyword] = kwargs or {"use_reentrant": False}
     enable(**options)
-    return f"activation checkpointing: {type(model).__name__}.{enable.__name__}()"
+    return f"activation checkpointing: {class_label(model)}.{enable.__name__}()"
 
 
 def activation_checkpointing_problems(model: nn.Module, args: TrainingArguments) -> list[str]:
@@ -303,5 +304,5 @@ def activation_checkpointing_problems(model: nn.Module, args: TrainingArguments)
     if not args.activation_checkpointing or names is None:
         return []
     modules = dict(model.named_modules())
-    found = (selection_problem(modules, name, type(model).__name__, args) for name in names)
+    found = (selection_problem(modules, name, class_label(model), args) for name in names)
     return [message for message in found if message]

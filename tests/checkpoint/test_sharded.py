@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -74,3 +75,94 @@ def test_the_manifest_names_one_file_per_rank():
         "optimizer-shard-00000-of-00002.pt",
         "optimizer-shard-00001-of-00002.pt",
     ]
+
+
+# ---------------------------------------------------------------------------------------------
+# a tied embedding between a whole model and an FSDP2-sharded one (one rank in this process;
+# tests/train/test_fsdp.py moves it between real ranks and trainers)
+
+
+@pytest.fixture
+def one_rank(tmp_path):
+    import torch.distributed as dist
+
+    store = dist.FileStore(str(tmp_path / "store"), 1)
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def _sharded(model):
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model.model.layers:
+        fully_shard(layer)
+    fully_shard(model)
+    return model
+
+
+def _full_state(model) -> dict[str, torch.Tensor]:
+    from torch.distributed.tensor import DTensor
+
+    return {
+        name: value.full_tensor() if isinstance(value, DTensor) else value
+        for name, value in model.state_dict().items()
+    }
+
+
+def _save_sharded(model, checkpoints: Path, step: int) -> Path:
+    from forge.checkpoint import CheckpointRegistry, CheckpointWriter
+    from forge.checkpoint.components import model_component
+    from forge.train.topology import Topology
+
+    registry = CheckpointRegistry(Topology())
+    registry.register(model_component(model, sharded=True))
+    with CheckpointWriter(checkpoints, step) as writer:
+        registry.save(writer)
+    return checkpoints / f"checkpoint-{step:06d}"
+
+
+def test_a_tied_embedding_moves_between_a_whole_and_a_sharded_checkpoint(one_rank, tmp_path):
+    from forge.checkpoint.io import save_model_weights
+    from forge.checkpoint.weights import load_model_weights, read_state_dict
+    from tests.checkpoint.checkpoint_helpers import tiny_llama
+
+    # save_pretrained stores the tied head once, as model.embed_tokens.weight
+    whole = tiny_llama(0, tied=True)
+    save_model_weights(whole, tmp_path / "whole")
+    assert "lm_head.weight" not in read_weights(tmp_path / "whole")
+    sharded = _sharded(tiny_llama(1, tied=True))
+    load_model_weights(sharded, tmp_path / "whole")  # was: missing keys: lm_head.weight
+    loaded = _full_state(sharded)
+    assert sorted(loaded) == sorted(whole.state_dict())
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(loaded[name], tensor), name
+    assert sharded.lm_head.weight is sharded.model.embed_tokens.weight  # still tied
+
+    # the sharded save stores the tied tensor once too, and any reader takes it back
+    checkpoint = _save_sharded(sharded, tmp_path / "checkpoints", 3)
+    assert sorted(read_weights(checkpoint)) == sorted(read_weights(tmp_path / "whole"))
+    back = tiny_llama(2, tied=True)
+    load_model_weights(back, checkpoint)
+    for name, tensor in whole.state_dict().items():
+        assert torch.equal(back.state_dict()[name], tensor), name
+    again = _sharded(tiny_llama(3, tied=True))
+    load_model_weights(again, checkpoint)
+    assert all(torch.equal(t, loaded[n]) for n, t in _full_state(again).items())
+    # every name of the state dict, the tied one from the metadata (forge export's reader)
+    assert sorted(read_state_dict(checkpoint)) == sorted(whole.state_dict())
+
+
+def test_a_sharded_model_is_named_by_its_own_class(one_rank, tmp_path):
+    """FSDP2 makes the model an FSDPLlamaForCausalLM; a message names the user's class."""
+    from forge.checkpoint.io import save_model_weights
+    from forge.checkpoint.weights import load_model_weights
+    from tests.checkpoint.checkpoint_helpers import tiny_llama
+
+    save_model_weights(tiny_llama(0, tied=True), tmp_path / "tied")
+    untied = _sharded(tiny_llama(1))  # its head is a weight of its own, not in the checkpoint
+    with pytest.raises(CheckpointError) as refused:
+        load_model_weights(untied, tmp_path / "tied")
+    assert "weights do not match LlamaForCausalLM (missing keys: lm_head.weight)" in str(
+        refused.value
+    )

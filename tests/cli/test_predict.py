@@ -228,3 +228,21 @@ def test_evaluate_says_which_weights_it_evaluates(ema_run, plain_runs, caplog):
     with caplog.at_level(logging.INFO):  # a run without an average: its weights, said plainly
         evaluate_checkpoint(newest(plain_runs["lm"]))
     assert "evaluating its trained weights" in caplog.text and "--ema" not in caplog.text
+
+
+def test_the_commands_name_a_project_class_by_its_file(plain_runs, tmp_path):
+    """A class of a project file is named as the user wrote it (model.py:TinyLM), never by
+    the module name forge loads the file under; a refusal is exit 2."""
+    from forge.checkpoint import read_manifest
+    from tests.helpers import run_forge
+
+    ckpt = newest(plain_runs["lm"])
+    assert read_manifest(ckpt).extra["model"]["class"] == "model.py:TinyLM"
+    refused = run_forge("export", str(ckpt), str(tmp_path / "sub"), "--submodule", "rnn")
+    assert refused.returncode == 2, refused.stderr
+    assert "model (model.py:TinyLM) holds no transformers model" in refused.stderr
+    exported = run_forge("export", str(ckpt), str(tmp_path / "out"))
+    assert exported.returncode == 0, exported.stderr
+    assert "of the model (model.py:TinyLM) of" in exported.stderr
+    for output in (refused.stderr, exported.stderr):
+        assert "forge_project_file" not in output

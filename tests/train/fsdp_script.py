@@ -3,12 +3,14 @@
     python -m torch.distributed.run --nproc_per_node=N fsdp_script.py OUT MODE [STOP]
 
 MODE ``fsdp``, ``zero2`` (shard_grad_op with activation checkpointing), ``ddp``, ``plain``
-(no sharding: one process, or DDP) or ``pipeline`` (the pipeline trainer). Gradient accumulation
-and clipping are on, and an evaluation every 3 steps over an eval set the ranks split unevenly
-(a sharded forward needs every rank). Saves every 3 steps; with STOP the job is SIGKILLed by
-rank 0 right after the checkpoint of step STOP is committed. MODE ``fsdp-resume`` /
-``plain-resume`` / ``pipeline-resume`` continue OUT's newest checkpoint. The last step's checkpoint
-holds the final weights and optimizer state (the test reads them from there).
+(no sharding: one process, or DDP), ``accel`` (the Accelerate trainer) or ``pipeline`` (the
+pipeline trainer); ``KIND-tied`` ties the model's output head to its token embedding.
+Gradient accumulation and clipping are on, and an evaluation every 3 steps over an eval set the
+ranks split unevenly (a sharded forward needs every rank). Saves every 3 steps; with STOP the
+job is SIGKILLed by rank 0 right after the checkpoint of step STOP is committed. MODE
+``KIND[-tied]-resume`` (``fsdp-resume``, ``plain-tied-resume``, ...) continues OUT's newest
+checkpoint, each rank saving the weights it loaded as OUT/loaded-rank-RRRRR.pt. The last
+step's checkpoint holds the final weights and optimizer state (the test reads them from there).
 """
 
 from __future__ import annotations
@@ -22,7 +24,13 @@ import torch
 from transformers import LlamaForCausalLM, TrainerCallback
 
 from forge.data import CausalLMCollator
-from forge.train import PipelineTrainer, PipelineTrainingArguments, Trainer
+from forge.train import (
+    AccelTrainer,
+    AccelTrainingArguments,
+    PipelineTrainer,
+    PipelineTrainingArguments,
+    Trainer,
+)
 from tests.train.common import TokenDataset, make_args, tiny_llama_config
 
 STEPS = 9
@@ -47,11 +55,31 @@ class KillAfterSave(TrainerCallback):
             os.killpg(os.getpgid(0), signal.SIGKILL)
 
 
+class RecordLoaded(TrainerCallback):
+    """Before the first resumed step, every rank saves the weights its model holds (the whole
+    tensor of each DTensor; a pipeline stage its own names) as ``loaded-rank-RRRRR.pt``."""
+
+    def __init__(self, output_dir: str, rank: int) -> None:
+        self.path = os.path.join(output_dir, f"loaded-rank-{rank:05d}.pt")
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        from torch.distributed.tensor import DTensor
+
+        from forge.wrappers import unwrap_model
+
+        held = {}
+        for name, tensor in unwrap_model(model).state_dict().items():  # every rank, same order
+            whole = tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+            held[name] = whole.detach().cpu().clone()
+        torch.save(held, self.path)
+
+
 def main(output_dir: str, mode: str, stop: int | None) -> None:
     torch.set_num_threads(1)
-    kind, _, resume = mode.partition("-")
+    kind, *flags = mode.split("-")
     config = tiny_llama_config()
     config.attention_dropout = 0.0
+    config.tie_word_embeddings = "tied" in flags
     args = make_args(
         output_dir,
         max_steps=STEPS,
@@ -70,10 +98,15 @@ def main(output_dir: str, mode: str, stop: int | None) -> None:
     )
     rank = int(os.environ.get("RANK", "0"))
     callbacks = [KillAfterSave(stop)] if stop and rank == 0 else []
+    if "resume" in flags:
+        callbacks.append(RecordLoaded(output_dir, rank))
     trainer_class = Trainer
     if kind == "pipeline":  # 2 stages of one layer each
         args = PipelineTrainingArguments(**args.to_dict())
         trainer_class = PipelineTrainer
+    elif kind == "accel":
+        args = AccelTrainingArguments(**args.to_dict())
+        trainer_class = AccelTrainer
     trainer = trainer_class(
         functools.partial(LlamaForCausalLM, config),
         args,
@@ -82,7 +115,7 @@ def main(output_dir: str, mode: str, stop: int | None) -> None:
         data_collator=CausalLMCollator(pad_token_id=0),
         callbacks=callbacks,
     )
-    trainer.train(resume_from_checkpoint=bool(resume))
+    trainer.train(resume_from_checkpoint="resume" in flags)
 
 
 if __name__ == "__main__":

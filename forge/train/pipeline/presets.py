@@ -32,6 +32,7 @@ from typing import Any
 from torch import nn
 
 from forge.train.pipeline.split import ModelParts
+from forge.wrappers import class_label
 
 
 @dataclass(frozen=True)
@@ -158,7 +159,7 @@ def model_parts(model: nn.Module, named: dict[str, Any], key: str) -> tuple[Mode
 def refusal(model: nn.Module, key: str) -> list[str]:
     """Why ``model`` cannot be split at all, whatever its parts are named (empty: it can)."""
     config = getattr(model, "config", None)
-    name = type(model).__name__
+    name = class_label(model)
     why = None
     if getattr(config, "is_encoder_decoder", False):
         why = "it is an encoder-decoder model (its decoder's layers take the encoder's output)"
@@ -176,7 +177,7 @@ def refusal(model: nn.Module, key: str) -> list[str]:
 
 
 def _unknown_family(model: nn.Module, missing: list[str], key: str) -> str:
-    name = type(model).__name__
+    name = class_label(model)
     guess = _likely_layers(model)
     hint = f" (its layers look like {guess!r})" if guess else ""
     known = ", ".join(sorted(PRESETS))

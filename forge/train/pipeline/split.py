@@ -24,6 +24,7 @@ from torch import nn
 
 from forge.suggest import suggestion
 from forge.train.pipeline.stage_init import keeps, tie_groups, with_tie_owners
+from forge.wrappers import class_label
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,7 @@ class ModelParts:
             if name is None or name in named:
                 continue
             found.append(
-                f"{key}.{field}: {type(model).__name__} has no module {name!r} (name {what})"
+                f"{key}.{field}: {class_label(model)} has no module {name!r} (name {what})"
                 + suggestion(name, candidates)
             )
         uncovered = sorted(
@@ -84,7 +85,7 @@ class ModelParts:
         )
         if uncovered and not found:
             found.append(
-                f"{key}: {type(model).__name__} has parameters in {_few(uncovered)}, which no "
+                f"{key}: {class_label(model)} has parameters in {_few(uncovered)}, which no "
                 "stage would hold; name them in pipeline_embedding, pipeline_layers or "
                 "pipeline_head"
             )
@@ -115,12 +116,12 @@ class ModelParts:
                     f"{key}.pipeline_layers: {type(layer).__name__}.forward needs "
                     f"{', '.join(map(repr, needs))}, which a pipeline stage does not give its "
                     f"layers (it gives the hidden states{''.join(', ' + g for g in sorted(given))}"
-                    f"); {type(model).__name__} cannot be split into pipeline stages"
+                    f"); {class_label(model)} cannot be split into pipeline stages"
                 )
         kinds = sorted({str(k) for k in getattr(hf, "layer_types", None) or ()} - set(_MASKS))
         if kinds and self.causal:
             found.append(
-                f"{key}.pipeline_layers: {type(model).__name__}'s layers attend as "
+                f"{key}.pipeline_layers: {class_label(model)}'s layers attend as "
                 f"{', '.join(map(repr, kinds))}, which a pipeline stage cannot reproduce "
                 f"(it builds {', '.join(map(repr, _MASKS))} masks)"
             )

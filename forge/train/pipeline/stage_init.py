@@ -30,6 +30,8 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from forge.wrappers import class_label
+
 logger = logging.getLogger(__name__)
 
 
@@ -174,7 +176,7 @@ def build_partial_model(model_init: Callable[[], nn.Module], kept: Collection[st
     except Exception as exc:  # noqa: BLE001 - any failure: the whole build says what is wrong
         return _fall_back(model_init, kept, start, f"building it on the meta device failed ({exc})")
     if not _is_hf_model(model):  # a builder that wraps a Hugging Face model in its own module
-        reason = f"its builder returned a {type(model).__name__}, not a transformers model"
+        reason = f"its builder returned a {class_label(model)}, not a transformers model"
         return _fall_back(model_init, kept, start, reason)
     if init.library_initialised:
         reason = (
@@ -194,7 +196,7 @@ def build_partial_model(model_init: Callable[[], nn.Module], kept: Collection[st
     _retie(ties)
     unset = _unset_tensors(model)
     if unset:  # a weight its _init_weights leaves to the constructor: build the model whole
-        reason = f"{type(model).__name__} initialises {unset[0]} in its constructor"
+        reason = f"{class_label(model)} initialises {unset[0]} in its constructor"
         return _fall_back(model_init, kept, start, reason)
     torch.set_rng_state(end)
     return model

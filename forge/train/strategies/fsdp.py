@@ -19,6 +19,7 @@ from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.args.fsdp import FsdpSettings
 from forge.train.strategies.base import ParallelStrategy
 from forge.train.transforms import checkpointed_blocks, repeated_layers, selection_problem
+from forge.wrappers import class_label
 
 
 def sharded_blocks(
@@ -31,7 +32,7 @@ def sharded_blocks(
         found = repeated_layers(model)
         return checkpointed_blocks(model, args, (found,)) if found else []
     modules = dict(model.named_modules())
-    kind, key = type(model).__name__, "fsdp_config.transformer_layer_cls_to_wrap / modules"
+    kind, key = class_label(model), "fsdp_config.transformer_layer_cls_to_wrap / modules"
     problems = [
         problem
         for name in names

@@ -39,6 +39,7 @@ from forge.train.pipeline.split import StageModule, causal_lm_loss, prune_to_sta
 from forge.train.pipeline.stage_init import build_partial_model, free_except
 from forge.train.strategies.base import MicroLoss, ParallelStrategy
 from forge.train.topology import Topology
+from forge.wrappers import class_label
 
 _BATCH_KEYS = {"input_ids", "labels", "attention_mask"}
 
@@ -132,7 +133,7 @@ class Pipeline(ParallelStrategy):
             model = build_partial_model(model_init, kept)
             if not isinstance(model, nn.Module):
                 raise TypeError(
-                    f"trainer.model built a {type(model).__name__}, not an nn.Module; pass a "
+                    f"trainer.model built a {class_label(model)}, not an nn.Module; pass a "
                     "module or a callable (e.g. !partial) that returns one"
                 )
         prune_to_stages(model, self.layout.parts, self.my_stages)
