@@ -158,7 +158,7 @@ def take_node_options(torchrun_args: Sequence[str]) -> tuple[dict[str, str], lis
 
 def resolve_nodes(
     *,
-    nnodes: int | None = None,
+    nnodes: int | str | None = None,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     master_addr: str | None = None,
@@ -186,9 +186,13 @@ def resolve_nodes(
             )
         flags[key] = value
     if flags["nnodes"] is not None and not str(flags["nnodes"]).isdigit():
+        elastic = (
+            "; an elastic range (MIN:MAX) is not supported: every node must know the job's "
+            "size to agree on its run"
+        )
         raise LaunchUsageError(
-            f"--nnodes must be a positive integer (got {flags['nnodes']!r}); an elastic range "
-            "(MIN:MAX) is not supported: every node must know the job's size to agree on its run"
+            f"--nnodes must be a positive integer (got {str(flags['nnodes'])!r})"
+            + (elastic if ":" in str(flags["nnodes"]) else "")
         )
     if flags["rdzv_endpoint"] and (flags["master_addr"] or flags["master_port"]):
         raise LaunchUsageError(

@@ -147,3 +147,17 @@ def test_the_cli_refuses_a_node_job_without_an_endpoint_before_anything_runs(
     )
     assert code == 2
     assert "needs the rendezvous address every node reaches" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("where", [["--nnodes", "1:2"], ["--", "--nnodes", "1:2"]])
+def test_an_elastic_range_is_refused_with_one_reason_given_to_forge_or_after_dashes(
+    where, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    for key in SLURM:
+        monkeypatch.delenv(key, raising=False)
+    project = str(Path(__file__).parents[2] / "projects" / "tiny_lm")
+    assert main(["train", "-p", project, *where]) == 2
+    err = capsys.readouterr().err
+    assert "--nnodes must be a positive integer (got '1:2'); an elastic range" in err, err
+    assert "invalid int value" not in err
