@@ -10,8 +10,8 @@ forge then starts torchrun with one process per GPU of that node, as on any mach
 count, this node's index and the endpoint come from SLURM's variables: ``SLURM_NNODES``,
 ``SLURM_NODEID``, the first host of ``SLURM_JOB_NODELIST`` (parsed here: ``scontrol`` may not
 exist where forge runs) and a port derived from ``SLURM_JOB_ID``, which also names the
-rendezvous. One task per GPU (torchrun's work done by srun) is refused with the fix, since each
-task would start torchrun again. Flags given to forge win over SLURM's values.
+rendezvous. Several tasks on a node (one per GPU, torchrun's work done by srun) are refused with
+the fix, on one node as on several, since each task would start a job of its own. Flags given to forge win over SLURM's values.
 
 Torch-free: the CLI builds the command without loading the ML stack.
 """
@@ -102,27 +102,49 @@ def _int(value: str | None, name: str, *, low: int) -> int:
     return number
 
 
+def _slurm_step(env: Mapping[str, str]) -> bool:
+    return "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+
+
+def check_one_task_per_node(env: Mapping[str, str]) -> None:
+    """Refuse an ``srun`` step with several tasks on a node: each task would be a job of its
+    own (its own run, trained alone), whatever the node count."""
+    if "SLURM_JOB_ID" not in env or not _slurm_step(env):
+        return
+    nnodes = _int(
+        env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")), "SLURM_NNODES", low=1
+    )
+    ntasks = _int(
+        env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", str(nnodes))),
+        "SLURM_NTASKS",
+        low=1,
+    )
+    if ntasks <= nnodes:
+        return
+    nodes = f"{nnodes} node" + ("s" if nnodes > 1 else "")
+    per_node = max(ntasks // nnodes, 1)
+    raise LaunchUsageError(
+        f"srun started {ntasks} tasks on {nodes}: each task would start a job of its own "
+        "(its own run, trained alone). forge starts the processes of its node itself, so it "
+        f"needs one task per node: `srun --ntasks-per-node=1 forge train ... --nproc {per_node}` "
+        "(or --nproc auto: one process per GPU)"
+    )
+
+
 def slurm_nodes(env: Mapping[str, str]) -> Nodes | None:
     """The job's nodes from SLURM's variables, inside an ``srun`` step; None outside SLURM
     or in an allocation of one node. Raises LaunchUsageError where forge cannot run as started."""
     if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
         return None
     nnodes = _int(env["SLURM_NNODES"], "SLURM_NNODES", low=1)
+    check_one_task_per_node(env)
     if nnodes == 1:
         return None
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
-    if not in_step:  # the batch script itself, on the first node only
+    if not _slurm_step(env):  # the batch script itself, on the first node only
         raise LaunchUsageError(
             f"this SLURM job has {nnodes} nodes but forge was not started by srun, so it "
             "would run on one of them and wait for the rest: start it with "
             "`srun --ntasks-per-node=1 forge train ...`, or pass --nnodes 1 to train here only"
-        )
-    ntasks = _int(env.get("SLURM_NTASKS", str(nnodes)), "SLURM_NTASKS", low=1)
-    if ntasks != nnodes:
-        raise LaunchUsageError(
-            f"srun started {ntasks} tasks on {nnodes} nodes; forge starts the processes of "
-            "its node itself (one per GPU with --nproc auto), so it needs one task per node: "
-            "`srun --ntasks-per-node=1 forge train ...`"
         )
     node_rank = _int(env.get("SLURM_NODEID", env.get("SLURM_PROCID")), "SLURM_NODEID", low=0)
     job = env["SLURM_JOB_ID"]
@@ -199,6 +221,8 @@ def resolve_nodes(
             "give the rendezvous once: --rdzv-endpoint HOST:PORT, or --master-addr HOST "
             "with --master-port PORT (the same thing under torchrun's older names)"
         )
+    if flags["node_rank"] is None:  # with --node-rank each task is told its place in a job
+        check_one_task_per_node(env)
     slurm = None
     if flags["nnodes"] is None or int(flags["nnodes"]) > 1:
         try:

@@ -198,3 +198,28 @@ def test_srun_on_two_nodes_trains_one_run(project):
     data = record(run_dir)
     assert (data["status"], data["world_size"], data["step"]) == ("completed", 2, 10)
     assert checkpoints(run_dir) == ["checkpoint-000005", "checkpoint-000010"]
+
+
+def test_srun_with_two_tasks_on_one_node_is_refused_on_both(project):
+    """`srun -N1 -n2 forge train ...`: each task would train a run of its own; both refuse
+    with the fix (exit 2) and neither creates a run."""
+    slurm = {
+        "SLURM_JOB_ID": "4712",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+    }
+    command = [sys.executable, "-m", "forge.cli", "train", "-p", str(project), *SMALL]
+    jobs = [
+        start(command, {**slurm, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)})
+        for task in (0, 1)
+    ]
+    codes = finish(jobs)
+    texts = [job.text() for job in jobs]
+    assert codes == [2, 2], texts
+    for text in texts:
+        assert "srun started 2 tasks on 1 node" in text and "--ntasks-per-node=1" in text, text
+    assert not (project / "output" / "train").exists()

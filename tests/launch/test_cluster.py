@@ -65,6 +65,54 @@ def test_slurm_one_task_per_gpu_or_no_srun_is_refused_with_the_fix():
     assert nodes == ONE_NODE
 
 
+# what `srun -N1 -n2 forge train ...` gives its second task: two tasks on one node
+TWO_TASKS_ONE_NODE = {
+    "SLURM_JOB_ID": "4712",
+    "SLURM_NNODES": "1",
+    "SLURM_NTASKS": "2",
+    "SLURM_NTASKS_PER_NODE": "2",
+    "SLURM_NODEID": "0",
+    "SLURM_PROCID": "1",
+    "SLURM_LOCALID": "1",
+    "SLURM_STEP_ID": "0",
+    "SLURM_JOB_NODELIST": "gpu07",
+}
+
+
+def test_several_slurm_tasks_on_one_node_are_refused_with_the_fix():
+    """Each task would train a run of its own: refused on one node as on several, and
+    --nnodes 1 does not get round it; --node-rank (each task told its node) does."""
+    fix = r"srun started 2 tasks on 1 node: each task would start a job of its own.*"
+    fix += r"`srun --ntasks-per-node=1 forge train \.\.\. --nproc 2`"
+    with pytest.raises(LaunchUsageError, match=fix):
+        slurm_nodes(TWO_TASKS_ONE_NODE)
+    with pytest.raises(LaunchUsageError, match=fix):
+        resolve_nodes(env=TWO_TASKS_ONE_NODE)
+    with pytest.raises(LaunchUsageError, match=fix):
+        resolve_nodes(nnodes=1, env=TWO_TASKS_ONE_NODE)
+    told, _ = resolve_nodes(nnodes=2, node_rank=1, rdzv_endpoint="gpu07:1", env=TWO_TASKS_ONE_NODE)
+    assert (told.nnodes, told.node_rank) == (2, 1)
+    one_task = {**TWO_TASKS_ONE_NODE, "SLURM_NTASKS": "1", "SLURM_NTASKS_PER_NODE": "1"}
+    assert resolve_nodes(env=one_task) == (ONE_NODE, [])
+    batch_script = {k: v for k, v in TWO_TASKS_ONE_NODE.items() if k != "SLURM_STEP_ID"}
+    assert resolve_nodes(env=batch_script) == (ONE_NODE, [])  # one process: nothing doubles
+
+
+def test_the_cli_refuses_two_tasks_on_one_node_even_for_a_dry_run(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    for key in SLURM:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in TWO_TASKS_ONE_NODE.items():
+        monkeypatch.setenv(key, value)
+    project = str(Path(__file__).parents[2] / "projects" / "tiny_lm")
+    assert main(["train", "-p", project, "--dry-run"]) == 2
+    captured = capsys.readouterr()
+    assert (
+        "srun started 2 tasks on 1 node" in captured.err and "--ntasks-per-node=1" in captured.err
+    )
+    assert "would train" not in captured.out
+
+
 def test_flags_win_over_slurm_and_name_the_endpoint():
     nodes, rest = resolve_nodes(rdzv_endpoint="head:1234", env=SLURM)
     assert (nodes.nnodes, nodes.node_rank, nodes.endpoint) == (2, 1, "head:1234")
