@@ -38,7 +38,7 @@ from typing import Any
 
 from forge.launch.cluster import ONE_NODE, Nodes
 from forge.launch.errors import LaunchUsageError
-from forge.runs import resume_command
+from forge.runs import go_on_note
 from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -321,10 +321,7 @@ def exit_text(code: int) -> str:
 
 def failed_note(run_dir: Path, project_root: Path) -> str:
     """The end of the message about a failed job: its record and how to go on."""
-    return (
-        f"{Path(run_dir).name} is marked failed; `{resume_command(run_dir, project_root)}` "
-        "continues it from its newest checkpoint"
-    )
+    return f"{Path(run_dir).name} is marked failed; {go_on_note(run_dir, project_root)}"
 
 
 def settle_failure(run_dir: Path, what: str, failure: dict[str, Any]) -> bool:
@@ -367,10 +364,7 @@ def record_launcher_death(run_dir: Path, project_root: Path, launcher: str) -> N
         return
     except RunError as err:
         _tell(f"error: {err}")
-    _tell(
-        f"stopped {Path(run_dir).name}: {what}. "
-        f"`{resume_command(run_dir, project_root)}` continues it from its newest checkpoint"
-    )
+    _tell(f"stopped {Path(run_dir).name}: {what}; {go_on_note(run_dir, project_root)}")
 
 
 def _tell(message: str) -> None:
