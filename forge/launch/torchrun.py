@@ -47,6 +47,7 @@ logger = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 PARENT_ENV = "FORGE_PARENT_PID"  # the launcher a training process must not outlive
+RESTART_CAUSE_ENV = "FORGE_RESTART_CAUSE"  # which rank died before a restart, and how
 LAUNCHER_DIED = signal.SIGUSR1  # what the agent receives when forge dies (torch leaves it be)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCH_INTERVAL_S = 0.2
@@ -435,6 +436,35 @@ def _launcher_died(signum: int, frame: Any) -> None:
     raise SignalException("the forge process that launched the job died", signal.SIGKILL)
 
 
+def _announce_restarts() -> None:
+    """Have torch's agent say which rank died, and how, when it restarts the workers
+    (``--max-restarts``); the restarted workers read it (``RESTART_CAUSE_ENV``) for run.json.
+
+    torch's agent says only that it restarts; the failure it restarts after is in the result
+    of its ``_monitor_workers``. The agent that ``torch.distributed.run`` builds is therefore
+    this subclass, in this process only (forge's agent, never a user's torchrun)."""
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    class RestartNamingAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and result.failures and self._remaining_restarts:
+                rank, first = min(result.failures.items(), key=lambda item: item[1].timestamp)
+                what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
+                done = worker_group.spec.max_restarts - self._remaining_restarts + 1
+                os.environ[RESTART_CAUSE_ENV] = what  # the restarted workers inherit it
+                _tell(
+                    f"warning: {what}; restarting the workers (restart {done} of "
+                    f"{worker_group.spec.max_restarts}, --max-restarts): they continue from the "
+                    "run's newest checkpoint"
+                )
+            return result
+
+    launcher.LocalElasticAgent = RestartNamingAgent
+
+
 def _quiet_torchelastic() -> None:
     """Keep torch's elastic agent from adding its log lines (a failed worker, a forwarded
     signal) to forge's one message; torch's LOGLEVEL variable brings them back."""
@@ -473,6 +503,7 @@ def main(argv: list[str] | None = None) -> int:
     if quiet_native:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
     _quiet_torchelastic()
+    _announce_restarts()
     try:
         signal.signal(LAUNCHER_DIED, _launcher_died)
         stop_with_parent(LAUNCHER_DIED)

@@ -20,6 +20,7 @@ from typing import TYPE_CHECKING, Any
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.error_kinds import is_usage_error
 from forge.launch.multinode import peer_loss
+from forge.launch.torchrun import RESTART_CAUSE_ENV
 from forge.runs import PROJECT_RUNS, RunRecord, hold_training_lock, now_iso, resume_command
 from forge.train.topology import Topology
 
@@ -107,13 +108,24 @@ def restart_count() -> int:
 
 
 def record_restart(record: RunRecord, restart: int, checkpoint: str | None) -> None:
+    """Add this restart to run.json: when, from which checkpoint, after which rank died
+    (torchrun's agent names it: forge.launch.torchrun)."""
+    cause = os.environ.get(RESTART_CAUSE_ENV) or None
     restarts = record.data.get("restarts", [])
     restarts.append(
-        {"at": now_iso(), "restart": restart, "from": str(checkpoint) if checkpoint else None}
+        {
+            "at": now_iso(),
+            "restart": restart,
+            "from": str(checkpoint) if checkpoint else None,
+            "after": cause,
+        }
     )
     record.update(restarts=restarts)
     where = f"from {checkpoint}" if checkpoint else "from the beginning (no checkpoint yet)"
-    logger.warning("restart %d of the workers (--max-restarts): continuing %s", restart, where)
+    after = f" ({cause})" if cause else ""
+    logger.warning(
+        "restart %d of the workers (--max-restarts): continuing %s%s", restart, where, after
+    )
 
 
 def reached_step(trainer: Any) -> int:
