@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 PARENT_ENV = "FORGE_PARENT_PID"  # the launcher a training process must not outlive
-RESTART_CAUSE_ENV = "FORGE_RESTART_CAUSE"  # which rank died before a restart, and how
 LAUNCHER_DIED = signal.SIGUSR1  # what the agent receives when forge dies (torch leaves it be)
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 _WATCH_INTERVAL_S = 0.2
@@ -446,6 +445,8 @@ def _announce_restarts() -> None:
     import torch.distributed.launcher.api as launcher
     from torch.distributed.elastic.agent.server.api import WorkerState
     from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from forge.launch.worker import RESTART_CAUSE_ENV
 
     class RestartNamingAgent(LocalElasticAgent):
         def _monitor_workers(self, worker_group):

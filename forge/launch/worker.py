@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.error_kinds import is_usage_error
 from forge.launch.multinode import peer_loss
-from forge.launch.torchrun import RESTART_CAUSE_ENV
 from forge.runs import PROJECT_RUNS, RunRecord, hold_training_lock, now_iso, resume_command
 from forge.train.topology import Topology
 
@@ -31,6 +30,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRAINER_TARGET = "trainer"
+# which rank died before a restart and how: set by forge's agent (forge.launch.torchrun)
+RESTART_CAUSE_ENV = "FORGE_RESTART_CAUSE"
 
 
 def build_variables(run_dir: Path, project: Project, config_name: str) -> dict[str, Any]:
