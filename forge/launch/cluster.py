@@ -2,7 +2,8 @@
 
 ``forge train --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT`` is started once on every
 node; each starts torchrun for its own processes, and the torchruns meet at the endpoint through
-torchrun's c10d rendezvous (a TCP store served on the endpoint's host). ``--master-addr`` and
+torchrun's c10d rendezvous (a TCP store that node 0's agent serves there, and where the nodes
+check each other first: forge/launch/endpoint.py). ``--master-addr`` and
 ``--master-port`` are the same endpoint under the names torchrun's static launch uses.
 
 Under SLURM, ``srun forge train ...`` starts **one forge per node** (``--ntasks-per-node=1``):
@@ -10,8 +11,9 @@ forge then starts torchrun with one process per GPU of that node, as on any mach
 count, this node's index and the endpoint come from SLURM's variables: ``SLURM_NNODES``,
 ``SLURM_NODEID``, the first host of ``SLURM_JOB_NODELIST`` (parsed here: ``scontrol`` may not
 exist where forge runs) and a port derived from ``SLURM_JOB_ID``, which also names the
-rendezvous. Several tasks on a node (one per GPU, torchrun's work done by srun) are refused with
-the fix, on one node as on several, since each task would start a job of its own. Flags given to forge win over SLURM's values.
+rendezvous. Several tasks on a node (one per GPU, torchrun's work done by srun) are refused
+with the fix, on one node as on several, since each task would start a job of its own. Flags
+given to forge win over SLURM's values.
 
 Torch-free: the CLI builds the command without loading the ML stack.
 """
@@ -20,13 +22,13 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forge.launch.errors import LaunchUsageError
 
 DEFAULT_PORT = 29500  # torchrun's own default for the endpoint
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 29500, 2000  # a port per job, so jobs sharing a node differ
-RDZV_ID = "forge"  # names the rendezvous when SLURM does not (the endpoint keeps jobs apart)
+RDZV_ID = "forge"  # the rendezvous id when SLURM names none: node 0 makes one per job of it
 
 # torchrun options forge sets itself (either spelling), so a copy after `--` would clash
 _NODE_OPTIONS = {
@@ -47,6 +49,7 @@ class Nodes:
     endpoint: str | None = None  # HOST:PORT of the c10d rendezvous; None on one node
     rdzv_id: str = RDZV_ID
     source: str = "flags"  # "flags" or "SLURM", for messages
+    endpoint_from: str = field(default="flags", compare=False)  # the same, for the endpoint
 
     @property
     def multinode(self) -> bool:
@@ -71,9 +74,10 @@ class Nodes:
     def describe(self) -> str:
         if not self.multinode:
             return "1 node"
+        named = f", id {self.rdzv_id}" if self.rdzv_id != RDZV_ID else ""
         return (
-            f"node {self.node_rank} of {self.nnodes} (rendezvous {self.endpoint}, "
-            f"id {self.rdzv_id}, from {self.source})"
+            f"node {self.node_rank} of {self.nnodes} (rendezvous {self.endpoint}{named}, "
+            f"from {self.source})"
         )
 
 
@@ -152,7 +156,7 @@ def slurm_nodes(env: Mapping[str, str]) -> Nodes | None:
     if job.isdigit():
         port = SLURM_PORT_BASE + int(job) % SLURM_PORT_SPAN
     host = first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
-    return Nodes(nnodes, node_rank, f"{host}:{port}", f"slurm-{job}", "SLURM")
+    return Nodes(nnodes, node_rank, f"{host}:{port}", f"slurm-{job}", "SLURM", "SLURM")
 
 
 def take_node_options(torchrun_args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -250,8 +254,9 @@ def resolve_nodes(
         endpoint = f"{flags['master_addr']}:{port}"
     elif endpoint is None and flags["master_port"]:
         raise LaunchUsageError("--master-port needs --master-addr (the host of node 0)")
+    endpoint_from = "flags"
     if endpoint is None and slurm is not None:
-        endpoint = slurm.endpoint
+        endpoint, endpoint_from = slurm.endpoint, "SLURM"
     if nodes_count == 1:
         if endpoint:
             raise LaunchUsageError(
@@ -267,7 +272,7 @@ def resolve_nodes(
         endpoint = f"{endpoint}:{DEFAULT_PORT}"
     rdzv_id = slurm.rdzv_id if slurm is not None else RDZV_ID
     source = "SLURM" if slurm is not None and flags["nnodes"] is None else "flags"
-    return Nodes(nodes_count, rank, endpoint, rdzv_id, source), rest
+    return Nodes(nodes_count, rank, endpoint, rdzv_id, source, endpoint_from), rest
 
 
 ONE_NODE = Nodes()  # a job on this machine alone

@@ -12,6 +12,7 @@ import pytest
 
 from forge.cli import main
 from forge.launch.cluster import ONE_NODE, Nodes, first_host, resolve_nodes, slurm_nodes
+from forge.launch.endpoint import Here
 from forge.launch.errors import LaunchUsageError
 from forge.launch.torchrun import resolve_nproc, torchrun_command
 
@@ -156,9 +157,13 @@ def test_torchrun_commands_of_two_nodes(tmp_path):
         nnodes=2, node_rank=0, rdzv_endpoint="n0:29400", torchrun_args=["--log-dir", "L"], env={}
     )
     run = tmp_path / "run_001"
-    zero = torchrun_command(run, tmp_path, 4, nodes=nodes0, torchrun_args=rest, max_restarts=2)
+    here = Here("train", "train.yaml", run / "config.yaml")
+    zero = torchrun_command(
+        run, tmp_path, 4, nodes=nodes0, torchrun_args=rest, max_restarts=2, here=here
+    )
     assert zero == [
         sys.executable, "-m", "forge.launch", f"--run-dir={run}", f"--project={tmp_path}",
+        "--node=0", "--command=train", "--config-name=train.yaml", f"--config={run}/config.yaml",
         "--nproc_per_node=4", "--nnodes=2", "--rdzv-backend=c10d", "--rdzv-endpoint=n0:29400",
         "--rdzv-id=forge", "--max-restarts=2", "--log-dir", "L",
         "-m", "forge.cli", "_worker", "-p", str(tmp_path), "--run-dir", str(run),
@@ -166,13 +171,15 @@ def test_torchrun_commands_of_two_nodes(tmp_path):
     ]  # fmt: skip
     nodes1 = Nodes(2, 1, "n0:29400")
     told = tmp_path / "told"
-    one = torchrun_command(None, tmp_path, 4, nodes=nodes1, tell_run_dir=told)
+    one = torchrun_command(None, tmp_path, 4, nodes=nodes1, tell_run_dir=told, here=Here("resume"))
     assert not any(a.startswith("--run-dir") for a in one) and "--standalone" not in one
+    assert one[3:6] == [f"--project={tmp_path}", "--node=1", "--command=resume"]
     assert one[one.index("_worker") :] == [
         "_worker", "-p", str(tmp_path), "--agree-at", "n0:29400", "--tell-run-dir", str(told),
     ]  # fmt: skip
     single = torchrun_command(run, tmp_path, 2)
     assert "--standalone" in single and "--agree-at" not in single
+    assert not any(a.startswith(("--node=", "--command=")) for a in single)
 
 
 def test_nproc_auto_is_one_process_per_gpu_or_one_on_a_cpu_machine():
