@@ -227,8 +227,8 @@ def _join(
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forge.cli.length_note import length_note
-    from forge.launch.cluster import ONE_NODE
-    from forge.launch.endpoint import Here, check_host
+    from forge.launch.cluster import ONE_NODE, check_host
+    from forge.launch.endpoint import Here
     from forge.launch.preflight import check_training_contract
     from forge.launch.torchrun import launch_training, resolve_max_restarts, resolve_nproc
     from forge.launch.worker import build_variables
@@ -366,7 +366,7 @@ def cmd_resume(args: argparse.Namespace) -> int:
     nodes, torchrun_args = _nodes(args)
     args.torchrun_args = torchrun_args
     if nodes.multinode:
-        from forge.launch.endpoint import check_host
+        from forge.launch.cluster import check_host
 
         check_host(nodes)  # before anything starts: a host that never resolves is named here
     if not nodes.creates_run:  # node 0 finds, claims and resolves the run; --set is its too

@@ -20,7 +20,9 @@ Torch-free: the CLI builds the command without loading the ML stack.
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -194,8 +196,6 @@ def resolve_nodes(
 ) -> tuple[Nodes, list[str]]:
     """This node's view of the job from forge's flags (or the same options after ``--``),
     else SLURM's variables; and the torchrun arguments left to pass on unchanged."""
-    import os
-
     env = os.environ if env is None else env
     given, rest = take_node_options(torchrun_args)
     flags = {
@@ -276,3 +276,40 @@ def resolve_nodes(
 
 
 ONE_NODE = Nodes()  # a job on this machine alone
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for an IPv6 address) -> (host, port)."""
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def endpoint_origin(nodes: Nodes, env: Mapping[str, str] | None = None) -> str:
+    """Where this node read the endpoint from, for messages."""
+    env = os.environ if env is None else env
+    if nodes.endpoint_from == "SLURM":
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        return f"the first host of SLURM_JOB_NODELIST={nodelist}"
+    return f"--rdzv-endpoint {nodes.endpoint}"
+
+
+def check_host(nodes: Nodes, env: Mapping[str, str] | None = None) -> None:
+    """Refuse an endpoint whose host does not resolve here (this node would never connect)."""
+    host, port = split_endpoint(str(nodes.endpoint))
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        if nodes.endpoint_from == "SLURM":
+            fix = (
+                "forge reads node 0's host from SLURM's node list, which names hosts the "
+                "allocation's nodes resolve: run forge on them under srun, or give "
+                "--rdzv-endpoint HOST:PORT with a host every node resolves"
+            )
+        else:
+            fix = "give every node a --rdzv-endpoint naming node 0 by a host every node resolves"
+        raise LaunchUsageError(
+            f"the rendezvous host {host!r} ({endpoint_origin(nodes, env)}) does not resolve on "
+            f"this machine ({socket.gethostname()}: {reason}), so this node never connected to "
+            f"the job: {fix}"
+        ) from None

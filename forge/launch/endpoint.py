@@ -19,9 +19,10 @@ door and nobody waits in silence:
 - until every node is there, each node's agent says whom it still waits for, and stops when a
   node refused the job.
 
-``check_host`` runs in the ``forge`` command itself, before anything starts: an endpoint host
-that does not resolve is named there, never as a lost connection. The keys live under
-``forge/`` in the store; torch's rendezvous keys beside them are its own.
+Before any of this, the ``forge`` command itself checks that the endpoint's host resolves
+(forge/launch/cluster.py: ``check_host``): one that does not is named there, never as a lost
+connection. The keys live under ``forge/`` in the store; torch's rendezvous keys beside them
+are its own. ``meet_for_torchrun`` is what forge's agent runs before torch's ``run``.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ import datetime
 import json
 import os
 import secrets
+import signal
 import socket
 import threading
 import time
@@ -38,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from forge.launch.cluster import RDZV_ID, Nodes
+from forge.launch.cluster import RDZV_ID, split_endpoint
 from forge.launch.errors import LaunchUsageError
 from forge.runs import RunError, now_iso
 
@@ -58,46 +60,6 @@ def node_key(node: int) -> str:
 
 def ready_key(node: int) -> str:
     return f"forge/ready/{node}"  # the node checked the job and starts its torchrun
-
-
-# --------------------------------------------------------------------------- the host
-
-
-def split_endpoint(endpoint: str) -> tuple[str, int]:
-    """``HOST:PORT`` (``[::1]:PORT`` for an IPv6 address) -> (host, port)."""
-    host, _, port = endpoint.rpartition(":")
-    return host.strip("[]"), int(port)
-
-
-def endpoint_origin(nodes: Nodes, env: Mapping[str, str] | None = None) -> str:
-    """Where this node read the endpoint from, for messages."""
-    env = os.environ if env is None else env
-    if nodes.endpoint_from == "SLURM":
-        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
-        return f"the first host of SLURM_JOB_NODELIST={nodelist}"
-    return f"--rdzv-endpoint {nodes.endpoint}"
-
-
-def check_host(nodes: Nodes, env: Mapping[str, str] | None = None) -> None:
-    """Refuse an endpoint whose host does not resolve here (this node would never connect)."""
-    host, port = split_endpoint(str(nodes.endpoint))
-    try:
-        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except (socket.gaierror, UnicodeError) as err:
-        reason = getattr(err, "strerror", None) or str(err)
-        if nodes.endpoint_from == "SLURM":
-            fix = (
-                "forge reads node 0's host from SLURM's node list, which names hosts the "
-                "allocation's nodes resolve: run forge on them under srun, or give "
-                "--rdzv-endpoint HOST:PORT with a host every node resolves"
-            )
-        else:
-            fix = "give every node a --rdzv-endpoint naming node 0 by a host every node resolves"
-        raise LaunchUsageError(
-            f"the rendezvous host {host!r} ({endpoint_origin(nodes, env)}) does not resolve on "
-            f"this machine ({socket.gethostname()}: {reason}), so this node never connected to "
-            f"the job: {fix}"
-        ) from None
 
 
 def _is_this_machine(host: str) -> bool:
@@ -245,6 +207,13 @@ class Meeting:
     def close(self) -> None:
         self._done.set()
 
+    def still_missing(self) -> list[int] | None:
+        """The nodes that never joined, where the store still says (None: unknown)."""
+        try:
+            return self.missing()
+        except (RuntimeError, OSError, ValueError):
+            return None
+
     def _watch(self, stop: Callable[[str], None]) -> None:
         start = time.monotonic()
         notes = Notes()
@@ -297,12 +266,13 @@ class Meeting:
         return first, again
 
     def _wait_for_acknowledgements(self) -> None:
+        """Keep node 0's store up until every node that joined has read the refusal (the
+        node that refused knows it), a few polls at most."""
         deadline = time.monotonic() + 3 * POLL_S + 1.0
         while time.monotonic() < deadline:
             joined = [n for n in range(1, self.nnodes) if self.store.check([node_key(n)])]
             seen = [n for n in joined if self.store.check([f"forge/refusal-seen/{n}"])]
-            refuser = len(joined) - len(seen) <= 1  # the node that refused does not answer
-            if refuser:
+            if len(joined) - len(seen) <= 1:
                 return
             time.sleep(0.1)
 
@@ -530,3 +500,51 @@ def _clip(value: str | None, width: int = 40) -> str:
     if value is None:
         return "(absent)"
     return value if len(value) <= width else value[: width - 3] + "..."
+
+
+# --------------------------------------------------------------------------- in the agent
+
+
+class JobRefused(LaunchUsageError):
+    """A node refused the job (another config, --nnodes or command than node 0's): raised in
+    the agent's main thread, which waits in torch's rendezvous, when the watch sees it."""
+
+
+JOB_REFUSED = signal.SIGUSR2  # how the watching thread stops the main thread's rendezvous
+
+
+def meet_for_torchrun(options: Mapping[str, str], args: Any) -> Meeting:
+    """In forge's agent: meet the job's other nodes at its endpoint (``options``: forge's
+    ``--node=``, ``--command=``, ``--config-name=``, ``--config=``), then point torch's
+    rendezvous (``args``, torchrun's parsed arguments) at the store node 0's agent serves,
+    under the job's id. A refusal seen later stops the main thread's rendezvous (JobRefused)."""
+    # torch's --rdzv-conf is `key=value,key=value`; a user's copy after -- is kept
+    conf = dict(p.split("=", 1) for p in str(args.rdzv_conf or "").split(",") if "=" in p)
+    try:
+        join_timeout = float(conf.get("join_timeout", JOIN_TIMEOUT_S))
+    except ValueError:
+        raise LaunchUsageError(f"--rdzv-conf join_timeout must be seconds (got {conf})") from None
+    conf["is_host"] = "false"  # node 0's agent serves the store itself, before torch's rendezvous
+    args.rdzv_conf = ",".join(f"{key}={value}" for key, value in conf.items())
+    config = options.get("config")
+    here = Here(
+        options.get("command", "train"), options.get("config-name"), config and Path(config)
+    )
+    node = int(options["node"])
+    meeting = meet(
+        node,
+        int(args.nnodes),
+        args.rdzv_endpoint,
+        here,
+        rdzv_id=args.rdzv_id,
+        join_timeout=join_timeout,
+    )
+    args.rdzv_id = meeting.job_id
+
+    def refused(_signum: int, _frame: Any) -> None:
+        if meeting.refusal:
+            raise JobRefused(meeting.refusal)
+
+    signal.signal(JOB_REFUSED, refused)
+    meeting.watch(lambda _message: os.kill(os.getpid(), JOB_REFUSED))
+    return meeting

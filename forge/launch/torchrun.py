@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.launch.cluster import ONE_NODE, Nodes
-from forge.launch.endpoint import Here, Meeting
+from forge.launch.endpoint import Here, meet_for_torchrun
 from forge.launch.errors import LaunchUsageError
 from forge.runs import RunError, go_on_note
 from forge.train.topology import Topology
@@ -511,61 +511,6 @@ def _quiet_torchelastic() -> None:
     elastic.propagate = False
 
 
-class JobRefused(LaunchUsageError):
-    """A node refused the job (another config, --nnodes or command than node 0's): raised in
-    the agent's main thread, which waits in torch's rendezvous, when the watch sees it."""
-
-
-JOB_REFUSED = signal.SIGUSR2  # how the watching thread stops the main thread's rendezvous
-
-
-def _meet(options: dict[str, str], args: Any) -> Meeting:
-    """Meet the job's other nodes at its endpoint (forge/launch/endpoint.py) and point torch's
-    rendezvous at the store node 0's agent serves, under the job's id."""
-    from forge.launch.endpoint import JOIN_TIMEOUT_S, meet
-
-    # torch's --rdzv-conf is `key=value,key=value`; a user's copy after -- is kept
-    conf = dict(p.split("=", 1) for p in str(args.rdzv_conf or "").split(",") if "=" in p)
-    try:
-        join_timeout = float(conf.get("join_timeout", JOIN_TIMEOUT_S))
-    except ValueError:
-        raise LaunchUsageError(f"--rdzv-conf join_timeout must be seconds (got {conf})") from None
-    conf["is_host"] = "false"  # node 0's agent serves the store itself, before torch's rendezvous
-    args.rdzv_conf = ",".join(f"{key}={value}" for key, value in conf.items())
-    config = options.get("config")
-    here = Here(
-        options.get("command", "train"), options.get("config-name"), config and Path(config)
-    )
-    node = int(options["node"])
-    meeting = meet(
-        node,
-        int(args.nnodes),
-        args.rdzv_endpoint,
-        here,
-        rdzv_id=args.rdzv_id,
-        join_timeout=join_timeout,
-    )
-    args.rdzv_id = meeting.job_id
-
-    def refused(_signum: int, _frame: Any) -> None:
-        if meeting.refusal:
-            raise JobRefused(meeting.refusal)
-
-    signal.signal(JOB_REFUSED, refused)
-    meeting.watch(lambda _message: os.kill(os.getpid(), JOB_REFUSED))
-    return meeting
-
-
-def _still_missing(meeting: Meeting | None) -> list[int] | None:
-    """The nodes that never joined, where the job's store still says (None: unknown)."""
-    if meeting is None:
-        return None
-    try:
-        return meeting.missing()
-    except (RuntimeError, OSError, ValueError):
-        return None
-
-
 _FORGE_OPTIONS = (
     "--run-dir=",
     "--project=",
@@ -612,8 +557,8 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(LAUNCHER_DIED, _launcher_died)
         stop_with_parent(LAUNCHER_DIED)
         os.environ[PARENT_ENV] = str(os.getpid())  # every worker stops when this process dies
-        if "node" in options:  # a job of several nodes: meet at its endpoint first
-            meeting = _meet(options, args)
+        if "node" in options and args.rdzv_backend == "c10d":  # meet at the endpoint first
+            meeting = meet_for_torchrun(options, args)
         run(args)
     except LaunchUsageError as err:  # the nodes do not make one job (JobRefused among them)
         signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
@@ -649,7 +594,7 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(stop.sigval)
     except RendezvousError as err:  # the nodes never met, or the job's store went away
         signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
-        what = rendezvous_message(err, argv, _still_missing(meeting))
+        what = rendezvous_message(err, argv, meeting and meeting.still_missing())
         if run_dir is not None and settle_failure(run_dir, what, {"process": "rendezvous"}):
             what += f"; {failed_note(run_dir, project_root)}"
         _tell(f"error: {what}")

@@ -13,8 +13,8 @@ import time
 import pytest
 
 from forge.launch import endpoint
-from forge.launch.cluster import Nodes, resolve_nodes
-from forge.launch.endpoint import Here, Notes, check_host, meet, mismatch
+from forge.launch.cluster import Nodes, check_host, resolve_nodes
+from forge.launch.endpoint import Here, Notes, meet, mismatch
 from forge.launch.errors import LaunchUsageError
 from forge.runs import RunError
 
