@@ -636,6 +636,16 @@ def resume_command(run_dir: Path, project_root: Path) -> str:
     return f"forge resume -p {shown(Path(project_root))} --run-dir {shown(Path(run_dir))}"
 
 
+def go_on_note(run_dir: Path, project_root: Path) -> str:
+    """How to go on with a run that stopped: the ``forge resume`` command when the run has a
+    checkpoint to continue from; else that it has none (the job never saved one)."""
+    from forge.checkpoint.layout import find_checkpoints
+
+    if any(info.valid for info in find_checkpoints(run_dir, verify_hashes=False)):
+        return f"`{resume_command(run_dir, project_root)}` continues it from its newest checkpoint"
+    return "it saved no checkpoint, so there is nothing to resume: train it again with forge train"
+
+
 def parse_run_config(
     run_dir: Path, project: Any, overrides: list[str] = (), allow: list[str] = ()
 ) -> Any:

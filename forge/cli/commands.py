@@ -194,15 +194,27 @@ def _nodes(args: argparse.Namespace):
 _NODE_FLAGS = ("nnodes", "node_rank", "rdzv_endpoint", "master_addr", "master_port")
 
 
-def _join(args: argparse.Namespace, project: Project, nproc: int, nodes, rest, restarts) -> int:
-    """A node other than node 0: start this node's workers, which learn the run from node 0's;
-    the run directory goes to stdout once known (after the job)."""
+def _join(
+    args: argparse.Namespace,
+    project: Project,
+    nproc: int,
+    nodes,
+    rest,
+    restarts,
+    here,
+    config_text: str | None = None,
+) -> int:
+    """A node other than node 0: start this node's workers, which learn the run from node 0's
+    (once this node's agent has checked that it runs what node 0 runs: ``here``, the config
+    it rendered); the run directory goes to stdout once known (after the job)."""
     from forge.launch.torchrun import join_job
 
     code, run_dir = join_job(
         project,
         nproc,
         nodes,
+        here,
+        config_text,
         torchrun_args=rest,
         allow=args.allow or [],
         verbose=args.verbose,
@@ -215,7 +227,8 @@ def _join(args: argparse.Namespace, project: Project, nproc: int, nodes, rest, r
 
 def cmd_train(args: argparse.Namespace) -> int:
     from forge.cli.length_note import length_note, moot_arguments
-    from forge.launch.cluster import ONE_NODE
+    from forge.launch.cluster import ONE_NODE, check_host
+    from forge.launch.endpoint import Here
     from forge.launch.preflight import check_training_contract
     from forge.launch.torchrun import launch_training, resolve_max_restarts, resolve_nproc
     from forge.launch.worker import build_variables
@@ -279,8 +292,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     if topology.is_main and nodes.creates_run:
         for sentence in moot:
             logger.warning("%s", sentence)
+    if nodes.multinode:
+        check_host(nodes)  # before anything starts: a host that never resolves is named here
     if not nodes.creates_run:
-        return _join(args, project, nproc, nodes, torchrun_args, max_restarts)
+        here = Here("train", name)
+        return _join(args, project, nproc, nodes, torchrun_args, max_restarts, here, cfg.text)
 
     def make_run() -> Path:
         return create_run(
@@ -309,6 +325,7 @@ def cmd_train(args: argparse.Namespace) -> int:
                 allow=args.allow or [],
                 verbose=args.verbose,
                 max_restarts=max_restarts,
+                here=Here("train", name, run_dir / "config.yaml") if nodes.multinode else None,
             )
     except Exception as err:
         if exit_code_for(err) == EXIT_USAGE and discard_unstarted_run(run_dir):
@@ -354,11 +371,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
     max_restarts = resolve_max_restarts(args.max_restarts)
     nodes, torchrun_args = _nodes(args)
     args.torchrun_args = torchrun_args
+    if nodes.multinode:
+        from forge.launch.cluster import check_host
+
+        check_host(nodes)  # before anything starts: a host that never resolves is named here
     if not nodes.creates_run:  # node 0 finds, claims and resolves the run; --set is its too
+        from forge.launch.endpoint import Here
         from forge.launch.torchrun import resolve_nproc
 
         nproc = resolve_nproc(args.nproc, default=_recorded_nproc(project, args, nodes.nnodes))
-        return _join(args, project, nproc, nodes, torchrun_args, max_restarts)
+        return _join(args, project, nproc, nodes, torchrun_args, max_restarts, Here("resume"))
     config = project.resolve_config_name(args.config) if args.config else None
     run_dir = find_run(
         project.output_dir,
@@ -391,6 +413,7 @@ def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> 
 
 def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, nodes) -> int:
     from forge.checkpoint.resolve import CheckpointNotFound, resume_checkpoint
+    from forge.launch.endpoint import Here
     from forge.launch.preflight import check_training_contract
     from forge.launch.torchrun import launch_training, resolve_nproc
     from forge.launch.worker import build_variables
@@ -451,6 +474,7 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
             allow=args.allow or [],
             verbose=args.verbose,
             max_restarts=max_restarts,
+            here=Here("resume"),
         )
     finally:
         if kept is not None and failed_to_start(run_dir, since=launched):

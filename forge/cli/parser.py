@@ -193,8 +193,8 @@ def _add_nodes(parser: argparse.ArgumentParser, *, resume: bool = False) -> None
         "creates the run on a filesystem every node mounts, the others learn it. Under "
         "SLURM, `srun --ntasks-per-node=1 forge ...` reads them from SLURM's variables",
     )
-    group.add_argument(
-        "--nnodes", type=int, metavar="N", help=f"nodes in the job (default: {default})"
+    group.add_argument(  # a string: forge.launch.cluster says why 1:2 is refused
+        "--nnodes", metavar="N", help=f"nodes in the job (default: {default})"
     )
     group.add_argument(
         "--node-rank", type=int, metavar="R", help="this node's index, 0 to N-1 (default: 0)"

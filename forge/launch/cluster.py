@@ -2,7 +2,8 @@
 
 ``forge train --nnodes 2 --node-rank R --rdzv-endpoint HOST:PORT`` is started once on every
 node; each starts torchrun for its own processes, and the torchruns meet at the endpoint through
-torchrun's c10d rendezvous (a TCP store served on the endpoint's host). ``--master-addr`` and
+torchrun's c10d rendezvous (a TCP store that node 0's agent serves there, and where the nodes
+check each other first: forge/launch/endpoint.py). ``--master-addr`` and
 ``--master-port`` are the same endpoint under the names torchrun's static launch uses.
 
 Under SLURM, ``srun forge train ...`` starts **one forge per node** (``--ntasks-per-node=1``):
@@ -10,23 +11,26 @@ forge then starts torchrun with one process per GPU of that node, as on any mach
 count, this node's index and the endpoint come from SLURM's variables: ``SLURM_NNODES``,
 ``SLURM_NODEID``, the first host of ``SLURM_JOB_NODELIST`` (parsed here: ``scontrol`` may not
 exist where forge runs) and a port derived from ``SLURM_JOB_ID``, which also names the
-rendezvous. One task per GPU (torchrun's work done by srun) is refused with the fix, since each
-task would start torchrun again. Flags given to forge win over SLURM's values.
+rendezvous. Several tasks on a node (one per GPU, torchrun's work done by srun) are refused
+with the fix, on one node as on several, since each task would start a job of its own. Flags
+given to forge win over SLURM's values.
 
 Torch-free: the CLI builds the command without loading the ML stack.
 """
 
 from __future__ import annotations
 
+import os
 import re
+import socket
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from forge.launch.errors import LaunchUsageError
 
 DEFAULT_PORT = 29500  # torchrun's own default for the endpoint
 SLURM_PORT_BASE, SLURM_PORT_SPAN = 29500, 2000  # a port per job, so jobs sharing a node differ
-RDZV_ID = "forge"  # names the rendezvous when SLURM does not (the endpoint keeps jobs apart)
+RDZV_ID = "forge"  # the rendezvous id when SLURM names none: node 0 makes one per job of it
 
 # torchrun options forge sets itself (either spelling), so a copy after `--` would clash
 _NODE_OPTIONS = {
@@ -47,6 +51,7 @@ class Nodes:
     endpoint: str | None = None  # HOST:PORT of the c10d rendezvous; None on one node
     rdzv_id: str = RDZV_ID
     source: str = "flags"  # "flags" or "SLURM", for messages
+    endpoint_from: str = field(default="flags", compare=False)  # the same, for the endpoint
 
     @property
     def multinode(self) -> bool:
@@ -71,9 +76,10 @@ class Nodes:
     def describe(self) -> str:
         if not self.multinode:
             return "1 node"
+        named = f", id {self.rdzv_id}" if self.rdzv_id != RDZV_ID else ""
         return (
-            f"node {self.node_rank} of {self.nnodes} (rendezvous {self.endpoint}, "
-            f"id {self.rdzv_id}, from {self.source})"
+            f"node {self.node_rank} of {self.nnodes} (rendezvous {self.endpoint}{named}, "
+            f"from {self.source})"
         )
 
 
@@ -102,27 +108,49 @@ def _int(value: str | None, name: str, *, low: int) -> int:
     return number
 
 
+def _slurm_step(env: Mapping[str, str]) -> bool:
+    return "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
+
+
+def check_one_task_per_node(env: Mapping[str, str]) -> None:
+    """Refuse an ``srun`` step with several tasks on a node: each task would be a job of its
+    own (its own run, trained alone), whatever the node count."""
+    if "SLURM_JOB_ID" not in env or not _slurm_step(env):
+        return
+    nnodes = _int(
+        env.get("SLURM_STEP_NUM_NODES", env.get("SLURM_NNODES", "1")), "SLURM_NNODES", low=1
+    )
+    ntasks = _int(
+        env.get("SLURM_STEP_NUM_TASKS", env.get("SLURM_NTASKS", str(nnodes))),
+        "SLURM_NTASKS",
+        low=1,
+    )
+    if ntasks <= nnodes:
+        return
+    nodes = f"{nnodes} node" + ("s" if nnodes > 1 else "")
+    per_node = max(ntasks // nnodes, 1)
+    raise LaunchUsageError(
+        f"srun started {ntasks} tasks on {nodes}: each task would start a job of its own "
+        "(its own run, trained alone). forge starts the processes of its node itself, so it "
+        f"needs one task per node: `srun --ntasks-per-node=1 forge train ... --nproc {per_node}` "
+        "(or --nproc auto: one process per GPU)"
+    )
+
+
 def slurm_nodes(env: Mapping[str, str]) -> Nodes | None:
     """The job's nodes from SLURM's variables, inside an ``srun`` step; None outside SLURM
     or in an allocation of one node. Raises LaunchUsageError where forge cannot run as started."""
     if "SLURM_JOB_ID" not in env or "SLURM_NNODES" not in env:
         return None
     nnodes = _int(env["SLURM_NNODES"], "SLURM_NNODES", low=1)
+    check_one_task_per_node(env)
     if nnodes == 1:
         return None
-    in_step = "SLURM_STEP_ID" in env or "SLURM_STEPID" in env
-    if not in_step:  # the batch script itself, on the first node only
+    if not _slurm_step(env):  # the batch script itself, on the first node only
         raise LaunchUsageError(
             f"this SLURM job has {nnodes} nodes but forge was not started by srun, so it "
             "would run on one of them and wait for the rest: start it with "
             "`srun --ntasks-per-node=1 forge train ...`, or pass --nnodes 1 to train here only"
-        )
-    ntasks = _int(env.get("SLURM_NTASKS", str(nnodes)), "SLURM_NTASKS", low=1)
-    if ntasks != nnodes:
-        raise LaunchUsageError(
-            f"srun started {ntasks} tasks on {nnodes} nodes; forge starts the processes of "
-            "its node itself (one per GPU with --nproc auto), so it needs one task per node: "
-            "`srun --ntasks-per-node=1 forge train ...`"
         )
     node_rank = _int(env.get("SLURM_NODEID", env.get("SLURM_PROCID")), "SLURM_NODEID", low=0)
     job = env["SLURM_JOB_ID"]
@@ -130,7 +158,7 @@ def slurm_nodes(env: Mapping[str, str]) -> Nodes | None:
     if job.isdigit():
         port = SLURM_PORT_BASE + int(job) % SLURM_PORT_SPAN
     host = first_host(env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", ""))
-    return Nodes(nnodes, node_rank, f"{host}:{port}", f"slurm-{job}", "SLURM")
+    return Nodes(nnodes, node_rank, f"{host}:{port}", f"slurm-{job}", "SLURM", "SLURM")
 
 
 def take_node_options(torchrun_args: Sequence[str]) -> tuple[dict[str, str], list[str]]:
@@ -158,7 +186,7 @@ def take_node_options(torchrun_args: Sequence[str]) -> tuple[dict[str, str], lis
 
 def resolve_nodes(
     *,
-    nnodes: int | None = None,
+    nnodes: int | str | None = None,
     node_rank: int | None = None,
     rdzv_endpoint: str | None = None,
     master_addr: str | None = None,
@@ -168,8 +196,6 @@ def resolve_nodes(
 ) -> tuple[Nodes, list[str]]:
     """This node's view of the job from forge's flags (or the same options after ``--``),
     else SLURM's variables; and the torchrun arguments left to pass on unchanged."""
-    import os
-
     env = os.environ if env is None else env
     given, rest = take_node_options(torchrun_args)
     flags = {
@@ -186,15 +212,21 @@ def resolve_nodes(
             )
         flags[key] = value
     if flags["nnodes"] is not None and not str(flags["nnodes"]).isdigit():
+        elastic = (
+            "; an elastic range (MIN:MAX) is not supported: every node must know the job's "
+            "size to agree on its run"
+        )
         raise LaunchUsageError(
-            f"--nnodes must be a positive integer (got {flags['nnodes']!r}); an elastic range "
-            "(MIN:MAX) is not supported: every node must know the job's size to agree on its run"
+            f"--nnodes must be a positive integer (got {str(flags['nnodes'])!r})"
+            + (elastic if ":" in str(flags["nnodes"]) else "")
         )
     if flags["rdzv_endpoint"] and (flags["master_addr"] or flags["master_port"]):
         raise LaunchUsageError(
             "give the rendezvous once: --rdzv-endpoint HOST:PORT, or --master-addr HOST "
             "with --master-port PORT (the same thing under torchrun's older names)"
         )
+    if flags["node_rank"] is None:  # with --node-rank each task is told its place in a job
+        check_one_task_per_node(env)
     slurm = None
     if flags["nnodes"] is None or int(flags["nnodes"]) > 1:
         try:
@@ -222,8 +254,9 @@ def resolve_nodes(
         endpoint = f"{flags['master_addr']}:{port}"
     elif endpoint is None and flags["master_port"]:
         raise LaunchUsageError("--master-port needs --master-addr (the host of node 0)")
+    endpoint_from = "flags"
     if endpoint is None and slurm is not None:
-        endpoint = slurm.endpoint
+        endpoint, endpoint_from = slurm.endpoint, "SLURM"
     if nodes_count == 1:
         if endpoint:
             raise LaunchUsageError(
@@ -239,7 +272,44 @@ def resolve_nodes(
         endpoint = f"{endpoint}:{DEFAULT_PORT}"
     rdzv_id = slurm.rdzv_id if slurm is not None else RDZV_ID
     source = "SLURM" if slurm is not None and flags["nnodes"] is None else "flags"
-    return Nodes(nodes_count, rank, endpoint, rdzv_id, source), rest
+    return Nodes(nodes_count, rank, endpoint, rdzv_id, source, endpoint_from), rest
 
 
 ONE_NODE = Nodes()  # a job on this machine alone
+
+
+def split_endpoint(endpoint: str) -> tuple[str, int]:
+    """``HOST:PORT`` (``[::1]:PORT`` for an IPv6 address) -> (host, port)."""
+    host, _, port = endpoint.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def endpoint_origin(nodes: Nodes, env: Mapping[str, str] | None = None) -> str:
+    """Where this node read the endpoint from, for messages."""
+    env = os.environ if env is None else env
+    if nodes.endpoint_from == "SLURM":
+        nodelist = env.get("SLURM_JOB_NODELIST") or env.get("SLURM_NODELIST", "")
+        return f"the first host of SLURM_JOB_NODELIST={nodelist}"
+    return f"--rdzv-endpoint {nodes.endpoint}"
+
+
+def check_host(nodes: Nodes, env: Mapping[str, str] | None = None) -> None:
+    """Refuse an endpoint whose host does not resolve here (this node would never connect)."""
+    host, port = split_endpoint(str(nodes.endpoint))
+    try:
+        socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError) as err:
+        reason = getattr(err, "strerror", None) or str(err)
+        if nodes.endpoint_from == "SLURM":
+            fix = (
+                "forge reads node 0's host from SLURM's node list, which names hosts the "
+                "allocation's nodes resolve: run forge on them under srun, or give "
+                "--rdzv-endpoint HOST:PORT with a host every node resolves"
+            )
+        else:
+            fix = "give every node a --rdzv-endpoint naming node 0 by a host every node resolves"
+        raise LaunchUsageError(
+            f"the rendezvous host {host!r} ({endpoint_origin(nodes, env)}) does not resolve on "
+            f"this machine ({socket.gethostname()}: {reason}), so this node never connected to "
+            f"the job: {fix}"
+        ) from None

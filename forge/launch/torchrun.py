@@ -36,9 +36,10 @@ from pathlib import Path
 from typing import Any
 
 from forge.launch.cluster import ONE_NODE, Nodes
+from forge.launch.endpoint import Here, meet_for_torchrun
 from forge.launch.errors import LaunchUsageError
 from forge.lifetime import signal_on_parent_death
-from forge.runs import now_iso, resume_command
+from forge.runs import RunError, go_on_note, now_iso
 from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -91,18 +92,29 @@ def torchrun_command(
     verbose: bool = False,
     max_restarts: int = 0,
     tell_run_dir: Path | None = None,
+    here: Here | None = None,
 ) -> list[str]:
     """The argv that starts ``nproc`` workers of ``run_dir`` under torchrun on this node.
 
     On one node torchrun runs ``--standalone``; a job of several nodes meets at ``nodes``'s
-    c10d rendezvous. ``run_dir`` is None on a node that did not create the run: its workers
-    learn the run (and the checkpoint to resume from) from node 0's (forge/launch/multinode.py), and
-    the first of them writes the run directory to ``tell_run_dir`` for this node's forge.
+    c10d rendezvous, whose store node 0's agent serves (forge/launch/endpoint.py: ``here`` is
+    what this node was started to run, which every node compares with node 0's). ``run_dir``
+    is None on a node that did not create the run: its workers learn the run (and the
+    checkpoint to resume from) from node 0's (forge/launch/multinode.py), and the first of them
+    writes the run directory to ``tell_run_dir`` for this node's forge.
     """
     command = [sys.executable, "-m", "forge.launch"]
     if run_dir is not None:
         command.append(f"--run-dir={run_dir}")
-    command += [f"--project={project_root}", f"--nproc_per_node={nproc}"]
+    command.append(f"--project={project_root}")
+    if nodes.multinode:
+        here = here or Here()
+        command += [f"--node={nodes.node_rank}", f"--command={here.command}"]
+        if here.config_name:
+            command.append(f"--config-name={here.config_name}")
+        if here.config_file:
+            command.append(f"--config={here.config_file}")
+    command.append(f"--nproc_per_node={nproc}")
     if nodes.multinode:
         command += nodes.torchrun_args()
     elif not any(a.startswith(("--rdzv", "--nnodes", "--master")) for a in torchrun_args):
@@ -140,6 +152,7 @@ def launch_training(
     verbose: bool = False,
     max_restarts: int = 0,
     tell_run_dir: Path | None = None,
+    here: Here | None = None,
 ) -> int:
     """Train ``run_dir`` here (one process) or under torchrun, forwarding Ctrl-C/SIGTERM.
 
@@ -168,6 +181,7 @@ def launch_training(
         verbose=verbose,
         max_restarts=max_restarts,
         tell_run_dir=tell_run_dir,
+        here=here,
     )
     where = f" on {nodes.describe()}" if nodes.multinode else ""
     logger.info("launching %d processes%s: %s", nproc, where, " ".join(command))
@@ -202,10 +216,18 @@ def launch_training(
     return exit_code_from_record(run_dir, code, since=launched)
 
 
-def join_job(project, nproc: int, nodes: Nodes, **launch: Any) -> tuple[int, Path | None]:
+def join_job(
+    project,
+    nproc: int,
+    nodes: Nodes,
+    here: Here,
+    config_text: str | None = None,
+    **launch: Any,
+) -> tuple[int, Path | None]:
     """Start this node's share of a job node 0 launches (``--node-rank`` > 0): its workers
-    learn the run from node 0's. Returns the exit code and the run directory (None when the
-    job ended before the workers learnt it).
+    learn the run from node 0's. ``config_text``: the config this node rendered (forge train),
+    which its agent compares with node 0's before the job starts. Returns the exit code and
+    the run directory (None when the job ended before the workers learnt it).
 
     This node writes nothing to ``run.json``: node 0's forge owns the record (it created or
     claimed the run), and the job's rank 0 keeps it current wherever it runs. The exit code
@@ -217,7 +239,13 @@ def join_job(project, nproc: int, nodes: Nodes, **launch: Any) -> tuple[int, Pat
     )
     with tempfile.TemporaryDirectory(prefix="forge-node-") as scratch:
         told = Path(scratch) / "run_dir"
-        code = launch_training(project, None, nproc, nodes=nodes, tell_run_dir=told, **launch)
+        if config_text is not None:  # what node 0's config is compared with
+            rendered = Path(scratch) / "config.yaml"
+            rendered.write_text(config_text)
+            here = Here(here.command, here.config_name, rendered)
+        code = launch_training(
+            project, None, nproc, nodes=nodes, tell_run_dir=told, here=here, **launch
+        )
         run_dir = Path(told.read_text()) if told.is_file() else None
     if run_dir is not None and (run_dir / "run.json").is_file():
         return exit_code_from_record(run_dir, code), run_dir
@@ -311,10 +339,7 @@ def exit_text(code: int) -> str:
 
 def failed_note(run_dir: Path, project_root: Path) -> str:
     """The end of the message about a failed job: its record and how to go on."""
-    return (
-        f"{Path(run_dir).name} is marked failed; `{resume_command(run_dir, project_root)}` "
-        "continues it from its newest checkpoint"
-    )
+    return f"{Path(run_dir).name} is marked failed; {go_on_note(run_dir, project_root)}"
 
 
 def settle_failure(run_dir: Path, what: str, failure: dict[str, Any]) -> bool:
@@ -357,10 +382,7 @@ def record_launcher_death(run_dir: Path, project_root: Path, launcher: str) -> N
         return
     except RunError as err:
         _tell(f"error: {err}")
-    _tell(
-        f"stopped {Path(run_dir).name}: {what}. "
-        f"`{resume_command(run_dir, project_root)}` continues it from its newest checkpoint"
-    )
+    _tell(f"stopped {Path(run_dir).name}: {what}; {go_on_note(run_dir, project_root)}")
 
 
 def _tell(message: str) -> None:
@@ -394,8 +416,11 @@ _NODE_NOTE = (
 )
 
 
-def rendezvous_message(err: BaseException, argv: Sequence[str]) -> str:
-    """What a node says when torchrun's rendezvous failed: which endpoint, and what to check."""
+def rendezvous_message(
+    err: BaseException, argv: Sequence[str], missing: Sequence[int] | None = None
+) -> str:
+    """What a node says when torchrun's rendezvous failed: which endpoint, and what to check
+    (``missing``: the nodes that never joined, where known)."""
     endpoint = next(
         (
             a.split("=", 1)[1]
@@ -405,13 +430,17 @@ def rendezvous_message(err: BaseException, argv: Sequence[str]) -> str:
         "the rendezvous endpoint",
     )
     kind = type(err).__name__
-    if kind == "RendezvousTimeoutError":
+    if kind == "RendezvousTimeoutError" and missing:
+        names = ", ".join(map(str, missing))
+        what = f"node{'s' if len(missing) > 1 else ''} {names} never joined the job at {endpoint}"
+    elif kind == "RendezvousTimeoutError":
         what = f"the nodes did not all join the job at {endpoint} in time"
     elif kind == "RendezvousConnectionError":
         return (
-            f"this node lost the connection to the job's rendezvous store at {endpoint}: the "
-            "node serving it stopped (its forge or its machine died; its output says why), or "
-            "the network between the nodes failed. This node's processes were stopped"
+            f"this node lost the connection to the job's rendezvous store at {endpoint}, which "
+            "node 0's forge serves: node 0 stopped (its forge or its machine died; its output "
+            "says why), or the network between the nodes failed. This node's processes were "
+            "stopped"
         )
     elif kind == "RendezvousClosedError":
         return (
@@ -436,6 +465,37 @@ def _launcher_died(signum: int, frame: Any) -> None:
     raise SignalException("the forge process that launched the job died", signal.SIGKILL)
 
 
+def _announce_restarts() -> None:
+    """Have torch's agent say which rank died, and how, when it restarts the workers
+    (``--max-restarts``); the restarted workers read it (``RESTART_CAUSE_ENV``) for run.json.
+
+    torch's agent says only that it restarts; the failure it restarts after is in the result
+    of its ``_monitor_workers``. The agent that ``torch.distributed.run`` builds is therefore
+    this subclass, in this process only (forge's agent, never a user's torchrun)."""
+    import torch.distributed.launcher.api as launcher
+    from torch.distributed.elastic.agent.server.api import WorkerState
+    from torch.distributed.elastic.agent.server.local_elastic_agent import LocalElasticAgent
+
+    from forge.launch.worker import RESTART_CAUSE_ENV
+
+    class RestartNamingAgent(LocalElasticAgent):
+        def _monitor_workers(self, worker_group):
+            result = super()._monitor_workers(worker_group)
+            if result.state == WorkerState.FAILED and result.failures and self._remaining_restarts:
+                rank, first = min(result.failures.items(), key=lambda item: item[1].timestamp)
+                what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
+                done = worker_group.spec.max_restarts - self._remaining_restarts + 1
+                os.environ[RESTART_CAUSE_ENV] = what  # the restarted workers inherit it
+                _tell(
+                    f"warning: {what}; restarting the workers (restart {done} of "
+                    f"{worker_group.spec.max_restarts}, --max-restarts): they continue from the "
+                    "run's newest checkpoint"
+                )
+            return result
+
+    launcher.LocalElasticAgent = RestartNamingAgent
+
+
 def _quiet_torchelastic() -> None:
     """Keep torch's elastic agent from adding its log lines (a failed worker, a forwarded
     signal) to forge's one message; torch's LOGLEVEL variable brings them back."""
@@ -446,10 +506,21 @@ def _quiet_torchelastic() -> None:
     elastic.propagate = False
 
 
+_FORGE_OPTIONS = (
+    "--run-dir=",
+    "--project=",
+    "--node=",
+    "--command=",
+    "--config-name=",
+    "--config=",
+)
+
+
 def _forge_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
-    """The ``--run-dir=`` and ``--project=`` that forge puts before torchrun's arguments."""
+    """The ``--run-dir=``, ``--project=`` and (several nodes) ``--node=``, ``--command=``,
+    ``--config-name=``, ``--config=`` that forge puts before torchrun's arguments."""
     options: dict[str, str] = {}
-    while argv and argv[0].startswith(("--run-dir=", "--project=")):
+    while argv and argv[0].startswith(_FORGE_OPTIONS):
         key, value = argv.pop(0)[2:].split("=", 1)
         options[key] = value
     return options, argv
@@ -474,11 +545,27 @@ def main(argv: list[str] | None = None) -> int:
     if quiet_native:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
     _quiet_torchelastic()
+    _announce_restarts()
+    args = parse_args(argv)
+    meeting = None
     try:
         signal.signal(LAUNCHER_DIED, _launcher_died)
         stop_with_parent(LAUNCHER_DIED)
         os.environ[PARENT_ENV] = str(os.getpid())  # every worker stops when this process dies
-        run(parse_args(argv))
+        if "node" in options and args.rdzv_backend == "c10d":  # meet at the endpoint first
+            meeting = meet_for_torchrun(options, args)
+        run(args)
+    except LaunchUsageError as err:  # the nodes do not make one job (JobRefused among them)
+        signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
+        _tell(f"error: {err}")
+        return EXIT_USAGE
+    except RunError as err:  # node 0 never came, or could not serve the endpoint
+        signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
+        what = str(err)
+        if run_dir is not None and settle_failure(run_dir, what, {"process": "rendezvous"}):
+            what += f"; {failed_note(run_dir, project_root)}"
+        _tell(f"error: {what}")
+        return EXIT_FAILURE
     except ChildFailedError as failure:
         signal.signal(LAUNCHER_DIED, signal.SIG_IGN)  # the workers are gone already
         rank, first = failure.get_first_failure()
@@ -502,10 +589,13 @@ def main(argv: list[str] | None = None) -> int:
         return 128 + int(stop.sigval)
     except RendezvousError as err:  # the nodes never met, or the job's store went away
         signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
-        what = rendezvous_message(err, argv)
+        what = rendezvous_message(err, argv, meeting and meeting.still_missing())
         if run_dir is not None and settle_failure(run_dir, what, {"process": "rendezvous"}):
             what += f"; {failed_note(run_dir, project_root)}"
         _tell(f"error: {what}")
         return EXIT_FAILURE
+    finally:
+        if meeting is not None:
+            meeting.close()
     signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
     return EXIT_OK

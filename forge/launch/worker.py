@@ -30,6 +30,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 TRAINER_TARGET = "trainer"
+# which rank died before a restart and how: set by forge's agent (forge.launch.torchrun)
+RESTART_CAUSE_ENV = "FORGE_RESTART_CAUSE"
 
 
 def build_variables(run_dir: Path, project: Project, config_name: str) -> dict[str, Any]:
@@ -114,13 +116,24 @@ def restart_count() -> int:
 
 
 def record_restart(record: RunRecord, restart: int, checkpoint: str | None) -> None:
+    """Add this restart to run.json: when, from which checkpoint, after which rank died
+    (torchrun's agent names it: forge.launch.torchrun)."""
+    cause = os.environ.get(RESTART_CAUSE_ENV) or None
     restarts = record.data.get("restarts", [])
     restarts.append(
-        {"at": now_iso(), "restart": restart, "from": str(checkpoint) if checkpoint else None}
+        {
+            "at": now_iso(),
+            "restart": restart,
+            "from": str(checkpoint) if checkpoint else None,
+            "after": cause,
+        }
     )
     record.update(restarts=restarts)
     where = f"from {checkpoint}" if checkpoint else "from the beginning (no checkpoint yet)"
-    logger.warning("restart %d of the workers (--max-restarts): continuing %s", restart, where)
+    after = f" ({cause})" if cause else ""
+    logger.warning(
+        "restart %d of the workers (--max-restarts): continuing %s%s", restart, where, after
+    )
 
 
 def reached_step(trainer: Any) -> int:

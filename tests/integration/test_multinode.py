@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -57,6 +58,19 @@ def nodes(command: str, project: Path, *extra: str, node1_prefix: list[str] = ()
     return jobs
 
 
+_STARTED: list[Job] = []  # every node this module started, stopped if a test left it running
+
+
+@pytest.fixture(autouse=True)
+def _stop_leftover_nodes():
+    yield
+    while _STARTED:
+        job = _STARTED.pop()
+        if job.proc.poll() is None:  # a failed test's node: its whole session goes
+            os.killpg(job.proc.pid, signal.SIGKILL)
+            job.proc.wait()
+
+
 def start(command: list[str], env: dict[str, str] | None = None) -> Job:
     """A Job (stderr read as it comes) running ``command``."""
     job = Job.__new__(Job)
@@ -69,6 +83,7 @@ def start(command: list[str], env: dict[str, str] | None = None) -> Job:
     )  # fmt: skip
     job._reader = threading.Thread(target=job._read, daemon=True)
     job._reader.start()
+    _STARTED.append(job)
     return job
 
 
@@ -78,6 +93,21 @@ def finish(jobs: list[Job]) -> list[int]:
     for job in jobs:
         job._reader.join()
     return codes
+
+
+def said(job: Job, pattern: str, safety_s: float = 60) -> re.Match:
+    """The first stderr line matching ``pattern``; ``safety_s`` only keeps a broken test from
+    hanging (the message itself comes within seconds of the wait it describes)."""
+    regex = re.compile(pattern)
+    deadline = time.monotonic() + safety_s
+    with job.changed:
+        while True:
+            for line in job.lines:
+                if regex.search(line):
+                    return regex.search(line)
+            alive = job._reader.is_alive()
+            assert alive and time.monotonic() < deadline, f"no {pattern!r} in:\n{job.text()}"
+            job.changed.wait(timeout=0.5)
 
 
 def record(run_dir: Path) -> dict:
@@ -198,3 +228,143 @@ def test_srun_on_two_nodes_trains_one_run(project):
     data = record(run_dir)
     assert (data["status"], data["world_size"], data["step"]) == ("completed", 2, 10)
     assert checkpoints(run_dir) == ["checkpoint-000005", "checkpoint-000010"]
+
+
+def test_srun_with_two_tasks_on_one_node_is_refused_on_both(project):
+    """`srun -N1 -n2 forge train ...`: each task would train a run of its own; both refuse
+    with the fix (exit 2) and neither creates a run."""
+    slurm = {
+        "SLURM_JOB_ID": "4712",
+        "SLURM_NNODES": "1",
+        "SLURM_NTASKS": "2",
+        "SLURM_NTASKS_PER_NODE": "2",
+        "SLURM_NODEID": "0",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "127.0.0.1",
+    }
+    command = [sys.executable, "-m", "forge.cli", "train", "-p", str(project), *SMALL]
+    jobs = [
+        start(command, {**slurm, "SLURM_PROCID": str(task), "SLURM_LOCALID": str(task)})
+        for task in (0, 1)
+    ]
+    codes = finish(jobs)
+    texts = [job.text() for job in jobs]
+    assert codes == [2, 2], texts
+    for text in texts:
+        assert "srun started 2 tasks on 1 node" in text and "--ntasks-per-node=1" in text, text
+    assert not (project / "output" / "train").exists()
+
+
+def node(rank: int, endpoint: str, project: Path, *extra: str, env=None) -> Job:
+    """``forge train`` as node ``rank`` of a job of two at ``endpoint``."""
+    args = ["-m", "forge.cli", "train", "-p", str(project), *SMALL, *extra, "--nnodes", "2"]
+    args += ["--node-rank", str(rank), "--rdzv-endpoint", endpoint]
+    return start([sys.executable, *args], env)
+
+
+def errors(job: Job) -> list[str]:
+    return [line for line in job.lines if line.startswith("error: ")]
+
+
+def test_a_node_alone_says_whom_it_waits_for_and_another_config_is_refused_on_both(project):
+    """Node 1 asked for `pipeline`, node 0 for `train`: node 1 says at once that it waits for
+    node 0 (where, as which node, how long); when node 0 comes, both stop (exit 2) with one
+    message naming the keys that differ, and node 0 removes the run that never started."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    one = node(1, endpoint, project, "pipeline")
+    said(one, rf"^node 1 of 2: waiting for node 0 at {endpoint}, where nobody answers yet .*"
+              r"\(waiting up to 600 s\)$")  # fmt: skip
+    zero = node(0, endpoint, project)
+    codes = finish([zero, one])
+    assert codes == [2, 2], [zero.text(), one.text()]
+    for job in (zero, one):
+        (message,) = errors(job)
+        assert message.startswith(
+            "error: node 1 rendered another config than node 0 (node 0: train.yaml, node 1: "
+            "pipeline.yaml), which would train node 0's: they differ at meta.config (node 0: "
+            "'train', node 1: 'pipeline');"
+        ), message
+        assert "start forge on every node with the same command, CONFIG, -D and --set" in message
+        assert "Traceback" not in job.text()
+    assert errors(zero) == errors(one)
+    assert not list((project / "output" / "train").glob("run_*"))
+
+
+@pytest.mark.slow
+def test_node_0_alone_says_whom_it_waits_for_and_a_define_or_set_is_refused(project):
+    endpoint = f"127.0.0.1:{free_port()}"
+    zero = node(0, endpoint, project)
+    said(zero, rf"^node 0 of 2: serving the job's rendezvous at {endpoint} \(job forge-\w+\); "
+               r"waiting for node 1 to join \(up to 600 s\)$")  # fmt: skip
+    one = node(1, endpoint, project, "-D", "max_steps=12", "--set", "trainer.args.seed=3")
+    codes = finish([zero, one])
+    assert codes == [2, 2], [zero.text(), one.text()]
+    (message,) = errors(zero)
+    assert "trainer.args.max_steps (node 0: 40, node 1: 12)" in message
+    assert "trainer.args.seed (node 0: 42, node 1: 3)" in message
+    assert errors(one) == [message]
+    assert not list((project / "output" / "train").glob("run_*"))
+
+
+def test_an_endpoint_no_job_can_use_is_named_within_seconds(project):
+    """A port held by a program that accepts and never answers, a host that does not resolve
+    (given, or SLURM's first host): each node says which, exit 2, no traceback, and never that
+    a connection was lost."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(8)  # accepts (the kernel does), never answers
+    silent = f"127.0.0.1:{listener.getsockname()[1]}"
+    slurm = {
+        "SLURM_JOB_ID": "4713",
+        "SLURM_NNODES": "2",
+        "SLURM_NTASKS": "2",
+        "SLURM_NODEID": "1",
+        "SLURM_PROCID": "1",
+        "SLURM_STEP_ID": "0",
+        "SLURM_JOB_NODELIST": "node[01-02]",
+    }
+    try:
+        jobs = [
+            node(0, silent, project),
+            node(1, silent, project),
+            node(1, "badhost:29400", project),
+            start([sys.executable, "-m", "forge.cli", "train", "-p", str(project), *SMALL], slurm),
+        ]
+        codes = finish(jobs)
+    finally:
+        listener.close()
+    texts = [job.text() for job in jobs]
+    assert codes == [2, 2, 2, 2], texts
+    port = silent.rpartition(":")[2]
+    assert f"port {port} of this machine" in texts[0]
+    assert "taken by a program that accepts connections but does not answer" in texts[0]
+    assert f"{silent} accepts connections but does not answer" in texts[1]
+    assert "'badhost' (--rdzv-endpoint badhost:29400) does not resolve" in texts[2]
+    assert (
+        "'node01' (the first host of SLURM_JOB_NODELIST=node[01-02]) does not resolve" in texts[3]
+    )
+    for job, text in zip(jobs, texts, strict=True):
+        assert len(errors(job)) == 1, text
+        assert "Traceback" not in text and "frame #" not in text and "lost" not in text, text
+    assert not list((project / "output" / "train").glob("run_*"))
+
+
+@pytest.mark.slow
+def test_a_second_job_on_a_busy_endpoint_fails_at_once_and_the_first_trains_on(project):
+    """The first job trains (for as long as the test needs: it is stopped at the end); the
+    second job's node 0 finds the port taken and node 1 finds its rank taken, at once."""
+    endpoint = f"127.0.0.1:{free_port()}"
+    first = [node(rank, endpoint, project, "-D", "max_steps=100000") for rank in (0, 1)]
+    run_dir = wait_for_checkpoint(project, first, "checkpoint-000010")
+    second = [node(rank, endpoint, project) for rank in (0, 1)]
+    assert finish(second) == [2, 2], [job.text() for job in second]
+    assert all(job.proc.poll() is None for job in first)  # untouched by the second job
+    (taken,) = errors(second[0])
+    assert "is taken by another forge job (job forge-" in taken and "2 nodes)" in taken
+    (there,) = errors(second[1])
+    assert f"node 1 of 2: the job at {endpoint} has its node 1 already" in there
+    assert "another job is using this endpoint" in there
+    for job in first:
+        os.killpg(job.proc.pid, signal.SIGKILL)
+    assert finish(first) == [-signal.SIGKILL] * 2
+    assert [p.name for p in (project / "output" / "train").glob("run_*")] == [run_dir.name]

@@ -103,9 +103,33 @@ Path(sys.argv[1]).write_text("rank 0 was not stopped")
 """
 
 
-def test_a_rank_that_dies_marks_the_run_failed_naming_it(tmp_path):
+def save_a_checkpoint(run_dir) -> None:
+    """A small valid checkpoint in ``run_dir/checkpoints``, as a job that trained leaves."""
+    from torch import nn
+
+    from forge.checkpoint import (
+        CheckpointRegistry,
+        CheckpointWriter,
+        Component,
+        ModelWeights,
+        Scope,
+    )
+    from forge.train.topology import Topology
+
+    registry = CheckpointRegistry(Topology())
+    registry.extend([Component("model", ModelWeights(nn.Linear(2, 2)), Scope.STAGE, weights=True)])
+    with CheckpointWriter(run_dir / "checkpoints", 10) as writer:
+        registry.save(writer)
+        writer.set_meta(epoch=0, metrics={})
+
+
+@pytest.mark.parametrize("saved", [False, True], ids=["never-saved", "saved"])
+def test_a_rank_that_dies_marks_the_run_failed_naming_it(tmp_path, saved):
+    """The message suggests `forge resume` only where there is a checkpoint to resume from."""
     run_dir = tmp_path / "run_001"
     run_dir.mkdir()
+    if saved:
+        save_a_checkpoint(run_dir)
     (run_dir / "run.json").write_text(json.dumps({"run": 1, "status": "running"}))
     worker = tmp_path / "worker.py"
     worker.write_text(WORKER)
@@ -127,6 +151,12 @@ def test_a_rank_that_dies_marks_the_run_failed_naming_it(tmp_path):
     assert record["error"].startswith("rank 1 (pid ") and "was killed by SIGKILL" in record["error"]
     said = [line for line in stderr.splitlines() if line.startswith("error: ")]
     assert len(said) == 1, stderr
-    assert said[0].startswith(f"error: {record['error']}; run_001 is marked failed; `forge resume")
+    assert said[0].startswith(f"error: {record['error']}; run_001 is marked failed; ")
+    if saved:
+        assert "`forge resume -p " in said[0] and "continues it from its newest" in said[0]
+    else:
+        assert said[0].endswith("it saved no checkpoint, so there is nothing to resume: train it "
+                                "again with forge train")  # fmt: skip
+        assert "forge resume" not in stderr
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr
     assert not (tmp_path / "survived").exists()

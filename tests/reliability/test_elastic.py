@@ -52,7 +52,10 @@ def test_a_killed_worker_is_restarted_from_the_newest_checkpoint(project, traine
     assert Path(restarted_from).parent == run_dir / "checkpoints"  # the run's own checkpoint
     step = parse_checkpoint_step(restarted_from)
     assert f"resumed from {restarted_from} at step {step}" in stderr
+    died = f"rank {nproc - 1} (pid {victim}) was killed by SIGKILL"
+    assert f"warning: {died}; restarting the workers (restart 1 of 2, --max-restarts)" in stderr
     assert "restart 1 of the workers (--max-restarts): continuing from " in stderr
+    assert record["restarts"][0]["after"] == died
     assert record["resumes"] == []  # no user command was needed
 
     weights_a, optim_a = final_state(straight)
