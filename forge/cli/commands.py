@@ -717,7 +717,7 @@ def cmd_new(args: argparse.Namespace) -> int:
     print(target)
     shown = target if parent.is_absolute() else Path(os.path.relpath(target))
     logger.info("created project %s from the %s scaffold; next:", args.name, args.template)
-    logger.info("  forge ls -p %s --check", shown)
+    logger.info("  forge ls -p %s", shown)
     logger.info("  forge train -p %s", shown)
     return EXIT_OK
 

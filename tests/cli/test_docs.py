@@ -108,6 +108,19 @@ def test_links_between_pages_lead_to_files_and_headings_that_exist():
     assert not broken, "\n".join(broken)
 
 
+def test_pages_named_in_the_prose_exist():
+    """A page named outside a link (``docs/checkpoints.md``, ``see trainers.md``) exists, next to
+    the page that names it or from the repository's root: a moved or never-written page is
+    caught here as a broken link is above."""
+    missing = []
+    for page, text in docs.PAGES.items():
+        here = (REPO / page).parent
+        for named in set(re.findall(r"(?<![\w./#-])((?:[\w-]+/)*[\w-]+\.md)\b", text)):
+            if not ((here / named).exists() or (REPO / named).exists()):
+                missing.append(f"{page}: {named}")
+    assert not missing, "\n".join(sorted(missing))
+
+
 def test_the_readme_introduces_and_links_every_page():
     readme = docs.PAGES["README.md"]
     assert "make demo" in readme and "make test" in readme

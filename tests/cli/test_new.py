@@ -25,6 +25,13 @@ def test_classifier_scaffold_trains_and_its_loss_falls(tmp_path):
     assert created.stdout.strip() == str(project)
     for name in ("meta.yaml", "templates/configs/train.yaml", "model.py", "data.py"):
         assert (project / name).is_file(), name
+    # the next steps it suggests are commands in the docs' spelling: `forge ls` checks by default
+    suggested = [
+        line.split("  ", 1)[1] for line in created.stderr.splitlines() if "  forge " in line
+    ]
+    assert suggested == ["forge ls -p demo_cls", "forge train -p demo_cls"], created.stderr
+    listed = run_forge(*suggested[0].split()[1:], cwd=tmp_path)
+    assert listed.returncode == 0 and " ok" in listed.stdout, listed.stderr
     trained = run_forge("train", "-p", "demo_cls", "-D", "max_steps=50", cwd=tmp_path)
     assert trained.returncode == 0, trained.stderr
     run_dir = Path(trained.stdout.splitlines()[0])
