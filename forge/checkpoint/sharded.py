@@ -13,14 +13,40 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterable
+from itertools import chain
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from forge.checkpoint.io import CheckpointError, weight_files
 from forge.checkpoint.layout import SHARDS_METADATA
 from forge.wrappers import class_label
+
+
+def tied_names(model: nn.Module) -> dict[str, list[str]]:
+    """For each name of ``model``'s parameters and buffers that shares its tensor with another
+    (tied weights: one parameter under several names), every such name, first the one
+    ``named_parameters`` keeps (the name ``save_pretrained`` writes). Read from the modules,
+    not the state dict: a sharded model's state dict gives each name a DTensor of its own."""
+    holders: dict[tuple, list[str]] = {}
+    for name, tensor in chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    ):
+        if tensor is None:
+            continue
+        if tensor.numel() == 0 or tensor.device.type == "meta" or has_dtensors([tensor]):
+            identity: tuple = (id(tensor),)
+        else:  # two parameters over one storage are tied as well
+            identity = (
+                tensor.untyped_storage().data_ptr(),
+                tensor.storage_offset(),
+                tuple(tensor.shape),
+                tensor.dtype,
+            )
+        holders.setdefault(identity, []).append(name)
+    return {name: group for group in holders.values() if len(group) > 1 for name in group}
 
 
 def _is_dtensor(value: Any) -> bool:
@@ -163,8 +189,6 @@ def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: boo
     sharded save keep one)."""
     from torch.distributed.tensor import DTensor
 
-    from forge.checkpoint.weights import tied_names
-
     reader = RowReader(directory)
     saved = reader.names()
     ties = tied_names(model)
@@ -207,8 +231,6 @@ def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: boo
 def without_tied_copies(model: torch.nn.Module, state: dict[str, Any]) -> dict[str, Any]:
     """``model``'s state dict with each tied tensor under one name (the one
     ``save_pretrained`` keeps), as a whole model's save stores it."""
-    from forge.checkpoint.weights import tied_names
-
     ties = tied_names(model)
     return {name: value for name, value in state.items() if ties.get(name, [name])[0] == name}
 
@@ -216,8 +238,6 @@ def without_tied_copies(model: torch.nn.Module, state: dict[str, Any]) -> dict[s
 def tied_aliases(model: torch.nn.Module) -> dict[str, str]:
     """Each tied name that ``without_tied_copies`` leaves out -> the name that holds its
     tensor (written as safetensors metadata, as ``save_torch_state_dict`` records them)."""
-    from forge.checkpoint.weights import tied_names
-
     return {name: group[0] for name, group in tied_names(model).items() if group[0] != name}
 
 

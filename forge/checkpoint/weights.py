@@ -19,7 +19,6 @@ import json
 import os
 import re
 from collections.abc import Iterable
-from itertools import chain
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -45,32 +44,6 @@ from forge.wrappers import class_label, is_peft_model, unwrap_model
 if TYPE_CHECKING:  # torch is imported where used: finding weight files needs none of it
     import torch
     from torch import nn
-
-
-def tied_names(model: nn.Module) -> dict[str, list[str]]:
-    """For each name of ``model``'s parameters and buffers that shares its tensor with another
-    (tied weights: one parameter under several names), every such name, first the one
-    ``named_parameters`` keeps (the name ``save_pretrained`` writes). Read from the modules,
-    not the state dict: a sharded model's state dict gives each name a DTensor of its own."""
-    from forge.checkpoint.sharded import has_dtensors
-
-    holders: dict[tuple, list[str]] = {}
-    for name, tensor in chain(
-        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
-    ):
-        if tensor is None:
-            continue
-        if tensor.numel() == 0 or tensor.device.type == "meta" or has_dtensors([tensor]):
-            identity: tuple = (id(tensor),)
-        else:  # two parameters over one storage are tied as well
-            identity = (
-                tensor.untyped_storage().data_ptr(),
-                tensor.storage_offset(),
-                tuple(tensor.shape),
-                tensor.dtype,
-            )
-        holders.setdefault(identity, []).append(name)
-    return {name: group for group in holders.values() if len(group) > 1 for name in group}
 
 
 def load_model_weights(
@@ -99,7 +72,7 @@ def load_model_weights(
     if is_peft_model(model):  # a LoRA run's checkpoints hold only the adapter
         load_adapter_weights(model, directory)
         return
-    from forge.checkpoint.sharded import has_dtensors, load_sharded_weights
+    from forge.checkpoint.sharded import has_dtensors, load_sharded_weights, tied_names
 
     if has_dtensors(model.parameters()):  # sharded (FSDP2): each rank reads its own rows
         load_sharded_weights(model, directory, strict=strict)

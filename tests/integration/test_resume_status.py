@@ -28,10 +28,10 @@ def test_a_resume_that_fails_to_start_leaves_the_run_as_it_was(tmp_path, nproc):
         "--set", "model.hidden=32", "--set", "trainer.args.max_steps=8",
     )  # fmt: skip
     assert result.returncode == 1, result.stderr
-    assert "weights do not fit TinyLM" in result.stderr
+    assert "weights do not fit model.py:TinyLM" in result.stderr
     after = json.loads((run_dir / "run.json").read_text())
     assert after["status"] == "completed" and after["step"] == 4
-    assert "weights do not fit TinyLM" in after["failed_resume"]["error"]
+    assert "weights do not fit model.py:TinyLM" in after["failed_resume"]["error"]
     assert after["failed_resume"]["kind"] == "runtime"
     assert (run_dir / "config.yaml").read_text() == config  # its --set undone
     again = run_forge("resume", "-p", str(root), "--set", "trainer.args.max_steps=8")

@@ -162,7 +162,7 @@ def test_lora_targets_a_plain_module_needs_are_asked_for_where_the_config_sets_t
     (root / "templates" / "configs" / "library.yaml").write_text(LIBRARY_PEFT)
     assert main(["train", config, "-p", str(root), "--dry-run"]) == 2
     err = capsys.readouterr().err
-    assert "forge cannot tell which layers of a TinyLM to adapt" in err
+    assert "forge cannot tell which layers of a model.py:TinyLM to adapt" in err  # its file
     assert "embed, head" in err and "Traceback" not in err
     if config == "own":
         assert "own.yaml:4:" in err  # the peft_config line: it has no target_modules
