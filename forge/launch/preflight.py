@@ -26,7 +26,7 @@ from typing import Any
 from forge.config import Config, ConfigError, Problem
 from forge.config.build import Materializer
 from forge.config.callables import Resolver
-from forge.config.graph import CallNode, Node
+from forge.config.graph import CallNode, Loc, Node
 
 logger = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _sanity_problems(cfg: Config, trainer: CallNode, materializer: Materializer)
     except TrainingArgumentsError as err:
         key = "trainer.args"
         if isinstance(args_node, CallNode):
-            return _located(cfg, args_node, key, err.problems)
+            return _located(cfg, args_node, key, err.problems, trainer)
         return [cfg.problem(trainer.loc, p, None) for p in err.problems]
     except Exception as err:  # what the workers would fail on first, said before they start
         notes = " ".join(getattr(err, "__notes__", []))
@@ -100,7 +100,7 @@ def _sanity_problems(cfg: Config, trainer: CallNode, materializer: Materializer)
         run_sanity_pass(built, batches)
     except SanityFailure as failure:
         if isinstance(failure.error, TrainingArgumentsError) and isinstance(args_node, CallNode):
-            return _located(cfg, args_node, "trainer.args", failure.error.problems)
+            return _located(cfg, args_node, "trainer.args", failure.error.problems, trainer)
         return [_sanity_problem(cfg, trainer, failure, batches)]
     finally:
         del built
@@ -164,7 +164,7 @@ def _plan_job(
     try:
         return plan_job(model, args, world) or [], []
     except TrainingArgumentsError as err:
-        return [], _located(cfg, args_node, type(args).config_key, err.problems)
+        return [], _located(cfg, args_node, type(args).config_key, err.problems, trainer)
     except Exception as err:  # not the plan's to report: the workers build the model and say
         logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
         return [], []
@@ -237,15 +237,33 @@ def _unnamed_targets_problem(cfg: Config, peft_node: CallNode, model: Any) -> Pr
     return cfg.problem(loc, unknown_targets(model), hint)
 
 
-def _located(cfg: Config, args_node: CallNode, key: str, messages: list[str]) -> list[Problem]:
-    """Each message (``trainer.args.NAME: ...``) at the line that sets argument NAME."""
+def _located(
+    cfg: Config, args_node: CallNode, key: str, messages: list[str], trainer: CallNode | None = None
+) -> list[Problem]:
+    """Each message (``trainer.args.NAME: ...``) at the line that sets argument NAME; one about
+    another of the trainer's arguments (``trainer.model: ...``, a model the trainer refuses)
+    at the line that sets that argument (the user's model block, not base.yaml's trainer)."""
     prefix = re.compile(rf"^{re.escape(key)}\.(\w+)")
+    given = re.compile(rf"^{re.escape(key.rpartition('.')[0] or 'trainer')}\.(\w+):")
     problems = []
     for message in messages:
         match = prefix.match(message)
         loc = args_node.arg_locs.get(match.group(1)) if match else None
+        if loc is None and trainer is not None and (other := given.match(message)):
+            loc = _argument_loc(trainer, other.group(1))
+            if loc is not None:  # the location names the key
+                message = message[other.end() :].strip()
         problems.append(cfg.problem(loc or args_node.loc, message, None))
     return problems
+
+
+def _argument_loc(trainer: CallNode, name: str) -> Loc | None:
+    """Where the trainer's argument ``name`` is written: its node's own line (where an anchor
+    it is given through is defined), else the line that gives it to the trainer."""
+    node = trainer.kwargs.get(name)
+    if isinstance(node, Node) and node.loc is not None:
+        return node.loc
+    return trainer.arg_locs.get(name)
 
 
 def _resolver(cfg: Config, allow: list[str]) -> Resolver:

@@ -493,11 +493,15 @@ class TrainerSetup:
         args, state = self.args, self.state
         batch = self.strategy.per_rank_batch_size("per_device_train_batch_size")
         if args.skip_nonfinite and self._device_skippable_optimizer() is None:
+            # the host waits for the device only where the device runs ahead of it: on the
+            # CPU the wait costs nothing, so the line is for whoever debugs the loop
             self._info(
                 "skip_nonfinite with %s%s: each step waits for its gradients on the host to "
-                "decide the skip; a fused optimizer (the default AdamW) decides on the device",
+                "decide the skip; a fused optimizer (the default AdamW, or fused=True) decides "
+                "on the device",
                 type(self.strategy.inner_optimizer(self.optimizer)).__name__,
                 " and a grad scaler" if self.scaler is not None else "",
+                level=logging.DEBUG if self.device.type == "cpu" else logging.INFO,
             )
         self._info(
             "training for %d steps (%d epochs of %d batches per rank); batch %d x accumulation "

@@ -108,16 +108,14 @@ def checkpointed_blocks(
 
     A name is a module path (``model.layers.3``; a list of blocks such as ``model.layers``
     selects each of its children) or a class name (``LlamaDecoderLayer``: every module of that
-    class). None: the model's repeated layers, the module list (``ModuleList``,
-    ``ModuleDict`` or ``Sequential`` of blocks of one class) holding the most parameters.
+    class). None: the model's repeated layers, every stack of them (``repeated_layers``).
     A name that selects nothing raises TrainingArgumentsError (``strict``) or is skipped.
     """
     modules = dict(model.named_modules())
     if names is None:
-        found = repeated_layers(model)
-        if found is None:
+        names = _repeated_layers(modules)
+        if not names:
             raise TrainingArgumentsError([_no_layers_message(model, args)])
-        names = (found,)
     problems = [
         message
         for name in names
@@ -155,34 +153,45 @@ def selection_problem(
         return None
     paths = [n for n in modules if n]
     classes = sorted({type(m).__name__ for m in modules.values()})
-    layers = _repeated_layers(modules)
+    examples = dict.fromkeys([*_repeated_layers(modules), *paths[:2]])
     return (
         f"{args.config_key}.{key}: {model_name} has no module or "
         f"module class {name!r}{suggestion(name, paths + classes)} Name module paths "
-        f"(e.g. {short_list(repr(p) for p in (layers, *paths[:2]) if p)}) or classes "
+        f"(e.g. {short_list(repr(p) for p in examples if p)}) or classes "
         f"({short_list(classes, 8)})"
     )
 
 
-def repeated_layers(model: nn.Module) -> str | None:
-    """The name of the model's repeated layers: the module list whose children all have one
-    class and which holds the most parameters (the first such, on a tie); None if there is
-    none."""
+def repeated_layers(model: nn.Module) -> list[str]:
+    """The names of the model's repeated layers, every stack of them in model order: each
+    module list (``ModuleList``, ``ModuleDict`` or ``Sequential``) of blocks of one class that
+    hold parameters, not inside another such list. T5's ``encoder.block`` and
+    ``decoder.block``, a Llama's ``model.layers``, a ViT's ``encoder.layer``. Lists of plain
+    layers (``Linear``, ``LayerNorm``: modules without children, such as a per-layer list of
+    norms beside the blocks) count only when the model has no list of blocks. Empty: none."""
     return _repeated_layers(dict(model.named_modules()))
 
 
-def _repeated_layers(modules: dict[str, nn.Module]) -> str | None:
-    best, most = None, 0
+def _repeated_layers(modules: dict[str, nn.Module]) -> list[str]:
+    lists = {}
     for name, module in modules.items():
         children = list(module.children())
         if not isinstance(module, _BLOCK_LISTS) or not children:
             continue
-        if len({type(child) for child in children}) != 1:
-            continue
-        count = sum(p.numel() for p in module.parameters())
-        if count > most:
-            best, most = name, count
-    return best
+        if len({type(child) for child in children}) == 1 and _holds_parameters(module):
+            lists[name] = any(True for _ in children[0].children())
+    blocks = [name for name, composite in lists.items() if composite]
+    stacks = blocks or list(lists)
+    return [name for name in stacks if not any(_inside(name, outer) for outer in stacks)]
+
+
+def _holds_parameters(module: nn.Module) -> bool:
+    return next(module.parameters(), None) is not None
+
+
+def _inside(name: str, outer: str) -> bool:
+    """Whether module ``name`` lies inside module ``outer`` (the root: "")."""
+    return name != outer and (not outer or name.startswith(outer + "."))
 
 
 def _no_layers_message(model: nn.Module, args: TrainingArguments) -> str:

@@ -123,6 +123,66 @@ class Blobs(Dataset):
 '''
 
 
+PAIRS = '''"""Sequences whose labels are themselves."""
+import torch
+from torch.utils.data import Dataset
+
+
+class Pairs(Dataset):
+    def __init__(self, n: int = 32, seed: int = 0):
+        self.ids = torch.randint(1, 64, (n, 8), generator=torch.Generator().manual_seed(seed))
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, index):
+        return {"input_ids": self.ids[index], "labels": self.ids[index]}
+'''
+
+T5_PIPELINE = """\
+## T5 under the pipeline trainer
+-- extends 'configs/train.yaml'
+-- from 'trainers/pipeline_trainer.yaml' import trainer_class, trainer_args_class, trainer_kind, pipeline_args
+
+-- block model
+model: &model !partial:transformers:T5ForConditionalGeneration
+    - !singleton:transformers:T5Config {vocab_size: 64, d_model: 16, d_kv: 8, d_ff: 32, num_layers: 2, num_heads: 2}
+-- endblock
+
+-- block datasets
+train_dataset: &train_dataset !singleton:./data.py:Pairs {}
+eval_dataset: &eval_dataset !singleton:./data.py:Pairs {seed: 1}
+-- endblock
+
+-- block trainer_args
+    == super()
+== pipeline_args()
+-- endblock
+"""
+
+
+def test_a_model_the_pipeline_trainer_refuses_is_located_at_the_users_model_line(tmp_path):
+    """Not at base.yaml's trainer arguments: the model is what is refused, and the user's
+    config sets it."""
+    assert run_forge("new", "t5", "--from", "blank", "-p", str(tmp_path)).returncode == 0
+    project = tmp_path / "t5"
+    (project / "data.py").write_text(PAIRS)
+    config = project / "templates" / "configs" / "t5.yaml"
+    config.write_text(T5_PIPELINE)
+    line = (
+        T5_PIPELINE.splitlines().index(
+            "model: &model !partial:transformers:T5ForConditionalGeneration"
+        )
+        + 1
+    )
+    stderr = train_fails_before_any_run(project, "t5.yaml", "--nproc", "2")
+    assert (
+        f"t5.yaml:{line}: model: T5ForConditionalGeneration cannot be split into pipeline "
+        "stages: it is an encoder-decoder model" in stderr
+    )
+    assert "base.yaml" not in stderr
+
+
 @pytest.mark.slow  # fast representatives: tests/launch/test_preflight.py, tests/train/test_adapters.py
 def test_a_plain_pytorch_model_and_tuple_dataset_train_through_the_adapters(tmp_path):
     """`forge new --from blank`, a model.py and data.py as plain PyTorch writes them: the

@@ -320,3 +320,16 @@ def test_export_of_a_sharded_checkpoint_gives_the_models_logits(straight, tmp_pa
     inputs = torch.arange(1, 17).reshape(2, 8)
     with torch.no_grad():
         assert torch.equal(exported(inputs).logits, plain(inputs).logits)
+
+
+def test_t5_shards_the_blocks_of_both_stacks_and_trains_without_a_view_warning(tmp_path):
+    """T5's encoder and decoder blocks are both T5Block lists: each block of each is sharded.
+    Its first block returns a view (the position bias the later blocks reuse); FSDP2's warning
+    about views returned by a sharded module is not raised."""
+    output = finish(launch(tmp_path, "t5", script=SCRIPT.with_name("fsdp_t5_script.py")))
+    found = json.loads((tmp_path / "sharded.json").read_text())
+    blocks = [f"{stack}.block.{i}" for stack in ("encoder", "decoder") for i in range(2)]
+    assert found["sharded"] == ["", *blocks]
+    assert "returned a view tensor" not in output
+    assert not [w for w in found["warnings"] if "view tensor" in w], found["warnings"]
+    assert sorted(losses(tmp_path)) == [1, 2, 3]

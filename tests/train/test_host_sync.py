@@ -92,11 +92,14 @@ def test_steps_that_neither_log_nor_save_make_no_host_read(tmp_path):
 
 def test_an_optimizer_that_cannot_skip_on_the_device_reads_once_per_step(tmp_path, caplog):
     sgd = functools.partial(torch.optim.SGD, lr=0.1)
-    caplog.set_level(logging.INFO, logger="forge")
+    caplog.set_level(logging.DEBUG, logger="forge")
     trainer, reads, weights = train_counting(tmp_path, trainer_cls=InfLossAt, optimizer=sgd)
     for step in quiet_steps(12, 4, 6):
         assert len(reads.get(step, [])) == 1, (step, reads.get(step))
     assert "SGD: each step waits for its gradients" in caplog.text
+    # said once, and on the CPU (nothing runs ahead of the host to wait for) at debug level
+    said = [r for r in caplog.records if "each step waits" in r.getMessage()]
+    assert [r.levelno for r in said] == [logging.DEBUG]
     assert trainer.state.nonfinite_skipped == 1
     for name, before in weights[2].items():
         assert torch.equal(before, weights[3][name]), name

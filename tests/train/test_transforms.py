@@ -148,6 +148,29 @@ def test_the_default_blocks_are_the_list_holding_the_most_parameters():
     assert names == ["layers.0", "layers.1"]
 
 
+def test_the_default_blocks_are_every_stack_of_repeated_layers():
+    """T5's encoder and decoder stacks hold blocks of one class (T5Block): both are its repeated
+    layers, not only the larger. A list of plain layers beside the blocks (per-layer norms) is
+    not; a model with nothing but such lists has them as its repeated layers."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    t5 = T5ForConditionalGeneration(
+        T5Config(vocab_size=VOCAB, d_model=16, d_kv=8, d_ff=32, num_layers=2, num_heads=2)
+    )
+    names = [name for name, _ in checkpointed_blocks(t5, ac_args(), None)]
+    assert names == ["encoder.block.0", "encoder.block.1", "decoder.block.0", "decoder.block.1"]
+
+    model = TinyLM(depth=2)
+    model.norms = nn.ModuleList(nn.LayerNorm(16) for _ in range(2))
+    assert [name for name, _ in checkpointed_blocks(model, ac_args(), None)] == [
+        "blocks.0",
+        "blocks.1",
+    ]
+    mlp = nn.Module()
+    mlp.layers = nn.Sequential(*(nn.Linear(4, 4) for _ in range(3)))
+    assert len(checkpointed_blocks(mlp, ac_args(), None)) == 3
+
+
 class Loop(TrainerCallback):
     def __init__(self) -> None:
         self.steps = 0

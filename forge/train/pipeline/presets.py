@@ -157,7 +157,9 @@ def model_parts(model: nn.Module, named: dict[str, Any], key: str) -> tuple[Mode
 
 
 def refusal(model: nn.Module, key: str) -> list[str]:
-    """Why ``model`` cannot be split at all, whatever its parts are named (empty: it can)."""
+    """Why ``model`` cannot be split at all, whatever its parts are named (empty: it can). The
+    message names the trainer's model (``trainer.model`` beside ``key``, ``trainer.args``): no
+    training argument changes it, and ``forge train`` points at the line that sets the model."""
     config = getattr(model, "config", None)
     name = class_label(model)
     why = None
@@ -173,7 +175,8 @@ def refusal(model: nn.Module, key: str) -> list[str]:
             "its forward adds the router's auxiliary loss (config.output_router_logits), which "
             "the last stage never sees; set output_router_logits: false in the model's config"
         )
-    return [f"{key}: {name} cannot be split into pipeline stages: {why}"] if why else []
+    model_key = f"{key.rpartition('.')[0] or 'trainer'}.model"
+    return [f"{model_key}: {name} cannot be split into pipeline stages: {why}"] if why else []
 
 
 def _unknown_family(model: nn.Module, missing: list[str], key: str) -> str:

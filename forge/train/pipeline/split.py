@@ -14,8 +14,9 @@ exports are keyed by them. ``StageModule`` is the forward one stage runs.
 
 from __future__ import annotations
 
+import functools
 import inspect
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -445,14 +446,22 @@ class StageModule(nn.Module):
         if kind not in masks:
             import transformers.masking_utils as masking
 
-            masks[kind] = getattr(masking, _MASKS[kind])(
+            build = getattr(masking, _MASKS[kind])
+            masks[kind] = build(
                 config=self.config,
                 inputs_embeds=hidden,
                 attention_mask=None,
-                past_key_values=None,
                 position_ids=positions,
+                **{_cache_keyword(build): None},
             )
         return masks[kind]
+
+
+@functools.cache
+def _cache_keyword(build: Callable[..., Any]) -> str:
+    """The name a transformers mask builder takes its cache under: ``cache`` in newer releases
+    (which still take ``past_key_values``, with a FutureWarning), ``past_key_values`` before."""
+    return "cache" if "cache" in inspect.signature(build).parameters else "past_key_values"
 
 
 def attention_kind(config: Any, index: int) -> str:

@@ -26,11 +26,12 @@ def sharded_blocks(
     model: nn.Module, settings: FsdpSettings, args: TrainingArguments
 ) -> list[tuple[str, nn.Module]]:
     """The blocks sharded one by one: ``fsdp_config``'s modules (paths or class names), else
-    the model's repeated layers (none: the model is sharded as one unit)."""
+    the model's repeated layers, of every stack (T5: the encoder's and the decoder's; none: the
+    model is sharded as one unit)."""
     names = settings.modules
     if names is None:
         found = repeated_layers(model)
-        return checkpointed_blocks(model, args, (found,)) if found else []
+        return checkpointed_blocks(model, args, found) if found else []
     modules = dict(model.named_modules())
     kind, key = class_label(model), "fsdp_config.transformer_layer_cls_to_wrap / modules"
     problems = [
@@ -65,6 +66,8 @@ def apply_fully_shard(
         options["offload_policy"] = CPUOffloadPolicy(pin_memory=device.type == "cuda")
     blocks = sharded_blocks(model, settings, args)
     for _, block in blocks:
+        # before fully_shard's own hook, which registers on the outputs it is given
+        block.register_forward_hook(_copy_returned_views, prepend=True)
         fully_shard(block, **options)
     # the root's parameters (embeddings, head) stay gathered after forward: backward needs
     # them at once, as torchtitan does
@@ -75,6 +78,23 @@ def apply_fully_shard(
         f"FSDP2 {settings.strategy} over {mesh.size()} ranks: {len(blocks)} blocks "
         f"({span or 'none'}) and the root"
     )
+
+
+def _copy_returned_views(module: nn.Module, inputs: Any, output: Any) -> Any:
+    """A sharded block's output with each view that needs a gradient replaced by a copy.
+
+    FSDP2 hooks a block's outputs to gather its parameters again for the backward pass, and
+    warns on an output that is a view: an in-place op on it would lose the hook. T5's first
+    block returns such a view for the later blocks to reuse (its relative position bias, a
+    permute of an embedding's output), so every T5 run warned. The copy is small (T5: one
+    1 x heads x length x length tensor per stack and forward), the later blocks pass the copy
+    on, and gradients are unchanged."""
+    from torch.distributed.utils import _apply_to_tensors
+
+    def copied(tensor: torch.Tensor) -> torch.Tensor:
+        return tensor.clone() if tensor.requires_grad and tensor._base is not None else tensor
+
+    return _apply_to_tensors(copied, output)
 
 
 def _dtype(name: str | None) -> torch.dtype | None:
