@@ -397,7 +397,7 @@ def _directory_input_prediction(
 ) -> dict[str, Any]:
     """One line of model inputs through a transformers model: its class (a classifier), or
     the token ids it generates (a causal LM: after the input; an encoder-decoder: the decoder's,
-    without its start token), end-of-text and padding left out."""
+    without its start token), the end-of-text token it stops at left out."""
     import torch
 
     tensors = row_tensors(rows, index, _float_dtype(model))
@@ -424,11 +424,10 @@ def _directory_input_prediction(
             index,
         )
     new = output[0, 1:] if kind == "seq2seq" else output[0, tensors["input_ids"].shape[1] :]
-    ends = {config.eos_token_id, pad} if isinstance(config.eos_token_id, int) else {pad}
-    ends |= set(config.eos_token_id or []) if isinstance(config.eos_token_id, list) else set()
+    eos = config.eos_token_id
     ids = new.tolist()
-    while ids and ids[-1] in ends:
-        ids.pop()
+    if ids and ids[-1] in (eos if isinstance(eos, list) else [eos]):
+        ids.pop()  # generation stopped there (one line: no padding after it)
     return {"prediction": ids}
 
 
