@@ -68,7 +68,12 @@ def read_rows(path: Path, field: str) -> InputRows:
             raise RuntimeFailure(f"{path}:{number}: not a JSON line ({err})") from None
         if isinstance(row, str):
             row = {field: row}
-        if not isinstance(row, dict) or (field in row and not isinstance(row[field], str)):
+        # a string is no model input: a row holding one is text under another name
+        if not isinstance(row, dict) or (
+            not isinstance(row[field], str)
+            if field in row
+            else any(isinstance(value, str) for value in row.values())
+        ):
             keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
             raise UsageError(
                 f"{path}:{number}: needs a string field {field!r} (found {keys}); "

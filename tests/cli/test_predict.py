@@ -349,6 +349,9 @@ def test_a_wrong_key_or_text_without_a_tokenizer_is_refused_at_once(torch_runs, 
     mixed = write_lines(tmp_path / "mixed.jsonl", {"x": [[1.0, 2.0, 3.0]]}, {"text": "a"})
     with pytest.raises(UsageError, match=r"mixed.jsonl:2: a row of text \(text\) after rows"):
         read_inputs(mixed, "text")
+    named = write_lines(tmp_path / "named.jsonl", {"review": "good"})  # text under another name
+    with pytest.raises(UsageError, match=r"named.jsonl:1: needs a string field 'text'"):
+        read_inputs(named, "text")
 
 
 def greedy_ids(model, ids, n, eos):
