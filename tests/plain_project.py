@@ -150,6 +150,89 @@ data_collator: &data_collator !singleton:forge.data:CausalLMCollator
 """
 
 
+TORCH_MODEL_PY = '''
+import torch
+from torch import nn
+
+
+def regressor(features: int = 4, hidden: int = 16) -> nn.Sequential:
+    """A regressor as plain PyTorch writes it: forward(input) -> [batch, 1]."""
+    return nn.Sequential(nn.Linear(features, hidden), nn.ReLU(), nn.Linear(hidden, 1))
+
+
+class GRUClassifier(nn.Module):
+    """Sequences of feature vectors [batch, steps, features] -> class logits [batch, classes]."""
+
+    def __init__(self, features: int = 3, hidden: int = 8, classes: int = 3) -> None:
+        super().__init__()
+        self.gru = nn.GRU(features, hidden, batch_first=True)
+        self.head = nn.Linear(hidden, classes)
+
+    def forward(self, x):
+        return self.head(self.gru(x)[1][-1])
+'''
+
+TORCH_DATA_PY = '''
+import torch
+from torch.utils.data import Dataset
+
+
+class Points(Dataset):
+    """(x [4], y [1]) tuples: y is the sum of x."""
+
+    def __init__(self, n: int = 32) -> None:
+        self.x = torch.randn(n, 4, generator=torch.Generator().manual_seed(0))
+        self.y = self.x.sum(dim=1, keepdim=True)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+
+
+class Sequences(Dataset):
+    """(x [5, 3], class) tuples."""
+
+    def __init__(self, n: int = 32) -> None:
+        generator = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 5, 3, generator=generator)
+        self.y = torch.randint(3, (n,), generator=generator)
+
+    def __len__(self):
+        return len(self.y)
+
+    def __getitem__(self, index):
+        return self.x[index], self.y[index]
+'''
+
+TORCH_CONFIG = """\
+-- extends 'base.yaml'
+-- block model
+model: &model !partial:./torch_model.py:{model} {{}}
+-- endblock
+-- block datasets
+train_dataset: &train_dataset !singleton:./torch_data.py:{dataset} {{}}
+eval_dataset: &eval_dataset !singleton:./torch_data.py:{dataset} {{n: 8}}
+-- endblock
+-- block collator
+data_collator: &data_collator !singleton:forge.data:TupleCollator {{names: [{input}, labels]}}
+-- endblock
+-- block trainer
+    == super()
+    compute_loss_func: !partial:torch.nn.functional:{loss} []
+-- endblock
+-- block trainer_args
+    == super()
+    max_steps: 4
+    save_steps: 4
+    logging_steps: 2
+    learning_rate: 0.01
+    report_to: none
+-- endblock
+"""
+
+
 WRAPPED_PIPELINE_CONFIG = """\
 -- extends 'configs/wrapped.yaml'
 -- from 'trainers/pipeline_trainer.yaml' import trainer_class, trainer_args_class, trainer_kind, pipeline_args
@@ -170,8 +253,9 @@ data_collator: &data_collator !singleton:forge.data:CausalLMCollator
 
 def write_project(root: Path) -> Path:
     """The project: configs ``lm`` (TinyLM), ``cls`` (TinyClassifier), ``pipeline`` (a Llama
-    under the pipeline trainer), ``wrapped`` (WrappedLlama) and ``wrapped_pipeline`` (it under
-    the pipeline trainer)."""
+    under the pipeline trainer), ``wrapped`` (WrappedLlama), ``wrapped_pipeline`` (it under
+    the pipeline trainer), and, without a tokenizer, ``regress`` (an ``nn.Sequential``
+    regressor on tuples) and ``gru`` (a GRU classifier of feature sequences)."""
     configs = root / "templates" / "configs"
     configs.mkdir(parents=True)
     (root / "meta.yaml").write_text("name: plain\ndescription: own modules\ndefault_config: lm\n")
@@ -182,6 +266,12 @@ def write_project(root: Path) -> Path:
     (configs / "pipeline.yaml").write_text(PIPELINE_CONFIG)
     (configs / "wrapped.yaml").write_text(CONFIG.format(model="WrappedLlama", labelled="false"))
     (configs / "wrapped_pipeline.yaml").write_text(WRAPPED_PIPELINE_CONFIG)
+    (root / "torch_model.py").write_text(textwrap.dedent(TORCH_MODEL_PY))
+    (root / "torch_data.py").write_text(textwrap.dedent(TORCH_DATA_PY))
+    regress = {"model": "regressor", "dataset": "Points", "input": "input", "loss": "mse_loss"}
+    (configs / "regress.yaml").write_text(TORCH_CONFIG.format(**regress))
+    gru = {"model": "GRUClassifier", "dataset": "Sequences", "input": "x", "loss": "cross_entropy"}
+    (configs / "gru.yaml").write_text(TORCH_CONFIG.format(**gru))
     return root
 
 

@@ -2,10 +2,12 @@
 
 A forge checkpoint of a transformers model is a Hugging Face model directory: its model is
 built from its config and filled by forge's weights reader (forge.checkpoint.weights), then
-transformers' ``generate`` samples. A LoRA checkpoint's model is its base with the adapter
-merged in (forge.checkpoint.adapter). Any other model is
+transformers' ``generate`` samples: a causal LM continues the prompt, an encoder-decoder (T5,
+BART) reads the prompt with its encoder and writes with its decoder. A LoRA checkpoint's model
+is its base with the adapter merged in (forge.checkpoint.adapter). Any other model is
 built through its run's config (forge.cli.predict). A checkpoint of a model that does not generate
-(a classifier) is refused with a pointer to ``forge predict``.
+(a classifier) is refused with a pointer to ``forge predict``, and so is one without a tokenizer
+(``forge predict`` generates from token ids).
 """
 
 from __future__ import annotations
@@ -15,7 +17,10 @@ from pathlib import Path
 from typing import Any
 
 from forge.cli.exits import UsageError
+from forge.cli.inputs import has_tokenizer, no_tokenizer
 from forge.cli.predict import (
+    auto_class,
+    checkpoint_model_label,
     continue_with_module,
     model_kind,
     model_through_run,
@@ -24,6 +29,11 @@ from forge.cli.predict import (
 from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
+
+FROM_IDS = (
+    "`forge predict CKPT --input FILE.jsonl --output OUT.jsonl` generates from lines of token "
+    'ids, e.g. {"input_ids": [1, 2, 3]}'
+)
 
 
 def generate_text(
@@ -37,39 +47,40 @@ def generate_text(
     seed: int = 0,
     allow: list[str] = (),
 ) -> list[str]:
-    """Sample ``num`` continuations of ``prompt`` from a checkpoint's model and tokenizer.
+    """Sample ``num`` texts for ``prompt`` from a checkpoint's model and tokenizer: a causal
+    LM's prompt and continuation, or what an encoder-decoder writes for the prompt.
 
     A checkpoint that is no Hugging Face model directory (a plain module's, a wrapper's, a LoRA
     checkpoint of such a base) is built through its run's config and sampled one token at a
     time."""
     import torch
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoTokenizer
 
     from forge.checkpoint.adapter import adapter_base, is_adapter_directory, load_adapter_model
-    from forge.checkpoint.weights import (
-        checkpoint_tokenizer,
-        hf_directory_problem,
-        load_pretrained,
-    )
+    from forge.checkpoint.weights import hf_directory_problem, load_pretrained
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
-    tokenizer = checkpoint_tokenizer(checkpoint)
     adapter = is_adapter_directory(checkpoint)
     described = adapter_base(checkpoint, verify=False) if adapter else checkpoint
     problem = hf_directory_problem(described)
     if problem is not None:  # a module of the user's own (or a LoRA base that is one)
+        if not has_tokenizer(checkpoint):
+            raise no_tokenizer(checkpoint, checkpoint_model_label(checkpoint), FROM_IDS)
         return _generate_with_module(
-            checkpoint, tokenizer, problem, prompt, num, max_new_tokens, temperature, top_k,
-            seed, allow,
+            checkpoint, AutoTokenizer.from_pretrained(checkpoint), problem, prompt, num,
+            max_new_tokens, temperature, top_k, seed, allow,
         )  # fmt: skip
-    check_generative(described)
+    kind, architecture = check_generative(described)
+    if not has_tokenizer(checkpoint):
+        raise no_tokenizer(checkpoint, architecture, FROM_IDS)
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     if adapter:  # LoRA: its base with the adapter merged in
-        model = load_adapter_model(checkpoint, AutoModelForCausalLM)
+        model = load_adapter_model(checkpoint, auto_class(kind))
     else:
-        model = load_pretrained(checkpoint, AutoModelForCausalLM)
+        model = load_pretrained(checkpoint, auto_class(kind))
     torch.manual_seed(seed)
     encoded = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")
     with torch.no_grad():
@@ -118,11 +129,12 @@ def _generate_with_module(
     return texts
 
 
-def check_generative(checkpoint: Path) -> None:
-    """Refuse a checkpoint whose model does not generate text, naming what it is."""
+def check_generative(checkpoint: Path) -> tuple[str, str]:
+    """The (kind, architecture) of a checkpoint whose model generates text (a causal LM or an
+    encoder-decoder); any other is refused, naming what it is."""
     kind, architecture = model_kind(checkpoint)
-    if kind == "causal_lm":
-        return
+    if kind in ("causal_lm", "seq2seq"):
+        return kind, architecture
     hint = (
         "; `forge predict CKPT --input FILE.jsonl --output OUT.jsonl` writes its class labels"
         if kind == "classifier"

@@ -96,6 +96,8 @@ EXAMPLES = {
               --input reviews.jsonl --output labelled.jsonl    # {"text": ...} per line
           forge predict projects/tiny_lm/output/train/run_001 --input prompts.jsonl \\
               --output continued.jsonl --max-new-tokens 40     # a causal LM continues each text
+          forge predict path/to/checkpoint-000400 --input ids.jsonl \\
+              --output out.jsonl                   # {"input_ids": [...]} or forward's inputs
     """,
     "new": """
         examples:
@@ -413,11 +415,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--input", required=True, metavar="FILE.jsonl", help="one JSON object a line")
     p.add_argument("--output", required=True, metavar="FILE.jsonl", help="where to write them")
     p.add_argument(
-        "--text-field", default="text", metavar="NAME", help="the input field (default: text)"
+        "--text-field",
+        default="text",
+        metavar="NAME",
+        help="the text field (default: text); lines without it hold the model's inputs, "
+        'e.g. {"input_ids": [...]}',
     )
     p.add_argument("--batch-size", type=int, default=32, metavar="N")
     p.add_argument(
-        "--max-new-tokens", type=int, default=50, metavar="N", help="causal LMs: tokens to add"
+        "--max-new-tokens",
+        type=int,
+        default=50,
+        metavar="N",
+        help="causal LMs, encoder-decoders: tokens to add",
     )
     p.add_argument(
         "--temperature",

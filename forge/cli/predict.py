@@ -22,27 +22,41 @@ from pathlib import Path
 from typing import Any
 
 from forge.cli.exits import RuntimeFailure, UsageError
+from forge.cli.inputs import (
+    InputRows,
+    check_input_keys,
+    has_tokenizer,
+    no_tokenizer,
+    read_rows,
+    row_tensors,
+)
 from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
 
 __all__ = [
+    "auto_class",
     "build_checkpoint_model",
+    "checkpoint_model_label",
     "continue_with_module",
     "evaluate_checkpoint",
+    "model_kind",
     "model_through_run",
     "module_logits",
+    "module_output",
     "predict_file",
     "run_of_checkpoint",
 ]
 
 
 def model_kind(checkpoint: Path) -> tuple[str, str]:
-    """(kind, architecture) of a checkpoint's model: kind is "causal_lm", "classifier" or
+    """(kind, architecture) of a checkpoint's model: kind is "causal_lm", "seq2seq" (an
+    encoder-decoder that generates, such as T5ForConditionalGeneration), "classifier" or
     "other", from its ``config.json``."""
     from transformers import AutoConfig
     from transformers.models.auto.modeling_auto import (
         MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES,
         MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES,
     )
 
@@ -55,6 +69,8 @@ def model_kind(checkpoint: Path) -> tuple[str, str]:
     architecture = (getattr(config, "architectures", None) or [type(config).__name__])[0]
     if architecture == MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):
         return "causal_lm", architecture
+    if architecture == MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES.get(config.model_type):
+        return "seq2seq", architecture
     if architecture == MODEL_FOR_SEQUENCE_CLASSIFICATION_MAPPING_NAMES.get(config.model_type):
         return "classifier", architecture
     return "other", architecture
@@ -230,31 +246,9 @@ def _split_dataset(cfg: Any, trainer: Any, split: str, variables: dict[str, Any]
 
 
 def read_inputs(path: Path, field: str) -> list[dict[str, Any]]:
-    """JSON Lines: each line an object with ``field`` (a plain JSON string is taken as it)."""
-    rows = []
-    try:
-        lines = Path(path).read_text(encoding="utf-8").splitlines()
-    except OSError as err:
-        raise RuntimeFailure(f"cannot read {path}: {err.strerror or err}") from None
-    for number, line in enumerate(lines, 1):
-        if not line.strip():
-            continue
-        try:
-            row = json.loads(line)
-        except ValueError as err:
-            raise RuntimeFailure(f"{path}:{number}: not a JSON line ({err})") from None
-        if isinstance(row, str):
-            row = {field: row}
-        if not isinstance(row, dict) or not isinstance(row.get(field), str):
-            keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-            raise UsageError(
-                f"{path}:{number}: needs a string field {field!r} (found {keys}); "
-                "name the text field with --text-field"
-            )
-        rows.append(row)
-    if not rows:
-        raise UsageError(f"{path} has no input lines")
-    return rows
+    """JSON Lines: each line an object with ``field`` (a plain JSON string is taken as it), or
+    each line an object of model inputs (forge.cli.inputs)."""
+    return read_rows(path, field).rows
 
 
 def predict_file(
@@ -271,8 +265,12 @@ def predict_file(
 ) -> int:
     """Write one JSON line per input line to ``output``: the input's fields plus
     ``prediction`` (a class label, labels for a multi-label classifier, a number for a
-    regressor, the continuation for a causal LM) and, for a classifier, ``score``.
-    Returns the number of lines written.
+    regressor, the continuation for a causal LM, the generated text for an encoder-decoder)
+    and, for a classifier, ``score``. Returns the number of lines written.
+
+    Lines of text need the checkpoint's tokenizer; lines of model inputs (``{"input_ids":
+    [...]}``, ``{"x": [...]}``) are given to the model as they are, one at a time, and a
+    generating model's prediction is then the token ids it adds (forge.cli.inputs).
 
     A model that is not a Hugging Face directory's is built from its run's config and fed one
     input at a time (``input_ids``, and ``attention_mask`` when its forward takes one), so its
@@ -281,7 +279,6 @@ def predict_file(
     """
     import torch
     import transformers
-    from transformers import AutoTokenizer
 
     from forge.checkpoint.weights import checkpoint_tokenizer, hf_directory_problem
 
@@ -294,34 +291,195 @@ def predict_file(
         if kind == "other":
             raise UsageError(
                 f"{checkpoint} holds a {architecture}; forge predict handles sequence "
-                "classifiers (class labels) and causal LMs (generated text)"
+                "classifiers (class labels), causal LMs and encoder-decoder models such as T5 "
+                "(generated text)"
             )
-    rows = read_inputs(inputs, text_field)
+    rows = read_rows(inputs, text_field)
+    if rows.text and not has_tokenizer(checkpoint):
+        label = architecture if problem is None else checkpoint_model_label(checkpoint)
+        raise no_tokenizer(
+            checkpoint,
+            label,
+            f"give each line of {inputs} the model's inputs in place of its {text_field!r}, "
+            'e.g. {"input_ids": [1, 2, 3]}',
+        )
     if problem is None:
-        tokenizer = AutoTokenizer.from_pretrained(checkpoint)
-        torch.manual_seed(seed)
-        if kind == "classifier":
-            results = _classify(checkpoint, tokenizer, rows, text_field, batch_size)
-        else:
-            results = _continue(
-                checkpoint, tokenizer, rows, text_field, batch_size, max_new_tokens, temperature
-            )
+        results = _predict_with_directory(
+            checkpoint, described, kind, rows, text_field, batch_size, max_new_tokens,
+            temperature, seed,
+        )  # fmt: skip
     else:
         model = model_through_run(checkpoint, problem, allow)
-        tokenizer = checkpoint_tokenizer(checkpoint)
         torch.manual_seed(seed)
-        results = [
-            _module_prediction(model, tokenizer, row[text_field], max_new_tokens, temperature)
-            for row in rows
-        ]
+        if rows.text:
+            tokenizer = checkpoint_tokenizer(checkpoint)
+            results = [
+                _module_prediction(model, tokenizer, row[text_field], max_new_tokens, temperature)
+                for row in rows.rows
+            ]
+        else:
+            check_input_keys(model, rows)
+            results = [
+                _module_input_prediction(model, rows, index, max_new_tokens, temperature)
+                for index in range(len(rows.rows))
+            ]
     output = Path(output)
     output.parent.mkdir(parents=True, exist_ok=True)
     staging = output.with_name(f".{output.name}.{os.getpid()}.tmp")
     with open(staging, "w", encoding="utf-8") as handle:
-        for row, result in zip(rows, results, strict=True):
+        for row, result in zip(rows.rows, results, strict=True):
             handle.write(json.dumps({**row, **result}, ensure_ascii=False) + "\n")
     os.replace(staging, output)
-    return len(rows)
+    return len(rows.rows)
+
+
+def _predict_with_directory(
+    checkpoint: Path,
+    described: Path,
+    kind: str,
+    rows: InputRows,
+    field: str,
+    batch_size: int,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> list[dict[str, Any]]:
+    """The predictions of a Hugging Face directory's model (or a LoRA base that is one)."""
+    import torch
+    from transformers import AutoConfig, AutoTokenizer
+
+    from forge.checkpoint.hf import architecture_class
+
+    if not rows.text:  # checked against the class before any weights are read
+        cls = architecture_class(AutoConfig.from_pretrained(described))
+        check_input_keys(cls, rows, needs=cls.main_input_name)
+    model = _load_model(checkpoint, auto_class(kind))
+    torch.manual_seed(seed)
+    if not rows.text:
+        return [
+            _directory_input_prediction(model, kind, rows, index, max_new_tokens, temperature)
+            for index in range(len(rows.rows))
+        ]
+    tokenizer = AutoTokenizer.from_pretrained(checkpoint)
+    if kind == "classifier":
+        return _classify(model, tokenizer, rows.rows, field, batch_size)
+    return _continue(model, tokenizer, rows.rows, field, batch_size, max_new_tokens, temperature)
+
+
+def auto_class(kind: str) -> Any:
+    """The transformers Auto class that loads a model of ``model_kind``'s ``kind``."""
+    import transformers
+
+    names = {
+        "classifier": "AutoModelForSequenceClassification",
+        "causal_lm": "AutoModelForCausalLM",
+        "seq2seq": "AutoModelForSeq2SeqLM",
+    }
+    return getattr(transformers, names[kind])
+
+
+def checkpoint_model_label(checkpoint: Path) -> str:
+    """The class of a checkpoint's model as its manifest records it (``model.py:TinyLM``), for
+    messages given before the model is built."""
+    from forge.checkpoint import CheckpointError, read_manifest
+
+    try:
+        recorded = read_manifest(checkpoint).extra.get("model", {}).get("class")
+    except (CheckpointError, OSError, ValueError, AttributeError):
+        recorded = None
+    if not recorded:
+        return "model"
+    return recorded if ":" in recorded else recorded.rsplit(".", 1)[-1]
+
+
+def _directory_input_prediction(
+    model: Any, kind: str, rows: InputRows, index: int, max_new_tokens: int, temperature: float
+) -> dict[str, Any]:
+    """One line of model inputs through a transformers model: its class (a classifier), or
+    the token ids it generates (a causal LM: after the input; an encoder-decoder: the decoder's,
+    without its start token), the end-of-text token it stops at left out."""
+    import torch
+
+    tensors = row_tensors(rows, index, _float_dtype(model))
+    if kind == "classifier":
+        with torch.no_grad():
+            logits = _run(model, tensors, rows, index).logits.float()
+        return _class_results(logits, model.config)[0]
+    config = model.generation_config
+    sample = temperature > 0 and math.isfinite(temperature)
+    pad = config.pad_token_id if config.pad_token_id is not None else config.eos_token_id
+    with torch.no_grad():
+        output = _run(
+            model.generate,
+            {
+                **tensors,
+                "max_new_tokens": max_new_tokens,
+                "do_sample": sample,
+                "temperature": temperature if sample else None,
+                "top_k": 50 if sample else None,
+                "pad_token_id": pad,
+                "use_cache": True,
+            },
+            rows,
+            index,
+        )
+    new = output[0, 1:] if kind == "seq2seq" else output[0, tensors["input_ids"].shape[1] :]
+    eos = config.eos_token_id
+    ids = new.tolist()
+    if ids and ids[-1] in (eos if isinstance(eos, list) else [eos]):
+        ids.pop()  # generation stopped there (one line: no padding after it)
+    return {"prediction": ids}
+
+
+def _run(call: Any, kwargs: dict[str, Any], rows: InputRows, index: int) -> Any:
+    """``call(**kwargs)`` for one input line; an error of the model's is reported at the line
+    (exit 1), with the shapes it was given."""
+    try:
+        return call(**kwargs)
+    except (RuntimeError, ValueError, TypeError, IndexError) as err:
+        import torch
+
+        shapes = ", ".join(
+            f"{key} {list(value.shape)} {str(value.dtype).removeprefix('torch.')}"
+            for key, value in kwargs.items()
+            if torch.is_tensor(value)
+        )
+        raise RuntimeFailure(
+            f"{rows.where(index)}: the model failed on this line's inputs ({shapes}): "
+            f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}; "
+            "each value is one example without a batch dimension (forge adds it); a key whose "
+            "numbers have no point is int64 (write 1.0 for a float)"
+        ) from None
+
+
+def _float_dtype(model: Any) -> Any:
+    return next((p.dtype for p in model.parameters() if p.is_floating_point()), None)
+
+
+def _module_input_prediction(
+    model: Any, rows: InputRows, index: int, max_new_tokens: int, temperature: float
+) -> dict[str, Any]:
+    """One line of model inputs through a module of the user's own: its class or value
+    (logits [1, classes]), the token ids a causal LM adds to the line's ``input_ids`` (logits
+    [1, tokens, vocabulary]), else the values its forward returns."""
+    tensors = row_tensors(rows, index, _float_dtype(model))
+    logits = _run(lambda **kw: module_output(model, kw), tensors, rows, index)
+    if logits.dim() == 2:
+        return _module_class(model, logits)
+    ids = tensors.get("input_ids")
+    if (
+        logits.dim() == 3
+        and ids is not None
+        and not ids.is_floating_point()
+        and logits.shape[1] == ids.shape[-1]
+        and logits.shape[-1] > int(ids.max())
+    ):  # one score per token of a vocabulary the ids are in: a causal LM
+        return {
+            "prediction": continue_with_module(
+                model, None, ids, max_new_tokens, temperature, logits
+            )
+        }
+    return {"prediction": logits[0].tolist()}
 
 
 def _model_directory(checkpoint: Path) -> Path:
@@ -373,6 +531,14 @@ def module_logits(model: Any, input_ids: Any) -> Any:
             f"{class_label(model)}.forward takes no input_ids (it takes "
             f"{', '.join(parameters)}); forge predict feeds a tokenized text as input_ids"
         )
+    return module_output(model, kwargs)
+
+
+def module_output(model: Any, kwargs: dict[str, Any]) -> Any:
+    """``model(**kwargs)``'s logits (a tensor it returns, the first of a tuple, or a
+    ``logits`` entry), as float."""
+    import torch
+
     with torch.no_grad():
         output = model(**kwargs)
     if isinstance(output, (tuple, list)) and output:
@@ -398,21 +564,11 @@ def _module_prediction(
 ) -> dict[str, Any]:
     """One input's prediction by a module: a class (logits [1, classes]) or a continuation
     (logits [1, tokens, vocabulary])."""
-    import torch
-
     ids = tokenizer(text or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
     limit = _max_length(tokenizer, model)  # a classifier reads the start, a LM continues the end
     logits = module_logits(model, ids[:, :limit] if limit else ids)
     if logits.dim() == 2:
-        config = getattr(model, "config", None)
-        id2label = {int(k): v for k, v in (getattr(config, "id2label", None) or {}).items()}
-        if logits.shape[-1] == 1:  # a regressor
-            return {"prediction": logits[0, 0].item()}
-        score, index = torch.softmax(logits[0], dim=-1).max(dim=-1)
-        return {
-            "prediction": id2label.get(index.item(), index.item()),
-            "score": round(score.item(), 6),
-        }
+        return _module_class(model, logits)
     if logits.dim() == 3 and logits.shape[-1] >= len(tokenizer):
         fits = not limit or ids.shape[1] <= limit
         new = continue_with_module(
@@ -426,6 +582,19 @@ def _module_prediction(
     )
 
 
+def _module_class(model: Any, logits: Any) -> dict[str, Any]:
+    """A module's prediction from logits [1, classes]: the class (named by a ``config.id2label``
+    the model has) and its score, or the value of a regressor's single output."""
+    import torch
+
+    config = getattr(model, "config", None)
+    id2label = {int(k): v for k, v in (getattr(config, "id2label", None) or {}).items()}
+    if logits.shape[-1] == 1:  # a regressor
+        return {"prediction": logits[0, 0].item()}
+    score, index = torch.softmax(logits[0], dim=-1).max(dim=-1)
+    return {"prediction": id2label.get(index.item(), index.item()), "score": round(score.item(), 6)}
+
+
 def continue_with_module(
     model: Any,
     tokenizer: Any,
@@ -436,23 +605,30 @@ def continue_with_module(
     top_k: int = 50,
 ) -> list[int]:
     """The tokens a causal LM module adds to ``ids`` (one row): greedy, or sampled from the
-    ``top_k`` most likely at ``temperature`` > 0; stops at the end-of-text token. Each step runs
-    the whole sequence (a plain module keeps no cache), cut to the model's context length."""
+    ``top_k`` most likely at ``temperature`` > 0; stops at the end-of-text token (the
+    tokenizer's, or without one the model config's, if any). Each step runs the whole sequence
+    (a plain module keeps no cache), cut to the model's context length."""
     import torch
 
     limit = _max_length(tokenizer, model)
+    vocabulary = len(tokenizer) if tokenizer is not None else None
+    if tokenizer is not None:
+        ends = {tokenizer.eos_token_id}
+    else:
+        eos = getattr(getattr(model, "config", None), "eos_token_id", None)
+        ends = set(eos) if isinstance(eos, (list, tuple)) else {eos}
     sample = temperature > 0 and math.isfinite(temperature)
     new: list[int] = []
     for _ in range(max_new_tokens):
         if logits is None:
             logits = module_logits(model, ids[:, -limit:] if limit else ids)
-        last = logits[0, -1, : len(tokenizer)]
+        last = logits[0, -1, :vocabulary]
         if sample:
             values, indices = torch.topk(last / temperature, min(top_k, last.shape[-1]))
             token = indices[torch.multinomial(torch.softmax(values, dim=-1), 1)].item()
         else:
             token = int(last.argmax().item())
-        if token == tokenizer.eos_token_id:
+        if token in ends:
             break
         new.append(token)
         ids = torch.cat([ids, ids.new_tensor([[token]])], dim=1)
@@ -477,14 +653,10 @@ def _max_length(tokenizer: Any, model: Any) -> int | None:
 
 
 def _classify(
-    checkpoint: Path, tokenizer: Any, rows: list, field: str, batch_size: int
+    model: Any, tokenizer: Any, rows: list, field: str, batch_size: int
 ) -> list[dict[str, Any]]:
     import torch
-    from transformers import AutoModelForSequenceClassification
 
-    model = _load_model(checkpoint, AutoModelForSequenceClassification)
-    config = model.config
-    id2label = {int(k): v for k, v in (config.id2label or {}).items()}
     results = []
     for batch in _batches(rows, batch_size):
         encoded = tokenizer(
@@ -496,25 +668,34 @@ def _classify(
         )
         with torch.no_grad():
             logits = model(**encoded).logits.float()
-        if config.problem_type == "multi_label_classification":
-            chosen = torch.sigmoid(logits) > 0.5
-            for row_chosen, probs in zip(chosen, torch.sigmoid(logits), strict=True):
-                labels = [id2label.get(i, i) for i in row_chosen.nonzero().flatten().tolist()]
-                results.append(
-                    {"prediction": labels, "score": [round(p, 6) for p in probs.tolist()]}
-                )
-        elif config.num_labels == 1:  # a regressor
-            results += [{"prediction": value} for value in logits[:, 0].tolist()]
-        else:
-            probs = torch.softmax(logits, dim=-1)
-            score, index = probs.max(dim=-1)
-            for i, p in zip(index.tolist(), score.tolist(), strict=True):
-                results.append({"prediction": id2label.get(i, i), "score": round(p, 6)})
+        results += _class_results(logits, model.config)
     return results
 
 
+def _class_results(logits: Any, config: Any) -> list[dict[str, Any]]:
+    """A transformers classifier's predictions for a batch of logits: the labels above 0.5
+    (multi-label), the value (a regressor), or the class and its score."""
+    import torch
+
+    id2label = {int(k): v for k, v in (config.id2label or {}).items()}
+    if config.problem_type == "multi_label_classification":
+        results = []
+        for probs in torch.sigmoid(logits):
+            chosen = (probs > 0.5).nonzero().flatten().tolist()
+            labels = [id2label.get(i, i) for i in chosen]
+            results.append({"prediction": labels, "score": [round(p, 6) for p in probs.tolist()]})
+        return results
+    if config.num_labels == 1:  # a regressor
+        return [{"prediction": value} for value in logits[:, 0].tolist()]
+    score, index = torch.softmax(logits, dim=-1).max(dim=-1)
+    return [
+        {"prediction": id2label.get(i, i), "score": round(p, 6)}
+        for i, p in zip(index.tolist(), score.tolist(), strict=True)
+    ]
+
+
 def _continue(
-    checkpoint: Path,
+    model: Any,
     tokenizer: Any,
     rows: list,
     field: str,
@@ -522,11 +703,13 @@ def _continue(
     max_new_tokens: int,
     temperature: float,
 ) -> list[dict[str, Any]]:
+    """Each text's continuation by a causal LM, or what an encoder-decoder writes for it (the
+    text is its encoder's input)."""
     import torch
-    from transformers import AutoModelForCausalLM
 
-    model = _load_model(checkpoint, AutoModelForCausalLM)
-    tokenizer.padding_side = "left"  # generation continues from the right end of each row
+    encoder_decoder = model.config.is_encoder_decoder
+    if not encoder_decoder:
+        tokenizer.padding_side = "left"  # generation continues from the right end of each row
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token_id = pad
@@ -545,6 +728,6 @@ def _continue(
                 pad_token_id=pad,
                 use_cache=True,
             )
-        new = output[:, encoded["input_ids"].shape[1] :]
+        new = output if encoder_decoder else output[:, encoded["input_ids"].shape[1] :]
         results += [{"prediction": tokenizer.decode(ids, skip_special_tokens=True)} for ids in new]
     return results

@@ -1,6 +1,6 @@
 """forge.cli.predict on Hugging Face model directories: a causal LM continues each input, a model
-that is neither a classifier nor a causal LM is refused, and inputs are read with located
-errors. (A classifier's labels are tested end to end in tests/cli/test_evaluate_predict.py.)"""
+that is neither a classifier nor a generating model is refused, and inputs are read with located
+errors; lines of model inputs serve models without a tokenizer, and a seq2seq model generates. (A classifier's labels are tested end to end in tests/cli/test_evaluate_predict.py.)"""
 
 from __future__ import annotations
 
@@ -246,3 +246,221 @@ def test_the_commands_name_a_project_class_by_its_file(plain_runs, tmp_path):
     assert "of the model (model.py:TinyLM) of" in exported.stderr
     for output in (refused.stderr, exported.stderr):
         assert "forge_project_file" not in output
+
+
+# ---------------------------------------------------------------------------------------------
+# lines of model inputs: models without a tokenizer
+
+
+@pytest.fixture(scope="module")
+def torch_runs(tmp_path_factory):
+    """An nn.Sequential regressor and a GRU classifier, written for plain PyTorch (tuple items,
+    compute_loss_func), trained without a tokenizer."""
+    from tests.plain_project import train_in_process, write_project
+
+    root = write_project(tmp_path_factory.mktemp("torch") / "plain")
+    return {config: train_in_process(root, config) for config in ("regress", "gru")}
+
+
+def torch_model(run_dir, name):
+    """The class or builder ``name`` of the project's torch_model.py, built, with the
+    checkpoint's tensors (the oracle's copy)."""
+    import importlib.util
+
+    from safetensors.torch import load_file
+
+    spec = importlib.util.spec_from_file_location(
+        "torch_model", run_dir.parents[2] / "torch_model.py"
+    )
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    model = getattr(module, name)()
+    model.load_state_dict(load_file(newest(run_dir) / "model.safetensors"))
+    return model.eval()
+
+
+def write_lines(path, *rows):
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    return path
+
+
+def read_lines(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_plain_pytorch_models_predict_from_lines_of_their_inputs(torch_runs, tmp_path):
+    """Neither model has a tokenizer; each line is one example under forward's name, and the
+    prediction is what predict gives for text rows: a regressor's value, a class and score."""
+    run_dir = torch_runs["regress"]
+    assert not (newest(run_dir) / "tokenizer.json").exists()
+    inputs = write_lines(
+        tmp_path / "x.jsonl", {"input": [1.0, 2.0, 3.0, 4.0]}, {"input": [0, 0, 1, 0]}
+    )
+    predict_file(newest(run_dir), inputs, tmp_path / "out.jsonl")
+    rows = read_lines(tmp_path / "out.jsonl")
+    model = torch_model(run_dir, "regressor")
+    with torch.no_grad():  # [0, 0, 1, 0] beside floats is floats too
+        expected = model(torch.tensor([[1.0, 2.0, 3.0, 4.0], [0.0, 0.0, 1.0, 0.0]]))[:, 0]
+    assert [r["input"] for r in rows] == [[1.0, 2.0, 3.0, 4.0], [0, 0, 1, 0]]
+    assert [r["prediction"] for r in rows] == pytest.approx(expected.tolist(), abs=1e-6)
+
+    run_dir = torch_runs["gru"]
+    steps = [[[0.5, -1.0, 2.0], [1.0, 0.0, 0.25]], [[0.0, 0.0, 0.0]]]  # two lengths
+    inputs = write_lines(tmp_path / "seq.jsonl", *({"x": x} for x in steps))
+    predict_file(newest(run_dir), inputs, tmp_path / "gru.jsonl")
+    model = torch_model(run_dir, "GRUClassifier")
+    for row, x in zip(read_lines(tmp_path / "gru.jsonl"), steps, strict=True):
+        with torch.no_grad():
+            probs = torch.softmax(model(torch.tensor([x]))[0], dim=-1)
+        assert row["prediction"] == int(probs.argmax())
+        assert row["score"] == pytest.approx(probs.max().item(), abs=1e-6)
+
+
+def test_a_wrong_key_or_text_without_a_tokenizer_is_refused_at_once(torch_runs, tmp_path):
+    """Exit 2 before any line runs: the key and the forward's parameters, or what to give in
+    place of text; a line the model cannot take is located, exit 1."""
+    import time
+
+    from tests.helpers import run_forge
+
+    ckpt = newest(torch_runs["gru"])
+    inputs = write_lines(tmp_path / "in.jsonl", {"x": [[1.0, 2.0, 3.0]]}, {"features": [[1.0]]})
+    started = time.monotonic()
+    refused = run_forge("predict", str(ckpt), "--input", str(inputs), "--output", "o.jsonl")
+    assert time.monotonic() - started < 60
+    assert refused.returncode == 2, refused.stderr
+    assert "in.jsonl:2: torch_model.py:GRUClassifier.forward(x) takes no 'features'" in (
+        refused.stderr
+    )
+    assert "Traceback" not in refused.stderr
+    text = write_lines(tmp_path / "text.jsonl", {"text": "hello"})
+    refused = run_forge("predict", str(ckpt), "--input", str(text), "--output", "o.jsonl")
+    assert refused.returncode == 2, refused.stderr
+    assert "holds no tokenizer" in refused.stderr and "torch_model.py:GRUClassifier" in (
+        refused.stderr
+    )
+    assert '{"input_ids": [1, 2, 3]}' in refused.stderr
+    refused = run_forge("generate", str(ckpt), "--prompt", "hello")
+    assert refused.returncode == 2, refused.stderr
+    assert "holds no tokenizer" in refused.stderr and "forge predict" in refused.stderr
+    short = write_lines(tmp_path / "short.jsonl", {"x": [[1.0, 2.0]]})
+    with pytest.raises(RuntimeFailure, match=r"short.jsonl:1: the model failed on this line"):
+        predict_file(ckpt, short, tmp_path / "o.jsonl")
+    mixed = write_lines(tmp_path / "mixed.jsonl", {"x": [[1.0, 2.0, 3.0]]}, {"text": "a"})
+    with pytest.raises(UsageError, match=r"mixed.jsonl:2: a row of text \(text\) after rows"):
+        read_inputs(mixed, "text")
+    named = write_lines(tmp_path / "named.jsonl", {"review": "good"})  # text under another name
+    with pytest.raises(UsageError, match=r"named.jsonl:1: needs a string field 'text'"):
+        read_inputs(named, "text")
+
+
+def greedy_ids(model, ids, n, eos):
+    """The ids a causal LM adds to ``ids``, greedily, stopping at ``eos``."""
+    ids, new = torch.tensor([ids]), []
+    with torch.no_grad():
+        for _ in range(n):
+            output = model(input_ids=ids)
+            logits = output["logits"] if isinstance(output, dict) else output.logits
+            token = int(logits[0, -1].argmax())
+            if token == eos:
+                break
+            new.append(token)
+            ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
+    return new
+
+
+def test_a_causal_lm_continues_input_ids_without_a_tokenizer(causal_lm_dir, plain_runs, tmp_path):
+    """A transformers causal LM (a model directory with no tokenizer) and a module of the
+    user's own (a run's checkpoint without its tokenizer files) add token ids to each line's."""
+    import shutil
+
+    directory = tmp_path / "lm"
+    shutil.copytree(
+        causal_lm_dir, directory, ignore=shutil.ignore_patterns("tokenizer*", "special*")
+    )
+    inputs = write_lines(tmp_path / "ids.jsonl", {"input_ids": [5, 6, 7]}, {"input_ids": [9]})
+    predict_file(directory, inputs, tmp_path / "out.jsonl", max_new_tokens=5)
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(causal_lm_dir).eval()
+    for row in read_lines(tmp_path / "out.jsonl"):
+        assert row["prediction"] == greedy_ids(
+            model, row["input_ids"], 5, model.config.eos_token_id
+        )
+
+    ckpt = newest(plain_runs["lm"]).with_name("checkpoint-000012")
+    shutil.copytree(
+        newest(plain_runs["lm"]), ckpt, ignore=shutil.ignore_patterns("tokenizer*", "special*")
+    )
+    predict_file(ckpt, inputs, tmp_path / "tiny.jsonl", max_new_tokens=4)
+    tiny, _ = trained(plain_runs["lm"], "TinyLM")
+    for row in read_lines(tmp_path / "tiny.jsonl"):
+        assert row["prediction"] == greedy_ids(tiny, row["input_ids"], 4, None)
+
+
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory):
+    """A T5ForConditionalGeneration model directory (random weights), without a tokenizer."""
+    from transformers import T5Config, T5ForConditionalGeneration
+
+    directory = tmp_path_factory.mktemp("t5")
+    tokenizer = train_bpe_tokenizer(TEXTS, vocab_size=300)
+    config = T5Config(
+        vocab_size=len(tokenizer), d_model=16, d_kv=8, d_ff=32, num_layers=1, num_heads=2,
+        pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+        decoder_start_token_id=tokenizer.pad_token_id,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    T5ForConditionalGeneration(config).save_pretrained(directory)
+    return directory, tokenizer
+
+
+def greedy_decoder(model, ids, n):
+    """What an encoder-decoder writes for ``ids``, greedily, without its start token."""
+    config = model.config
+    written = torch.tensor([[config.decoder_start_token_id]])
+    with torch.no_grad():
+        for _ in range(n):
+            logits = model(input_ids=torch.tensor([ids]), decoder_input_ids=written).logits
+            token = int(logits[0, -1].argmax())
+            if token == config.eos_token_id:
+                break
+            written = torch.cat([written, torch.tensor([[token]])], dim=1)
+    return written[0, 1:].tolist()
+
+
+def test_a_seq2seq_model_generates_and_without_a_tokenizer_is_told_what_to_use(t5_dir, tmp_path):
+    """The prompt is the encoder's input. Without a tokenizer forge generate is refused (exit
+    2, naming the class and forge predict), and forge predict writes the ids it generates from
+    lines of input_ids; with one, both write text."""
+    import shutil
+
+    from transformers import T5ForConditionalGeneration
+
+    from forge.cli.generate import generate_text
+    from tests.helpers import run_forge
+
+    directory, tokenizer = t5_dir
+    refused = run_forge("generate", str(directory), "--prompt", "def ")
+    assert refused.returncode == 2, refused.stderr
+    assert "holds no tokenizer" in refused.stderr
+    assert "T5ForConditionalGeneration" in refused.stderr and "forge predict" in refused.stderr
+    model = T5ForConditionalGeneration.from_pretrained(directory).eval()
+    inputs = write_lines(tmp_path / "ids.jsonl", {"input_ids": [5, 6, 7]}, {"input_ids": [9, 3]})
+    done = run_forge(
+        "predict", str(directory), "--input", str(inputs), "--output", str(tmp_path / "o.jsonl"),
+        "--max-new-tokens", "6",
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    for row in read_lines(tmp_path / "o.jsonl"):
+        assert row["prediction"] == greedy_decoder(model, row["input_ids"], 6)
+
+    with_tokenizer = tmp_path / "t5"
+    shutil.copytree(directory, with_tokenizer)
+    tokenizer.save_pretrained(with_tokenizer)
+    ids = tokenizer("def add")["input_ids"]
+    expected = tokenizer.decode(greedy_decoder(model, ids, 6), skip_special_tokens=True)
+    assert generate_text(with_tokenizer, "def add", max_new_tokens=6, temperature=0.0) == [expected]
+    text = write_lines(tmp_path / "text.jsonl", {"text": "def add"})
+    predict_file(with_tokenizer, text, tmp_path / "t.jsonl", max_new_tokens=6)
+    assert read_lines(tmp_path / "t.jsonl")[0]["prediction"] == expected
