@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,3 +295,37 @@ def test_define_null_turns_the_moving_average_off_as_yaml_null_does(plain, capsy
     out, err = capsys.readouterr()
     assert off == 0, err
     assert "memory/rank" in out and "moving average" not in out
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes: FSDP2's shard files, and pipeline stages that each hold the tied embedding
+
+SHORT = ["-D", "max_steps=2", "-D", "save_steps=2", "-D", "eval_steps=1000"]
+
+
+@pytest.mark.slow  # two torchrun processes (gloo) per case
+@pytest.mark.parametrize(
+    "config, extra",
+    [
+        ("train", ["--set", "trainer.args.fsdp=full_shard"]),
+        ("pipeline", []),  # 2 stages: the tied embedding's optimizer state on both
+    ],
+    ids=["fsdp", "pipeline"],
+)
+def test_the_planned_checkpoint_size_matches_two_processes_files(project, config, extra, capsys):
+    from tests.helpers import run_forge
+
+    command = ["train", config, "-p", str(project.root), *SMALL, *SHORT, "--nproc", "2", *extra]
+    assert main([*command, "--dry-run"]) == 0
+    lines = capsys.readouterr()[0].splitlines()
+    result = run_forge(*command)
+    assert result.returncode == 0, result.stderr
+    checkpoint = Path(result.stdout.splitlines()[0]) / "checkpoints" / "checkpoint-000002"
+    assert planned_size(lines) == pytest.approx(directory_bytes(checkpoint), rel=0.05)
+    table = run_forge(
+        "checkpoints", "-p", str(project.root), "--run-dir", str(checkpoint.parents[1])
+    )
+    assert table.returncode == 0, table.stderr
+    size = re.search(r"checkpoint-000002\s+2\s+[\d.]+\s+([\d.]+) (KiB|MiB)\s", table.stdout)
+    assert size is not None, table.stdout
+    assert float(size[1]) * UNITS[size[2]] == pytest.approx(directory_bytes(checkpoint), rel=0.01)
