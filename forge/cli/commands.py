@@ -82,14 +82,6 @@ def _clip(text: str, width: int = 40) -> str:
     return text if len(text) <= width else text[: width - 3] + "..."
 
 
-def _human_size(size: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if size < 1024 or unit == "GB":
-            return f"{size:.0f}{unit}" if unit == "B" else f"{size:.1f}{unit}"
-        size /= 1024
-    return f"{size:.1f}TB"
-
-
 # --------------------------------------------------------------------------- commands
 
 
@@ -550,6 +542,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
 
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     from forge.checkpoint.layout import find_checkpoints, find_leftovers
+    from forge.launch.job_plan import human_bytes  # binary units, as the plan prints them
     from forge.runs import all_run_dirs, find_run, run_is_live
 
     project = _project(args)
@@ -575,7 +568,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                     _shown_path(info.path, project),
                     str(info.step),
                     "" if epoch is None else f"{epoch:.2f}",
-                    _human_size(_tree_bytes(info.path)),
+                    human_bytes(_tree_bytes(info.path)),
                     status,
                 ]
             )
@@ -585,7 +578,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             if not live:
                 status += "; never loaded, the next save removes it"
             rows.append(
-                [_shown_path(path, project), "", "", _human_size(_tree_bytes(path)), status]
+                [_shown_path(path, project), "", "", human_bytes(_tree_bytes(path)), status]
             )
     if not rows:
         print("no checkpoints", file=sys.stderr)

@@ -2,13 +2,15 @@
 building anything heavy (the model on the meta device, the training arguments, the length of
 the training dataset that the preflight check builds anyway).
 
-Parallelism is data parallel x pipeline parallel x sharding (DP x PP x FSDP); sharding is
-always 1 today, and every per-rank figure goes through :func:`rank_memory`, which takes the
-shard factor, so a sharded trainer plugs its factor in. Memory is the model state only
+Parallelism is data-parallel ranks x pipeline stages; FSDP2 shards the model state over the
+data-parallel ranks (each still reads its own batches), and every per-rank figure goes through
+:func:`rank_memory`, which takes the shard factor. Memory is the model state only
 (weights, gradients, optimizer state, the moving average of the weights with ``ema_decay``):
 activations depend on the batch and are not counted. A LoRA run (``peft_config``) is counted
 with its adapter put on the meta model: its trainable parameters are the adapter's, and its
-checkpoints hold the adapter, not the frozen base.
+checkpoints hold the adapter, not the frozen base. A checkpoint's size is what its files hold
+(:func:`checkpoint_size`): the state's bytes, the names its files key them by, the tokenizer and
+each process's loop state, so that it matches ``du`` of the directory within a few percent.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -34,6 +36,22 @@ _OPTIM_NAMES = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw"}
 
 #: bytes per parameter of the moving average of the weights (forge.train.ema keeps fp32)
 AVERAGE_BYTES = 4
+
+# What a checkpoint's files hold besides the tensors' bytes, measured on tiny_lm's (torch 2.x,
+# safetensors): each file keys a tensor by its name, and torch.save adds a zip entry per tensor.
+#: optimizer.pt, per trainable tensor: its name in each state's key and each of the param
+#: group's 12 settings (flattened by name), the step, and the pickle and zip entries
+OPTIMIZER_KEYS_PER_TENSOR = 13  # + one per state
+OPTIMIZER_ENTRY_BYTES = 1300
+#: model.safetensors, per tensor: its header entry (name, dtype, shape, offsets)
+WEIGHTS_ENTRY_BYTES = 64
+#: ema.pt, per tensor: its name, pickle and zip entry
+AVERAGE_ENTRY_BYTES = 280
+#: per process: its RNG states (rng-rank-K.pt) and data position (data-rank-K.pt)
+PROCESS_FILES_BYTES = 18 * 1024
+#: per checkpoint: the manifest, the trainer's counters, the scheduler, the callbacks and the
+#: model's config
+CHECKPOINT_FILES_BYTES = 8 * 1024
 
 
 @dataclass(frozen=True)
@@ -115,11 +133,21 @@ class ParameterCount:
     per_process: list[int]  # parameters each process of one pipeline holds (one entry: no PP)
     trainable_per_process: list[int]
     adapter: bool = False  # a LoRA run's: the trainable parameters are the adapter's
+    # the tensors' names, each once: the model's, and the trainable ones each process holds
+    names: list[str] = field(default_factory=list)
+    trainable_names: list[list[str]] = field(default_factory=list)
 
     @property
     def saved(self) -> int:
         """Parameters a checkpoint's weights hold: the model's, or a LoRA run's adapter."""
         return self.trainable if self.adapter else self.total
+
+    @property
+    def saved_names(self) -> list[str]:
+        """The names of the tensors a checkpoint's weights hold."""
+        if not self.adapter:
+            return self.names
+        return sorted({n for names in self.trainable_names for n in names})
 
 
 def count_parameters(model: Any, pipeline_plan: Any = None) -> ParameterCount:
@@ -135,12 +163,22 @@ def count_parameters(model: Any, pipeline_plan: Any = None) -> ParameterCount:
         dtypes[p.dtype] = dtypes.get(p.dtype, 0) + p.numel()
     dtype = max(dtypes, key=dtypes.get) if dtypes else torch.float32
     size = torch.empty((), dtype=dtype).element_size()
+    dtype_name = str(dtype).replace("torch.", "")
     if pipeline_plan is None:
+        trained_names = [n for n, p in params.items() if p.requires_grad]
         return ParameterCount(
-            total, trainable, str(dtype).replace("torch.", ""), size, [total], [trainable]
+            total,
+            trainable,
+            dtype_name,
+            size,
+            [total],
+            [trainable],
+            names=list(params),
+            trainable_names=[trained_names],
         )
     processes = pipeline_plan.num_processes
     held, trained = [0] * processes, [0] * processes
+    names: list[list[str]] = [[] for _ in range(processes)]
     for name, param in params.items():
         ranks = pipeline_plan.shared.get(name)
         if ranks is None:
@@ -148,7 +186,56 @@ def count_parameters(model: Any, pipeline_plan: Any = None) -> ParameterCount:
         for rank in ranks:
             held[rank] += param.numel()
             trained[rank] += param.numel() if param.requires_grad else 0
-    return ParameterCount(total, trainable, str(dtype).replace("torch.", ""), size, held, trained)
+            if param.requires_grad:
+                names[rank].append(name)
+    return ParameterCount(
+        total, trainable, dtype_name, size, held, trained, names=list(params), trainable_names=names
+    )
+
+
+@dataclass(frozen=True)
+class CheckpointSize:
+    """Bytes of one checkpoint's files, by what they hold."""
+
+    weights: int  # the weights (or a LoRA run's adapter), each tensor once
+    optimizer: int  # every file's: a pipeline stage's holds its tied weight's state too
+    average: int  # the moving average of the weights (ema_decay); 0 without
+    other: int  # the tokenizer, each process's RNG and data position, manifest and counters
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.optimizer + self.average + self.other
+
+
+def checkpoint_size(
+    params: ParameterCount,
+    states: int,
+    *,
+    processes: int,
+    shard: int = 1,
+    average: bool = False,
+    tokenizer_bytes: int = 0,
+) -> CheckpointSize:
+    """What one checkpoint of a job with ``processes`` processes writes. Each stage of a
+    pipeline writes the optimizer state (and moving average) of every trainable parameter it
+    holds, so a tied weight's are written by both of its stages; each of ``shard`` FSDP shard
+    files keys its part of every tensor by the tensor's name."""
+    per = params.bytes_per_param
+    trained = sum(params.trainable_per_process)
+    trained_names = [n for names in params.trainable_names for n in names]
+    weights = params.saved * per + shard * sum(
+        WEIGHTS_ENTRY_BYTES + len(n) for n in params.saved_names
+    )
+    optimizer = trained * states * per + shard * sum(
+        OPTIMIZER_ENTRY_BYTES + (OPTIMIZER_KEYS_PER_TENSOR + states) * len(n) for n in trained_names
+    )
+    moving = 0
+    if average:
+        moving = trained * AVERAGE_BYTES + shard * sum(
+            AVERAGE_ENTRY_BYTES + len(n) for n in trained_names
+        )
+    other = tokenizer_bytes + processes * PROCESS_FILES_BYTES + CHECKPOINT_FILES_BYTES
+    return CheckpointSize(weights, optimizer, moving, other)
 
 
 def describe_plan(
@@ -163,16 +250,19 @@ def describe_plan(
     params: ParameterCount | None,
     optimizer: tuple[str, int | None],
     checkpoints_dir: str,
+    tokenizer_bytes: int = 0,
 ) -> list[str]:
-    """The plan as lines (stdout): one topic a line, figures a person can check by hand."""
+    """The plan as lines (stdout): one topic a line, figures a person can check by hand.
+    ``tokenizer_bytes``: what the tokenizer's files take in a checkpoint."""
     replicas = world_size // pp  # the ranks that read their own batches (sharded ones too)
-    dp = max(replicas // shard, 1)
-    fsdp = f"{shard}" if shard > 1 else "1 (none)"
+    sharded = f" (FSDP2: the model state sharded over {shard})" if shard > 1 else ""
+    stages = "pipeline stage" if pp == 1 else "pipeline stages"
     where = f"{nnodes} nodes" if nnodes > 1 else "1 node"
     lines = [
         "plan:",
         f"  trainer       {trainer}",
-        f"  parallelism   DP {dp} x PP {pp} x FSDP {fsdp} = {world_size} process(es) on {where}",
+        f"  parallelism   {replicas} data-parallel{sharded} x {pp} {stages} = {world_size} "
+        f"process(es) on {where}",
     ]
     batch, accumulation = args.per_device_train_batch_size, args.gradient_accumulation_steps
     lines.append(
@@ -227,8 +317,13 @@ def describe_plan(
         + (" on the largest stage" if len(memories) > 1 else "")
         + "; activations not counted"
     )
-    saved = rank_memory(
-        params.saved, params.trainable, params.bytes_per_param, states, average=average
+    saved = checkpoint_size(
+        params,
+        states,
+        processes=world_size,
+        shard=shard,
+        average=average,
+        tokenizer_bytes=tokenizer_bytes,
     )
     return lines + _checkpoint_lines(args, total, saved, checkpoints_dir, params.adapter)
 
@@ -236,12 +331,13 @@ def describe_plan(
 def _checkpoint_lines(
     args: Any,
     total_steps: int | None,
-    saved: RankMemory | None,
+    saved: CheckpointSize | None,
     checkpoints_dir: str,
     adapter: bool = False,
 ) -> list[str]:
     """The checkpoints line: their size (the weights, or a LoRA run's adapter, the optimizer
-    state and the moving average of the weights; no gradients), how often, where."""
+    state, the moving average of the weights, the tokenizer and loop state; no gradients),
+    how often, where."""
     if args.save_strategy == "no":
         return [f"  checkpoints   none (save_strategy: no); the run directory is {checkpoints_dir}"]
     size = ""
@@ -249,9 +345,9 @@ def _checkpoint_lines(
         weights = "the adapter" if adapter else "weights"
         averaged = f" + moving average {human_bytes(saved.average)}" if saved.average else ""
         size = (
-            f"about {human_bytes(saved.total - saved.gradients)} each ({weights} "
-            f"{human_bytes(saved.weights)} + optimizer {human_bytes(saved.optimizer)}"
-            f"{averaged}), "
+            f"about {human_bytes(saved.total)} each ({weights} {human_bytes(saved.weights)}"
+            f" + optimizer {human_bytes(saved.optimizer)}{averaged} + tokenizer and loop state "
+            f"{human_bytes(saved.other)}), "
         )
     when = f"every {args.save_steps} steps" if args.save_strategy == "steps" else "every epoch"
     saves = ""
@@ -348,7 +444,28 @@ def make_plan(
         params=params,
         optimizer=_optimizer(trainer.kwargs.get("optimizer"), args),
         checkpoints_dir=checkpoints_dir,
+        tokenizer_bytes=_tokenizer_bytes(build, trainer.kwargs.get("tokenizer")),
     )
+
+
+def _tokenizer_bytes(build: Any, node: Any) -> int:
+    """What the trainer's tokenizer writes into each checkpoint (``save_pretrained``, as the
+    checkpoint does, into a temporary directory); 0 without one, or one that cannot be built."""
+    import tempfile
+    from pathlib import Path
+
+    if node is None:
+        return 0
+    try:
+        tokenizer = build(node)
+        if not callable(getattr(tokenizer, "save_pretrained", None)):
+            return 0
+        with tempfile.TemporaryDirectory() as tmp:
+            tokenizer.save_pretrained(tmp)
+            return sum(f.stat().st_size for f in Path(tmp).rglob("*") if f.is_file())
+    except Exception as err:  # the plan goes on without it: a few hundred KiB at most
+        logger.debug("tokenizer not measured (%s: %s)", type(err).__name__, err)
+        return 0
 
 
 def _meta_model(build: Any, node: Any) -> Any:

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 import re
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
+from forge.checkpoint.io import directory_bytes
 from forge.cli import main
 from forge.config import load_config, load_project
 from forge.config.build import Materializer
@@ -159,7 +161,7 @@ def test_dry_run_prints_the_plan_on_stdout_and_creates_nothing(project, capsys):
         "config train.yaml renders and checks; would train with 2 process(es) in",
         f"  {project.root}/output/train/run_NNN/",
     ]
-    assert "  parallelism   DP 2 x PP 1 x FSDP 1 (none) = 2 process(es) on 1 node" in lines
+    assert "  parallelism   2 data-parallel x 1 pipeline stage = 2 process(es) on 1 node" in lines
     assert (
         "  batch         4 per device x 2 accumulation x 2 data-parallel = 16 per optimizer step"
         in lines
@@ -183,7 +185,10 @@ def test_an_fsdp_dry_run_shards_the_model_state_over_its_ranks(project, capsys):
     out, err = capsys.readouterr()
     assert code == 0, err
     lines = out.splitlines()
-    assert "  parallelism   DP 1 x PP 1 x FSDP 2 = 2 process(es) on 1 node" in lines
+    assert (
+        "  parallelism   2 data-parallel (FSDP2: the model state sharded over 2) x 1 pipeline "
+        "stage = 2 process(es) on 1 node" in lines
+    )
     assert any("(sharded data parallel, FSDP2)" in line for line in lines)
     # each rank reads its own batches, as under DDP
     assert (
@@ -237,8 +242,15 @@ def planned_size(lines) -> float:
     return float(number) * UNITS[unit]
 
 
-def saved_size(checkpoint, *names) -> int:
-    return sum((checkpoint / name).stat().st_size for name in names)
+def test_the_checkpoint_size_is_every_file_a_plain_run_writes(plain, capsys):
+    """The plan's size is the whole directory (weights, optimizer state, the names the files
+    key them by, tokenizer, loop state), as `forge checkpoints` and `du -b` count it."""
+    from tests.plain_project import train_in_process
+
+    lines = planned(plain, "lm", capsys=capsys)
+    checkpoint = train_in_process(plain, "lm") / "checkpoints" / "checkpoint-000004"
+    assert planned_size(lines) == pytest.approx(directory_bytes(checkpoint), rel=0.05)
+    assert "+ tokenizer and loop state " in next(x for x in lines if "  checkpoints" in x)
 
 
 def test_the_checkpoint_size_counts_the_moving_average_of_the_weights(plain, capsys):
@@ -247,8 +259,7 @@ def test_the_checkpoint_size_counts_the_moving_average_of_the_weights(plain, cap
     ema = ["trainer.args.ema_decay=0.9"]
     lines = planned(plain, "lm", *ema, capsys=capsys)
     checkpoint = train_in_process(plain, "lm", ema) / "checkpoints" / "checkpoint-000004"
-    on_disk = saved_size(checkpoint, "model.safetensors", "optimizer.pt", "ema.pt")
-    assert planned_size(lines) == pytest.approx(on_disk, rel=0.1)
+    assert planned_size(lines) == pytest.approx(directory_bytes(checkpoint), rel=0.05)
     checkpoints = next(line for line in lines if line.startswith("  checkpoints"))
     assert "+ moving average" in checkpoints
     memory = next(line for line in lines if line.startswith("  memory/rank"))
@@ -267,8 +278,7 @@ def test_a_lora_runs_trainable_parameters_and_checkpoint_are_the_adapters(plain,
     trainable = sum(t.numel() for t in adapter.values())
     params = next(line for line in lines if line.startswith("  parameters"))
     assert f", {trainable:,} trainable (float32" in params, params
-    on_disk = saved_size(checkpoint, "adapter_model.safetensors", "optimizer.pt")
-    assert planned_size(lines) == pytest.approx(on_disk, rel=0.15)
+    assert planned_size(lines) == pytest.approx(directory_bytes(checkpoint), rel=0.05)
     assert "(the adapter " in next(line for line in lines if line.startswith("  checkpoints"))
 
 
@@ -285,3 +295,37 @@ def test_define_null_turns_the_moving_average_off_as_yaml_null_does(plain, capsy
     out, err = capsys.readouterr()
     assert off == 0, err
     assert "memory/rank" in out and "moving average" not in out
+
+
+# ---------------------------------------------------------------------------------------------
+# two processes: FSDP2's shard files, and pipeline stages that each hold the tied embedding
+
+SHORT = ["-D", "max_steps=2", "-D", "save_steps=2", "-D", "eval_steps=1000"]
+
+
+@pytest.mark.slow  # two torchrun processes (gloo) per case
+@pytest.mark.parametrize(
+    "config, extra",
+    [
+        ("train", ["--set", "trainer.args.fsdp=full_shard"]),
+        ("pipeline", []),  # 2 stages: the tied embedding's optimizer state on both
+    ],
+    ids=["fsdp", "pipeline"],
+)
+def test_the_planned_checkpoint_size_matches_two_processes_files(project, config, extra, capsys):
+    from tests.helpers import run_forge
+
+    command = ["train", config, "-p", str(project.root), *SMALL, *SHORT, "--nproc", "2", *extra]
+    assert main([*command, "--dry-run"]) == 0
+    lines = capsys.readouterr()[0].splitlines()
+    result = run_forge(*command)
+    assert result.returncode == 0, result.stderr
+    checkpoint = Path(result.stdout.splitlines()[0]) / "checkpoints" / "checkpoint-000002"
+    assert planned_size(lines) == pytest.approx(directory_bytes(checkpoint), rel=0.05)
+    table = run_forge(
+        "checkpoints", "-p", str(project.root), "--run-dir", str(checkpoint.parents[1])
+    )
+    assert table.returncode == 0, table.stderr
+    size = re.search(r"checkpoint-000002\s+2\s+[\d.]+\s+([\d.]+) (KiB|MiB)\s", table.stdout)
+    assert size is not None, table.stdout
+    assert float(size[1]) * UNITS[size[2]] == pytest.approx(directory_bytes(checkpoint), rel=0.01)
