@@ -166,7 +166,9 @@ class TrainingArguments(StepChecks, RunChecks):
     train_sampling_strategy: str = "random"
     length_column_name: str = "length"
     group_by_length: bool = False  # HF 4.x's name for train_sampling_strategy: group_by_length
-    # forge's own (fairseq's max_tokens): batches of at most this many padded tokens per process
+    # forge's own (fairseq's max_tokens): batches of at most this many padded tokens per process;
+    # when set, it forms the training batches and per_device_train_batch_size does not apply
+    # to them (every config carries one: HF's default 8, which base.yaml renders)
     max_tokens_per_batch: int | None = None
     # ---- distributed
     ddp_find_unused_parameters: bool | None = None
@@ -245,17 +247,6 @@ class TrainingArguments(StepChecks, RunChecks):
             if name not in computed and hasattr(args, name):
                 setattr(args, name, value)
         found = []
-        if values.get("max_tokens_per_batch") is not None and "per_device_train_batch_size" in (
-            set(values) - computed
-        ):
-            found.append(
-                (
-                    "per_device_train_batch_size",
-                    f"{cls.config_key}.per_device_train_batch_size is set with "
-                    "max_tokens_per_batch, which forms the training batches by their token count "
-                    "instead; remove one of them",
-                )
-            )
         prefix = re.compile(rf"^{re.escape(cls.config_key)}\.(\w+)")
         for message in args.validate():
             match = prefix.match(message)
