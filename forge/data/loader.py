@@ -45,7 +45,7 @@ import logging
 import random
 import signal
 import warnings
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 from torch.utils.data import Dataset, DistributedSampler, get_worker_info
@@ -56,6 +56,9 @@ from forge.lifetime import signal_on_parent_death
 logger = logging.getLogger(__name__)
 
 _STATE_KEYS = ("epoch", "yielded", "seed", "shuffle", "num_replicas", "drop_last", "dataset_size")
+#: what a resumed sampler must share with the saved one ("order": how batches are formed;
+#: states saved before it existed were all "dataset" order)
+_LAYOUT_KEYS = ("seed", "shuffle", "num_replicas", "drop_last", "dataset_size", "order")
 
 
 class EpochIndex(int):
@@ -138,7 +141,14 @@ class ResumableDistributedSampler(DistributedSampler):
     ``shuffle`` is False); rank ``r`` of ``num_replicas`` takes every ``num_replicas``-th index
     from ``r``. With ``drop_last`` the tail that does not divide evenly is dropped, so shards
     are disjoint; without it, the first indices are repeated to pad every shard to one length.
+
+    Subclasses change the order (``epoch_order``: what this rank takes in the current epoch,
+    a pure function of the layout and the epoch) and keep this position and its state; the
+    items of the order may be indices or whole batches (lists of indices, for a batch sampler).
     """
+
+    #: names the kind of order in the state, so a resume with another kind is refused
+    order = "dataset"
 
     def __init__(
         self,
@@ -167,16 +177,24 @@ class ResumableDistributedSampler(DistributedSampler):
             self._resume_at = None
         super().set_epoch(epoch)
 
-    def __iter__(self) -> Iterator[int]:
-        indices = list(super().__iter__())
-        start, self._resume_at = self._resume_at or 0, None
-        self.yielded = min(start, len(indices))
-        return self._iterate(indices, self.yielded)
+    def epoch_order(self) -> list[Any]:
+        """What this rank takes in the current epoch, in order."""
+        return list(super().__iter__())
 
-    def _iterate(self, indices: list[int], start: int) -> Iterator[int]:
-        for position in range(start, len(indices)):
+    def __iter__(self) -> Iterator[Any]:
+        items = self.epoch_order()
+        start, self._resume_at = self._resume_at or 0, None
+        self.yielded = min(start, len(items))
+        return self._iterate(items, self.yielded)
+
+    def _iterate(self, items: list[Any], start: int) -> Iterator[Any]:
+        for position in range(start, len(items)):
             self.yielded = position + 1
-            yield EpochIndex(indices[position], self.epoch)
+            item = items[position]
+            if isinstance(item, list):  # a batch
+                yield [EpochIndex(index, self.epoch) for index in item]
+            else:
+                yield EpochIndex(item, self.epoch)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -187,6 +205,7 @@ class ResumableDistributedSampler(DistributedSampler):
             "num_replicas": self.num_replicas,
             "drop_last": self.drop_last,
             "dataset_size": len(self.dataset),  # type: ignore[arg-type]
+            "order": self.order,
         }
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -202,10 +221,11 @@ class ResumableDistributedSampler(DistributedSampler):
         if missing:
             raise ValueError(f"data loader state lacks {missing}; it was not saved by forge")
         mine = self.state_dict()
-        for key in ("seed", "shuffle", "num_replicas", "drop_last", "dataset_size"):
-            if state_dict[key] != mine[key]:
+        for key in _LAYOUT_KEYS:
+            saved = state_dict.get(key, "dataset")  # only "order" may be absent
+            if saved != mine[key]:
                 raise ValueError(
-                    f"cannot resume the data loader: it was saved with {key}={state_dict[key]!r} "
+                    f"cannot resume the data loader: it was saved with {key}={saved!r} "
                     f"but this one has {key}={mine[key]!r}; resume with the same {key}"
                 )
         if not 0 <= int(state_dict["yielded"]) <= self.num_samples:
@@ -216,13 +236,19 @@ class ResumableDistributedSampler(DistributedSampler):
 
 
 class ResumableDataLoader(StatefulDataLoader):
-    """``StatefulDataLoader`` over a :class:`ResumableDistributedSampler`, with ``set_epoch``."""
+    """``StatefulDataLoader`` over a :class:`ResumableDistributedSampler` (as its ``sampler``,
+    or as its ``batch_sampler`` when that forms the batches), with ``set_epoch``."""
 
-    sampler: ResumableDistributedSampler
+    @property
+    def positions(self) -> ResumableDistributedSampler:
+        """The sampler that keeps this loader's epoch and position."""
+        if isinstance(self.batch_sampler, ResumableDistributedSampler):
+            return self.batch_sampler
+        return self.sampler  # type: ignore[return-value]
 
     @property
     def epoch(self) -> int:
-        return self.sampler.epoch
+        return self.positions.epoch
 
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch the next ``iter()`` runs; call it before each epoch."""
@@ -236,18 +262,18 @@ class ResumableDataLoader(StatefulDataLoader):
                 epoch,
             )
             self.next_iter_state = None
-        if self._initial_iter_for_state_dict and epoch != self.sampler.epoch:
+        if self._initial_iter_for_state_dict and epoch != self.positions.epoch:
             # state_dict() built (and maybe prefetched) an iterator for the old epoch
             self._iterator = None
             self._initial_iter_for_state_dict = False
-        self.sampler.set_epoch(epoch)
+        self.positions.set_epoch(epoch)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Resume from ``state_dict``; the next ``iter()`` continues the saved epoch."""
         sampler_state = self._checked_sampler_state(state_dict) if state_dict else None
         super().load_state_dict(state_dict)
         if sampler_state is not None:
-            self.sampler.set_epoch(int(sampler_state["epoch"]))
+            self.positions.set_epoch(int(sampler_state["epoch"]))
 
     def _checked_sampler_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         saved_workers = _saved_num_workers(state_dict)
@@ -259,7 +285,7 @@ class ResumableDataLoader(StatefulDataLoader):
                 f"data loader state was saved with num_workers={saved_workers} but this loader "
                 f"has num_workers={self.num_workers}; resume with num_workers={saved_workers}"
             )
-        self.sampler.check_compatible(sampler_state)
+        self.positions.check_compatible(sampler_state)
         return sampler_state
 
 
@@ -278,8 +304,16 @@ def build_dataloader(
     persistent_workers: bool = False,
     prefetch_factor: int | None = None,
     multiprocessing_context: str | None = None,
+    lengths: Sequence[int] | None = None,
+    group_size: int | None = None,
+    max_tokens: int | None = None,
 ) -> ResumableDataLoader:
     """A resumable loader over this rank's shard of a map-style ``dataset``.
+
+    With ``lengths`` (each item's length), batches hold items of similar length: HF's grouped
+    order with ``group_size`` items per group (default ``batch_size * world_size``), or, with
+    ``max_tokens``, batches of at most that many padded tokens (``batch_size`` is then unused);
+    forge/data/length_grouping.py has both orders.
 
     ``drop_last`` applies to the shard (drop the tail that does not split evenly over
     ranks, instead of padding with repeats) and to the batch (drop a last, smaller batch).
@@ -309,30 +343,38 @@ def build_dataloader(
         raise ValueError("dataset must be a non-empty map-style dataset (with __len__)")
     if num_workers:  # each batch's random draws follow from the batch (exact resume)
         dataset = WorkerSeededBatches(dataset, seed, rank)
-    sampler = ResumableDistributedSampler(
-        dataset,
-        num_replicas=world_size,
-        rank=rank,
-        shuffle=shuffle,
-        seed=seed,
-        drop_last=drop_last,
-    )
+    layout = {"num_replicas": world_size, "rank": rank, "seed": seed, "drop_last": drop_last}
+    batching: dict[str, Any] = {"batch_size": batch_size, "drop_last": drop_last}
+    if lengths is not None and max_tokens is not None:
+        from forge.data.length_grouping import TokenBudgetBatchSampler
+
+        batching = {
+            "batch_sampler": TokenBudgetBatchSampler(
+                dataset, lengths, max_tokens=max_tokens, **layout
+            )
+        }
+    elif lengths is not None:
+        from forge.data.length_grouping import LengthGroupedSampler
+
+        batching["sampler"] = LengthGroupedSampler(
+            dataset, lengths, batch_size=batch_size, group_size=group_size, **layout
+        )
+    else:
+        batching["sampler"] = ResumableDistributedSampler(dataset, shuffle=shuffle, **layout)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         loader = ResumableDataLoader(
             dataset,
-            batch_size=batch_size,
-            sampler=sampler,
             collate_fn=collate_fn,
-            drop_last=drop_last,
             num_workers=num_workers,
             pin_memory=pin_memory,
             snapshot_every_n_steps=1,
+            **batching,
             **workers,  # every step is a valid resume point
         )
     if len(loader) == 0:
         raise ValueError(
-            f"the loader has no batches: {len(sampler)} samples per rank "
+            f"the loader has no batches: {len(loader.positions)} samples per rank "
             f"(dataset of {len(dataset)} over world_size={world_size}) < batch_size={batch_size}; "  # type: ignore[arg-type]
             "lower batch_size or set drop_last=False"
         )
@@ -349,6 +391,9 @@ def _sampler_state(state_dict: dict[str, Any] | None) -> dict[str, Any] | None:
     if not state_dict:
         return None
     main = state_dict.get("_snapshot", {}).get("_main_snapshot", state_dict)
+    batch_sampler_state = main.get("_index_sampler_state")
+    if isinstance(batch_sampler_state, dict) and "yielded" in batch_sampler_state:
+        return batch_sampler_state  # a batch sampler of forge's (it keeps the position)
     iterator_state = main.get("_sampler_iter_state") or {}
     sampler_state = iterator_state.get("sampler_state")
     return sampler_state if isinstance(sampler_state, dict) else None

@@ -9,7 +9,7 @@ their workers as torch's ``DataLoader`` keywords from ``worker_settings`` say.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
@@ -61,9 +61,15 @@ def build_train_loader(
     workers: Mapping[str, Any] | None = None,
     inputs: ModelInputs | None = None,
     description: str = "train",
+    lengths: Sequence[int] | None = None,
+    group_size: int | None = None,
+    max_tokens: int | None = None,
 ) -> ResumableDataLoader:
     """This data-parallel rank's resumable loader over ``dataset``; with ``inputs``, the
-    columns the model does not take are dropped first."""
+    columns the model does not take are dropped first. ``lengths`` (each item's, from
+    ``item_lengths`` before the columns are dropped) groups the batches by length, with
+    ``group_size`` items per group, or into batches of at most ``max_tokens`` padded tokens
+    (``build_dataloader``)."""
     if inputs is not None:
         dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
     return build_dataloader(
@@ -75,6 +81,9 @@ def build_train_loader(
         rank=rank,
         world_size=world_size,
         drop_last=drop_last,
+        lengths=lengths,
+        group_size=group_size,
+        max_tokens=max_tokens,
         **(workers or {}),
     )
 

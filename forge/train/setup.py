@@ -47,6 +47,7 @@ from forge.checkpoint import (
 from forge.checkpoint.manager import BestRule, CheckpointManager
 from forge.data import trainer_loaders
 from forge.data.columns import ModelInputs
+from forge.data.length_grouping import LengthError, item_lengths
 from forge.train import dist
 from forge.train.args import TrainingArgumentsError
 from forge.train.callbacks import TrainerControl, TrainerState
@@ -245,20 +246,36 @@ class TrainerSetup:
 
     # ------------------------------------------------------------------ data
     def build_train_loader(self) -> Any:
-        """This data-parallel rank's resumable loader over the training dataset."""
+        """This data-parallel rank's resumable loader over the training dataset (batches
+        grouped by length or by a token budget where the arguments ask for it)."""
         args = self.args
-        return trainer_loaders.build_train_loader(
-            self.train_dataset,
-            self.data_collator,
-            batch_size=self.strategy.per_rank_batch_size("per_device_train_batch_size"),
-            seed=args.seed if args.data_seed is None else args.data_seed,
-            rank=self.topology.dp_rank,
-            world_size=self.topology.dp_size,
-            shuffle=args.train_sampling_strategy == "random",
-            drop_last=args.dataloader_drop_last,
-            workers=self._worker_settings(),
-            inputs=self._model_inputs(),
-        )
+        batch = self.strategy.per_rank_batch_size("per_device_train_batch_size")
+        option = "max_tokens_per_batch" if args.max_tokens_per_batch else "train_sampling_strategy"
+        try:
+            return trainer_loaders.build_train_loader(
+                self.train_dataset,
+                self.data_collator,
+                batch_size=batch,
+                seed=args.seed if args.data_seed is None else args.data_seed,
+                rank=self.topology.dp_rank,
+                world_size=self.topology.dp_size,
+                shuffle=args.train_sampling_strategy == "random",
+                drop_last=args.dataloader_drop_last,
+                workers=self._worker_settings(),
+                inputs=self._model_inputs(),
+                lengths=self._train_lengths(),
+                group_size=batch * args.gradient_accumulation_steps * self.topology.dp_size,
+                max_tokens=args.max_tokens_per_batch,
+            )
+        except LengthError as exc:
+            raise TrainingArgumentsError([f"{args.config_key}.{option}: {exc}"]) from None
+
+    def _train_lengths(self) -> list[int] | None:
+        """Each training item's length where batches are grouped by it (else None)."""
+        args = self.args
+        if args.train_sampling_strategy != "group_by_length" and not args.max_tokens_per_batch:
+            return None
+        return item_lengths(self.train_dataset, args.length_column_name)
 
     def build_eval_loader(self, dataset: Dataset | None = None, description: str = "eval") -> Any:
         """This rank's share of ``dataset`` (default: the eval dataset), in order: items
@@ -503,17 +520,29 @@ class TrainerSetup:
                 " and a grad scaler" if self.scaler is not None else "",
                 level=logging.DEBUG if self.device.type == "cpu" else logging.INFO,
             )
-        self._info(
-            "training for %d steps (%d epochs of %d batches per rank); batch %d x accumulation "
-            "%d x data-parallel %d = %d sequences per step",
-            self.max_steps,
-            self.num_epochs,
-            len(self.train_loader),
-            batch,
-            args.gradient_accumulation_steps,
-            self.topology.dp_size,
-            batch * args.gradient_accumulation_steps * self.topology.dp_size,
-        )
+        if args.max_tokens_per_batch:
+            self._info(
+                "training for %d steps (%d epochs of %d batches per rank); batches of at most "
+                "%d padded tokens x accumulation %d x data-parallel %d per step",
+                self.max_steps,
+                self.num_epochs,
+                len(self.train_loader),
+                args.max_tokens_per_batch,
+                args.gradient_accumulation_steps,
+                self.topology.dp_size,
+            )
+        else:
+            self._info(
+                "training for %d steps (%d epochs of %d batches per rank); batch %d x "
+                "accumulation %d x data-parallel %d = %d sequences per step",
+                self.max_steps,
+                self.num_epochs,
+                len(self.train_loader),
+                batch,
+                args.gradient_accumulation_steps,
+                self.topology.dp_size,
+                batch * args.gradient_accumulation_steps * self.topology.dp_size,
+            )
         if state.resumed_from:
             self._info("resumed from %s at step %d", state.resumed_from, state.global_step)
 

@@ -35,6 +35,12 @@ class AccelTrainingArguments(TrainingArguments):
                     f"{self._key(name)} does not apply to this trainer: {SHARDING_UNSUPPORTED}"
                 )
         self._bool("split_batches", p)
+        if self.split_batches is True and self.max_tokens_per_batch is not None:
+            p.append(
+                f"{self._key('split_batches')} splits a batch of a fixed size between the "
+                "processes, and max_tokens_per_batch forms each process's batches by their "
+                "token count; set one of them"
+            )
         if self.mixed_precision is None:
             self.mixed_precision = "bf16" if self.bf16 else "fp16" if self.fp16 else "no"
         elif self.mixed_precision not in MIXED_PRECISION:

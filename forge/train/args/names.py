@@ -103,7 +103,7 @@ OTHER_HF_INTEGRATIONS = (
 STRATEGIES = ("steps", "epoch", "no")
 SAVE_STRATEGIES = ("steps", "epoch", "best", "no")
 CHECKPOINT_HASHES = ("sha256", "xxh3_128")  # forge.checkpoint.io.HASH_ALGORITHMS
-SAMPLING = ("random", "sequential")
+SAMPLING = ("random", "sequential", "group_by_length")
 LOG_LEVELS = ("passive", "debug", "info", "warning", "error", "critical")
 TOKEN_COUNTS = ("no", "all", "non_padding")
 METRIC_INCLUDES = ("inputs", "loss")
@@ -157,7 +157,6 @@ NOT_APPLICABLE: dict[str, tuple[tuple[Any, ...], str]] = {
     "debug": (("", None), "HF's debug options are for its TPU and underflow tools"),
     "skip_memory_metrics": ((True,), "forge does not report memory metrics"),
     "dataloader_in_order": ((True,), "exact resume needs batches in order"),
-    "length_column_name": (("length",), "it is only read by group_by_length sampling"),
 }
 
 

@@ -59,6 +59,12 @@ class PipelineTrainingArguments(TrainingArguments):
                 "parameters are whole on each of its data-parallel replicas (DDP). Shard with the "
                 "plain trainer (fsdp: full_shard), or leave fsdp unset"
             )
+        if self.max_tokens_per_batch is not None:
+            p.append(
+                f"{self._key('max_tokens_per_batch')}: the pipeline trainer splits each batch "
+                "into micro-batches of a fixed shape; use per_device_train_batch_size (with "
+                "train_sampling_strategy: group_by_length for less padding), or the plain trainer"
+            )
         self._check_pipeline_fit(p)
         for flag, fix in (("fp16", "use bf16"), ("torch_compile", "set it to false")):
             if getattr(self, flag) is True:

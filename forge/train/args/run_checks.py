@@ -270,13 +270,35 @@ class RunChecks(ValueChecks):
             )
         elif labels is not None:
             self.label_names = list(labels)
-        if self.train_sampling_strategy == "group_by_length":
+        self._check_length_grouping(p)
+
+    def _check_length_grouping(self, p: list[str]) -> None:
+        """group_by_length (HF 4.x's flag or HF 5's strategy) and max_tokens_per_batch."""
+        self._choice("train_sampling_strategy", SAMPLING, p)
+        self._bool("group_by_length", p)
+        if self.group_by_length is True:
+            if self.train_sampling_strategy == "sequential":
+                p.append(
+                    f"{self._key('group_by_length')} is true but train_sampling_strategy is "
+                    '"sequential"; set one of them'
+                )
+            elif self.train_sampling_strategy == "random":
+                self.train_sampling_strategy = "group_by_length"
+        column = self.length_column_name
+        if not (isinstance(column, str) and column):
             p.append(
-                f"{self._key('train_sampling_strategy')} group_by_length is not supported "
-                '(its batches would change on resume); use "random" or "sequential"'
+                f"{self._key('length_column_name')} must be a column name such as "
+                f'"length" (got {column!r})'
             )
-        else:
-            self._choice("train_sampling_strategy", SAMPLING, p)
+        self._optional_int(
+            "max_tokens_per_batch", p, minimum=1, fix="or null for batches of a fixed size"
+        )
+        if self.max_tokens_per_batch is not None and self.train_sampling_strategy == "sequential":
+            p.append(
+                f"{self._key('max_tokens_per_batch')} forms batches of items of similar length, "
+                'which is no sequential order; use train_sampling_strategy: "random" or '
+                '"group_by_length", or remove max_tokens_per_batch'
+            )
 
     def _check_distributed(self, p: list[str]) -> None:
         if self.ddp_backend is not None:

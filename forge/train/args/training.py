@@ -165,6 +165,11 @@ class TrainingArguments(StepChecks, RunChecks):
     label_names: list[str] | None = None
     train_sampling_strategy: str = "random"
     length_column_name: str = "length"
+    group_by_length: bool = False  # HF 4.x's name for train_sampling_strategy: group_by_length
+    # forge's own (fairseq's max_tokens): batches of at most this many padded tokens per process;
+    # when set, it forms the training batches and per_device_train_batch_size does not apply
+    # to them (every config carries one: HF's default 8, which base.yaml renders)
+    max_tokens_per_batch: int | None = None
     # ---- distributed
     ddp_find_unused_parameters: bool | None = None
     ddp_bucket_cap_mb: int | None = None
