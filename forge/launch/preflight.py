@@ -334,14 +334,14 @@ def _check(
         batch, _ = split_labels(batch)
     label = forward_name(model_class)
     signature = inspect.signature(model_class.forward)
-    mismatch = _signature_mismatch(signature, batch, label, dropped)
-    if mismatch:
-        return [cfg.problem(model_node.loc, mismatch, _FIX_KEYS)]
-    packing = _packing_problem(
+    packing = _packing_problem(  # before the keys: a forward without position_ids says why
         cfg, trainer, trainer_class, model_node, resolver, variables, batch, args
     )
     if packing is not None:
         return [packing]
+    mismatch = _signature_mismatch(signature, batch, label, dropped)
+    if mismatch:
+        return [cfg.problem(model_node.loc, mismatch, _FIX_KEYS)]
     if from_outputs:
         return []  # the loss is computed from whatever forward returns
     returned = _meta_forward(model_node, resolver, variables, cfg, batch)
