@@ -352,6 +352,11 @@ def _check(
         batch, _ = split_labels(batch)
     label = forward_name(model_class)
     signature = inspect.signature(model_class.forward)
+    packing = _packing_problem(  # before the keys: a forward without position_ids says why
+        cfg, trainer, trainer_class, model_node, resolver, variables, batch, args
+    )
+    if packing is not None:
+        return [packing]
     mismatch = _signature_mismatch(signature, batch, label, dropped)
     if mismatch:
         return [cfg.problem(model_node.loc, mismatch, _FIX_KEYS)]
@@ -360,6 +365,47 @@ def _check(
     returned = _meta_forward(model_node, resolver, variables, cfg, batch)
     message = _return_problem(returned, label, batch, dropped)
     return [cfg.problem(model_node.loc, message, None)] if message else []
+
+
+def _packing_problem(
+    cfg: Config,
+    trainer: CallNode,
+    trainer_class: Any,
+    model_node: CallNode,
+    resolver: Resolver,
+    variables: Mapping[str, Any],
+    batch: Mapping,
+    args: Any,
+) -> Problem | None:
+    """A packed sample batch (forge/train/packing.py) for a model or trainer that would let its
+    sequences attend to each other, located at the model (the model built on the meta device
+    for its attention implementation; its class where it cannot be built there)."""
+    import torch
+
+    from forge.train.packing import is_packed_batch, packing_refusal
+
+    if not is_packed_batch(batch):
+        return None
+    model: Any = _forward_owner(model_node, resolver)
+    materializer = Materializer(resolver.resolve, variables, cfg.describe_loc)
+    try:
+        with torch.device("meta"):
+            instance = materializer.value(model_node)
+            model = instance() if not isinstance(instance, torch.nn.Module) else instance
+    except Exception as err:  # the class alone then; the sanity pass runs the real model
+        logger.debug("packing checked on the model class (%s: %s)", type(err).__name__, err)
+    refusal = packing_refusal(
+        model,
+        use_cache=bool(getattr(args, "use_cache", False)),
+        batch_keys=list(batch),
+        trainer_reason=getattr(trainer_class, "refuses_packed_batches", None),
+    )
+    if refusal is None:
+        return None
+    message, fix = refusal
+    collator = trainer.kwargs.get("data_collator")
+    made_by = f" (data_collator {collator.spec})" if isinstance(collator, CallNode) else ""
+    return cfg.problem(model_node.loc, message + made_by, fix)
 
 
 def _unsupported_problems(cfg: Config, trainer: CallNode, trainer_class: Any) -> list[Problem]:

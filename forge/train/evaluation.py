@@ -33,6 +33,7 @@ from forge.train.args import TrainingArgumentsError
 from forge.train.loop_state import Batch
 from forge.train.loss import batch_size_of, is_causal_lm, returned_loss
 from forge.train.optim import set_seed
+from forge.train.packing import sequence_count
 from forge.train.predictions import (
     Accumulator,
     LossMean,
@@ -180,7 +181,8 @@ class Evaluation:
                 loss, logits, labels = self.prediction_step(
                     self.evaluation_model(), batch, prediction_loss_only, ignore_keys, label_names
                 )
-                count += size
+                packed = sequence_count(batch)  # a packed row holds several items
+                count += size if packed is None else int(packed)
                 if loss is not None:  # weighed by the batch's labels, predictions asked or not
                     weight = loss_weight(size, labels_of(batch, label_names), causal)
                     losses.add(float(loss), weight)

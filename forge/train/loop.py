@@ -68,6 +68,7 @@ from forge.train.loss import TrainingLoss, batch_size_of, takes_keyword
 from forge.train.memory import peak_memory
 from forge.train.model_parts import ModelParts
 from forge.train.optim import MetricSchedule, current_lr
+from forge.train.packing import sequence_count
 from forge.train.precision import numerics
 from forge.train.runtime import Intervals
 from forge.train.setup import TrainerSetup
@@ -493,7 +494,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
         loss: torch.Tensor,
         tokens: torch.Tensor,
         grad_norm: torch.Tensor,
-        samples: float = 0,
+        samples: float | torch.Tensor = 0,
         flops: float = 0.0,
     ) -> StepResult:
         """Agree on the step across ranks with one all-reduce of (loss, tokens, samples,
@@ -505,7 +506,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
         """
         signum = float(self._signals.received)  # the stop vote rides along (StopVote)
         values = (samples, flops, signum, 1.0 if signum else 0.0)
-        counts = [loss.new_full((), value, dtype=torch.float64) for value in values]
+        counts = [torch.as_tensor(v, dtype=torch.float64, device=loss.device) for v in values]
         stats = self.all_reduce_sum(torch.stack([loss.double(), tokens.double(), *counts]))
         loss_sum, total_tokens, total_samples, total_flops = stats[:4].unbind()
         finite = torch.isfinite(loss_sum)
@@ -521,12 +522,14 @@ class BaseTrainer(TrainerSetup, Evaluation):
             stop=stats[4:].detach(),
         )
 
-    def _count_work(self, window: list[Batch]) -> tuple[int, float]:
-        """The items of this rank's micro-batches and their floating-point operations (0 for a
-        model that gives no estimate), from the batches' shapes."""
+    def _count_work(self, window: list[Batch]) -> tuple[int | torch.Tensor, float]:
+        """The items of this rank's micro-batches (the sequences of packed rows: a tensor on
+        the device) and their floating-point operations (0 for a model that gives no
+        estimate), from the batches' shapes."""
         samples, flops = 0, 0.0
         for batch in window:
-            samples += batch_size_of(batch)
+            packed = sequence_count(batch)  # a packed row holds several items
+            samples += batch_size_of(batch) if packed is None else packed
             estimate = self.floating_point_ops(batch)
             if estimate is not None:
                 flops += estimate

@@ -5,7 +5,8 @@ On a trainer built from the config (in the launching process, before any run dir
 it runs the model-transform stage (adapters with their tokenizer, activation checkpointing,
 compile, the strategy's wrap as one process has it), the first training micro-batch of the
 configured loader at the configured batch size through the trainer's own forward and backward
-(no optimizer step), and ``num_sanity_val_steps`` evaluation batches through the whole
+(no optimizer step; for a packed batch, the proof that its sequences stay apart:
+forge/train/packing.py), and ``num_sanity_val_steps`` evaluation batches through the whole
 evaluation path: the evaluation loader and collator, the forward, ``preprocess_logits_for_metrics``,
 ``compute_metrics`` and the check of ``metric_for_best_model``. It changes nothing: the random
 generators are put back as they were, nothing is written, and the trainer it ran on is thrown
@@ -69,6 +70,8 @@ def run_sanity_pass(trainer: Any, eval_batches: int) -> None:
             trainer.wrapped_model = trainer.transform_model()
         with _part("train_dataset", "loading the first training batch"):
             batch = next(iter(trainer.build_train_loader()))
+        with _part("model", "checking that the packed sequences of a batch stay apart"):
+            check_packed_batch(trainer, batch)
         phase["items"] = "evaluation"
         trainer.wrapped_model.train()
         with _part("model", "the first training batch's forward and backward"):
@@ -77,6 +80,26 @@ def run_sanity_pass(trainer: Any, eval_batches: int) -> None:
         if eval_batches and evaluates:
             _evaluate(trainer, eval_batches)
         trainer.release_wrappers()
+
+
+def check_packed_batch(trainer: Any, batch: Any) -> None:
+    """For a packed batch (forge/train/packing.py): what is known of the model and the trainer,
+    then the proof on the real model, that each sequence's logits are those it has alone."""
+    from forge.train.packing import FIX, is_packed_batch, packing_leak, packing_refusal
+
+    if not is_packed_batch(batch):
+        return
+    refusal = packing_refusal(
+        trainer.wrapped_model,
+        use_cache=trainer.args.use_cache,
+        batch_keys=list(batch),
+        trainer_reason=getattr(trainer, "refuses_packed_batches", None),
+    )
+    if refusal:
+        raise ValueError("; ".join(refusal))
+    leak = packing_leak(trainer.wrapped_model, batch)
+    if leak:
+        raise ValueError(f"{leak}; {FIX}")
 
 
 def _evaluate(trainer: Any, batches: int) -> None:

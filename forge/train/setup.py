@@ -56,6 +56,7 @@ from forge.train.loop_state import Batch, StopVote, Tally
 from forge.train.loss import resolve_label_names
 from forge.train.model_parts import ModelParts, TrainingPlan, offered_parts
 from forge.train.optim import build_optimizer, build_scheduler, set_seed
+from forge.train.packing import packing_refusal, packs_sequences
 from forge.train.plain_models import not_a_dict_batch
 from forge.train.precision import device_problems
 from forge.train.runtime import Intervals, apply_runtime_settings
@@ -88,6 +89,7 @@ class TrainerSetup:
         set_seed(args.seed)
         self.checkpoints, self._pending_components = None, []
         self.wrapped_model = self.transform_model()
+        self._check_packing()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
         self.train_loader = self.build_train_loader()
@@ -117,6 +119,21 @@ class TrainerSetup:
         self._step_open, self._start_step = False, 0
         self._run_tally, self._loss_before = None, (0.0, 0)  # the run's loss (_run_loss)
         self.build_checkpoint_manager()
+
+    def _check_packing(self) -> None:
+        """A collator known to pack sequences (forge/train/packing.py) with a model or trainer
+        that would let them attend to each other: refused before the first step. (Other
+        collators' packed batches are checked by the sanity pass, on the first batch.)"""
+        if not packs_sequences(self.data_collator):
+            return
+        refusal = packing_refusal(
+            self.wrapped_model,
+            use_cache=self.args.use_cache,
+            trainer_reason=getattr(self, "refuses_packed_batches", None),
+        )
+        if refusal:
+            message, fix = refusal
+            raise ValueError(f"trainer.data_collator packs sequences, and {message}; {fix}")
 
     def adopt_model_parts(self) -> ModelParts:
         """What the model offers (``trainer_parts``, forge/train/model_parts.py), as this

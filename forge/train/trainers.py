@@ -91,6 +91,10 @@ class PipelineTrainer(BaseTrainer):
 
     trainer_kind: ClassVar[str] = "pipeline"
     unsupported_arguments: ClassVar[dict[str, str]] = UNSUPPORTED
+    refuses_packed_batches: ClassVar[str] = (
+        "the pipeline trainer's stages number the positions themselves and split a batch "
+        "into micro-batches by rows, so a packed batch's position_ids never reach the attention"
+    )
 
     def __init__(
         self,
