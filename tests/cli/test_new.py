@@ -42,7 +42,9 @@ def test_classifier_scaffold_trains_and_its_loss_falls(tmp_path):
     assert summary == last and summary["step"] == 50
     runtime = summary["train_runtime"]  # rounded to 4 decimals: the rate is not
     samples = summary["train_samples_per_second"] * runtime
-    assert samples == pytest.approx(50 * 64, rel=1e-3 + 0.5e-4 / runtime)  # 50 steps of the scaffold's 64 items
+    assert samples == pytest.approx(
+        50 * 64, rel=1e-3 + 0.5e-4 / runtime
+    )  # 50 steps of the scaffold's 64 items
 
 
 def test_tiny_lm_scaffold_trains_a_few_steps(tmp_path):
