@@ -205,3 +205,17 @@ def test_the_pipeline_trainer_refuses_it(tmp_path):
 def test_nothing_is_recorded_when_it_is_off(tmp_path):
     state = TrainerState(train_batch_size=2)
     assert found_batch_record(make_args(tmp_path), state) == {}
+
+
+def test_run_json_records_the_size_at_each_checkpoint(auto_run, tmp_path):
+    from forge.launch.worker import make_run_record_callback
+    from forge.runs import RunRecord
+
+    trainer, _, _ = auto_run
+    record = RunRecord(tmp_path, {"status": "running"})
+    callback = make_run_record_callback(record)
+    checkpoint = tmp_path / "checkpoints" / "checkpoint-000006"
+    callback.on_save(trainer.args, trainer.state, None, checkpoint_path=str(checkpoint))
+    saved = RunRecord.load(tmp_path).data
+    assert saved["train_batch_size"]["per_device"] == 2
+    assert saved["train_batch_size"]["gradient_accumulation_steps"] == 4
