@@ -217,6 +217,23 @@ def _join(
     return code
 
 
+def _memory_option(args: argparse.Namespace) -> int | None:
+    """``--memory`` in bytes (None when not given); it belongs to ``--dry-run``."""
+    if getattr(args, "memory", None) is None:
+        return None
+    if not args.dry_run:
+        raise UsageError(
+            "--memory sizes the plan's largest per-device batch and goes with --dry-run; "
+            "to shrink the batch while training, set trainer.args.auto_find_batch_size: true"
+        )
+    from forge.launch.batch_fit import parse_memory
+
+    try:
+        return parse_memory(args.memory)
+    except ValueError as err:
+        raise UsageError(str(err)) from err
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     from forge.cli.length_note import length_note, moot_arguments
     from forge.launch.cluster import ONE_NODE, check_host
@@ -226,6 +243,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch.worker import build_variables
     from forge.runs import claim_run, config_output_dir, create_run, discard_unstarted_run
 
+    memory = _memory_option(args)
     project = _project(args)
     name, cfg = _load(args, project)
     nproc = resolve_nproc(args.nproc)
@@ -275,6 +293,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             world_size=world_size,
             nnodes=nodes.nnodes,
             checkpoints_dir=f"{next_run}/checkpoints/",
+            memory=memory,
         )
         for line in figures:
             print(line)

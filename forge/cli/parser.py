@@ -302,6 +302,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="render, check and print the plan (parallelism, batches, steps, parameters, "
         "memory, checkpoints) without training",
     )
+    p.add_argument(
+        "--memory",
+        metavar="SIZE",
+        help="with --dry-run: the device memory (16GiB, 80GB) to print the largest "
+        "per-device batch that fits in (default: the GPU's; measured on one real micro-batch)",
+    )
     _add_nodes(p)
 
     p = _sub(subparsers, "resume", "continue a run from its newest valid checkpoint")

@@ -5,8 +5,9 @@ the training dataset that the preflight check builds anyway).
 Parallelism is data-parallel ranks x pipeline stages; FSDP2 shards the model state over the
 data-parallel ranks (each still reads its own batches), and every per-rank figure goes through
 :func:`rank_memory`, which takes the shard factor. Memory is the model state only
-(weights, gradients, optimizer state, the moving average of the weights with ``ema_decay``):
-activations depend on the batch and are not counted. A LoRA run (``peft_config``) is counted
+(weights, gradients, optimizer state, the moving average of the weights with ``ema_decay``);
+activations depend on the batch, and are measured on one real micro-batch only to work out the
+largest per-device batch that fits a memory (``--memory``, or a GPU's: forge/launch/batch_fit.py). A LoRA run (``peft_config``) is counted
 with its adapter put on the meta model: its trainable parameters are the adapter's, and its
 checkpoints hold the adapter, not the frozen base. A checkpoint's size is what its files hold
 (:func:`checkpoint_size`): the state's bytes, the names its files key them by, the tokenizer and
@@ -251,9 +252,12 @@ def describe_plan(
     optimizer: tuple[str, int | None],
     checkpoints_dir: str,
     tokenizer_bytes: int = 0,
+    batch_fit: Any = None,
 ) -> list[str]:
     """The plan as lines (stdout): one topic a line, figures a person can check by hand.
-    ``tokenizer_bytes``: what the tokenizer's files take in a checkpoint."""
+    ``tokenizer_bytes``: what the tokenizer's files take in a checkpoint; ``batch_fit``: the
+    memory and measured activations the largest per-device batch is worked out from
+    (forge/launch/batch_fit.py), None for no such line."""
     replicas = world_size // pp  # the ranks that read their own batches (sharded ones too)
     sharded = f" (FSDP2: the model state sharded over {shard})" if shard > 1 else ""
     stages = "pipeline stage" if pp == 1 else "pipeline stages"
@@ -317,6 +321,8 @@ def describe_plan(
         + (" on the largest stage" if len(memories) > 1 else "")
         + "; activations not counted"
     )
+    if batch_fit is not None:
+        lines.append(batch_fit.line(top.total))
     saved = checkpoint_size(
         params,
         states,
@@ -367,8 +373,11 @@ def make_plan(
     world_size: int,
     nnodes: int,
     checkpoints_dir: str,
+    memory: int | None = None,
 ) -> list[str]:
-    """The plan of ``cfg`` (checked already) trained by ``world_size`` processes."""
+    """The plan of ``cfg`` (checked already) trained by ``world_size`` processes. With
+    ``memory`` (bytes; else a GPU's, where there is one) it also gives the largest per-device
+    batch that fits, from activations measured on one real micro-batch."""
     import torch
     from torch import nn
 
@@ -433,6 +442,7 @@ def make_plan(
         else "one process"
     )
     name = f"{trainer.spec} ({how})"
+    fit = _batch_fit(build, trainer, args, memory) if pp == 1 and params is not None else None
     return describe_plan(
         trainer=name,
         world_size=world_size,
@@ -445,7 +455,26 @@ def make_plan(
         optimizer=_optimizer(trainer.kwargs.get("optimizer"), args),
         checkpoints_dir=checkpoints_dir,
         tokenizer_bytes=_tokenizer_bytes(build, trainer.kwargs.get("tokenizer")),
+        batch_fit=fit,
     )
+
+
+def _batch_fit(build: Any, trainer: Any, args: Any, memory: int | None) -> Any:
+    """The memory to fit (``--memory``, else the GPU's) and one real micro-batch's activations;
+    nothing is built for real without a memory to fit."""
+    from forge.launch.batch_fit import BatchFit, device_memory, measure_micro_batch
+
+    source = "--memory"
+    if memory is None:
+        memory, source = device_memory(), "the GPU's"
+    if memory is None:
+        return BatchFit(None, "", "")
+    try:
+        activations: Any = measure_micro_batch(build, trainer, args)
+    except Exception as err:  # the plan goes on without it
+        logger.debug("activations not measured", exc_info=True)
+        activations = f"one micro-batch's forward and backward failed: {type(err).__name__}: {err}"
+    return BatchFit(memory, source, activations)
 
 
 def _tokenizer_bytes(build: Any, node: Any) -> int:

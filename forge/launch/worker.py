@@ -67,11 +67,13 @@ def load_run_config(run_dir: Path, project: Project, allow: list[str] = ()):
 def make_run_record_callback(record: RunRecord, restart: int = 0):
     """A trainer callback that keeps ``run.json`` current at every checkpoint, records the
     end-of-training summary (``train_runtime``, ``train_samples_per_second``, ...) as
-    ``train_summary``, and, in a worker torchrun restarted, the restart and the checkpoint
+    ``train_summary`` (and, with ``auto_find_batch_size``, the micro-batch that fitted:
+    ``train_batch_size``), and, in a worker torchrun restarted, the restart and the checkpoint
     it continued from (known once the trainer has resolved it)."""
     import math
 
     from forge.train import TrainerCallback
+    from forge.train.batch_finder import found_batch_record
     from forge.train.callbacks import is_train_summary
 
     class RunRecordCallback(TrainerCallback):
@@ -88,7 +90,10 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
                     k: v if not isinstance(v, float) or math.isfinite(v) else None
                     for k, v in logs.items()
                 }
-                record.update(train_summary={"step": state.global_step, **summary})
+                record.update(
+                    train_summary={"step": state.global_step, **summary},
+                    **found_batch_record(args, state),
+                )
 
         def on_save(self, args, state, control, checkpoint_path=None, metrics=None, **kwargs):
             best = None
@@ -98,6 +103,7 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
                     "metric": args.metric_for_best_model,
                     "value": state.best_metric,
                 }
+            record.data.update(found_batch_record(args, state))  # auto_find_batch_size's
             record.add_checkpoint(Path(checkpoint_path), state.global_step, metrics or {}, best)
 
     return RunRecordCallback()

@@ -67,6 +67,8 @@ class TrainerState:
     total_flos: float = 0.0
     is_world_process_zero: bool = True
     resumed_from: str | None = None
+    #: rows per forward and backward that fitted (``auto_find_batch_size``; None: not searched)
+    train_batch_size: int | None = None
 
     _saved: ClassVar[tuple[str, ...]] = (
         "best_metric",
@@ -75,6 +77,7 @@ class TrainerState:
         "nonfinite_skipped",
         "tokens_seen",
         "total_flos",
+        "train_batch_size",
     )
 
     def state_dict(self) -> dict[str, Any]:

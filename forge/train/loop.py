@@ -51,6 +51,7 @@ from forge.checkpoint import (
 )
 from forge.checkpoint.manager import CheckpointManager
 from forge.train.args import TrainingArguments, TrainingArgumentsError
+from forge.train.batch_finder import MicroBatchSize
 from forge.train.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
 from forge.train.checks import check_eval_dataset, check_trainer_arguments
 from forge.train.data_position import DataPosition
@@ -160,6 +161,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
 
         self.state = TrainerState(is_world_process_zero=self.topology.is_main)
         self.control = TrainerControl()
+        self.micro_batches = MicroBatchSize(args, self.state, self.topology)  # auto_find_batch_size
         user_callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]
         self.callback_handler = CallbackHandler(
             default_callbacks(args, self.topology.is_main, user_callbacks) + user_callbacks
@@ -268,6 +270,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
     def _train_loop(self) -> TrainOutput:
         args, state = self.args, self.state
         self._log_start()
+        self.micro_batches.start(state)  # a resumed run keeps the micro-batch size that fitted
         self._call("on_train_begin")
         if args.eval_on_start and self._evaluation_enabled():
             self._evaluate_in_training(start=True)  # a first check of metrics and eval data
@@ -431,16 +434,29 @@ class BaseTrainer(TrainerSetup, Evaluation):
     def forward_backward(self, window: list[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
         """Forward and backward over one optimizer step's micro-batches, as the strategy runs
         them; (loss, tokens) on this rank. Each micro-batch's loss is its share of the step's
-        (``window_loss``), so a short last window averages over what it has."""
+        (``window_loss``), so a short last window averages over what it has. With
+        ``auto_find_batch_size`` the batches may run in smaller pieces, the step unchanged
+        (forge/train/batch_finder.py)."""
         window = [self._to_device(batch) for batch in window]
         num_items = self.loss.num_items_in_batch(window, self.model, self._items_ranks_sum)
-        micro_loss = functools.partial(
-            self.window_loss, window_size=len(window), num_items_in_batch=num_items
+        loss_of = functools.partial(self.window_loss, num_items_in_batch=num_items)
+        return self.micro_batches.run(
+            window, loss_of, self.strategy.forward_backward, self._restart_step
         )
-        return self.strategy.forward_backward(window, micro_loss)
+
+    def _restart_step(self) -> Callable[[], None]:
+        """Called before a step's first forward; returns what undoes a partial try of it: its
+        gradients and the model metrics it added (an out-of-memory error, then a retry)."""
+        mark = self._tally.outputs_mark()
+
+        def undo() -> None:
+            self.optimizer.zero_grad(set_to_none=True)
+            self._tally.rewind_outputs(mark)
+
+        return undo
 
     def window_loss(
-        self, batch: Batch, window_size: int, num_items_in_batch: torch.Tensor | None
+        self, batch: Batch, window_size: float, num_items_in_batch: torch.Tensor | None
     ) -> torch.Tensor:
         """One micro-batch's share of the optimizer step's loss on this rank.
 

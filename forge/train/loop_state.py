@@ -119,6 +119,14 @@ class Tally:
             self._metric_sums[name] = value if held is None else held + value
             self.metric_counts[name] = self.metric_counts.get(name, 0) + 1
 
+    def outputs_mark(self) -> tuple[dict[str, Any], dict[str, int]]:
+        """The model metrics added so far, to go back to (``rewind_outputs``)."""
+        return dict(self._metric_sums), dict(self.metric_counts)
+
+    def rewind_outputs(self, mark: tuple[dict[str, Any], dict[str, int]]) -> None:
+        """Forget the model metrics added since ``mark`` (a step tried again)."""
+        self._metric_sums, self.metric_counts = dict(mark[0]), dict(mark[1])
+
     def metric_means(self) -> dict[str, float]:
         """Each model metric's mean over the micro-batches added (reads the device once)."""
         sums, self._metric_sums = self._metric_sums, {}

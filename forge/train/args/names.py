@@ -129,7 +129,6 @@ NOT_APPLICABLE: dict[str, tuple[tuple[Any, ...], str]] = {
     "use_liger_kernel": ((False,), "Liger kernels patch models; forge trains the model as given"),
     "liger_kernel_config": ((None,), "Liger kernels patch models; forge trains the model as given"),
     "neftune_noise_alpha": ((None,), "NEFTune noise is not implemented"),
-    "auto_find_batch_size": ((False,), "forge runs the batch size it is given"),
     "save_on_each_node": (
         (False,),
         "forge writes each checkpoint once, from the ranks that own its files",

@@ -65,6 +65,14 @@ class PipelineTrainingArguments(TrainingArguments):
                 "into micro-batches of a fixed shape; use per_device_train_batch_size (with "
                 "train_sampling_strategy: group_by_length for less padding), or the plain trainer"
             )
+        if self.auto_find_batch_size is True:
+            p.append(
+                f"{self._key('auto_find_batch_size')}: the pipeline trainer's micro-batches are "
+                "its schedule (pipeline_microbatches per batch, sent between the stages in a "
+                "fixed shape), and an out-of-memory error on one stage leaves the others waiting "
+                "for its activations; set per_device_train_batch_size or pipeline_microbatches "
+                "to what fits, and auto_find_batch_size: false"
+            )
         self._check_pipeline_fit(p)
         for flag, fix in (("fp16", "use bf16"), ("torch_compile", "set it to false")):
             if getattr(self, flag) is True:

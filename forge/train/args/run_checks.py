@@ -208,7 +208,14 @@ class RunChecks(ValueChecks):
     def _check_runtime(self, p: list[str]) -> None:
         self._int("seed", p, minimum=0)
         self._optional_int("data_seed", p, minimum=0, fix="use null to reuse seed")
-        for name in ("full_determinism", "use_cpu", "do_train", "do_eval", "do_predict"):
+        for name in (
+            "full_determinism",
+            "use_cpu",
+            "do_train",
+            "do_eval",
+            "do_predict",
+            "auto_find_batch_size",
+        ):
             self._bool(name, p)
         if not isinstance(self.device, str) or not DEVICE_PATTERN.match(self.device):
             p.append(
