@@ -821,6 +821,12 @@ def cmd_tb(args: argparse.Namespace) -> int:
     os.execv(command[0], command)  # TensorBoard takes over this process and its Ctrl-C
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from forge.cli.sweep import cmd_sweep as sweep
+
+    return sweep(args)
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from forge.cli.env import environment_report
 
@@ -847,6 +853,7 @@ COMMANDS = {
     "code": cmd_code,
     "plot": cmd_plot,
     "tb": cmd_tb,
+    "sweep": cmd_sweep,
     "env": cmd_env,
     "_worker": cmd_worker,
 }
