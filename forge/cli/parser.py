@@ -132,10 +132,10 @@ EXAMPLES = {
     "sweep": """
         examples:
           forge sweep train -p demo -D learning_rate=1e-4,1e-3,1e-2      # a grid: 3 runs
-          forge sweep train -p demo -D learning_rate=loguniform(1e-4,1e-2) \\
-              -D hidden_size=int(32,256) --trials 20                     # an Optuna study (TPE)
+          forge sweep train -p demo -D "learning_rate=loguniform(1e-4,1e-2)" \\
+              -D "hidden_size=int(32,256)" --trials 20                     # an Optuna study (TPE)
           forge sweep train -p demo --file lr.yaml --jobs 2              # templates/sweeps/lr.yaml
-          forge sweep train -p demo -D learning_rate=uniform(0.001,0.01) --method random \\
+          forge sweep train -p demo -D "learning_rate=uniform(0.001,0.01)" --method random \\
               --trials 8 --objective eval_accuracy --direction maximize
           forge sweep train -p demo ... --dry-run   # the plan of trials and a SLURM array script
           forge sweep show -p demo                   # the newest sweep's trials, best first

@@ -116,17 +116,12 @@ def build_spec(args: argparse.Namespace, project: Project) -> tuple[SweepSpec, d
     if method is None:
         method = "grid" if all(a.is_list for a in axes.values()) else "tpe"
     objective = args.objective or data.get("objective") or "eval_loss"
-    direction = direction_for(objective, args.direction or data.get("direction"))
+    direction = args.direction or data.get("direction")  # checked with the objective
     pruner = (
         args.pruner
         or data.get("pruner")
         or ("median" if method not in ("grid", "random") else "none")
     )
-    if method in ("grid", "random") and pruner != "none":
-        raise SweepUsageError(
-            f"--pruner {pruner}: pruning needs a study (--method tpe or another Optuna sampler); "
-            "a grid or random search trains every trial to its end"
-        )
     seed = args.seed if args.seed is not None else int(data.get("seed", 0))
     spec = SweepSpec(
         config=config,
@@ -162,6 +157,11 @@ def check_before_any_trial(spec: SweepSpec, project: Project, args: argparse.Nam
 
         make_sampler(spec)
         make_pruner(spec.pruner)
+    elif spec.pruner != "none":
+        raise SweepUsageError(
+            f"--pruner {spec.pruner}: pruning needs a study (--method tpe or another Optuna "
+            "sampler); a grid or random search trains every trial to its end"
+        )
     points = spec.grid() if spec.method == "grid" else [_probe(spec)]
     cfg = None
     for index, values in enumerate(points):
@@ -177,6 +177,7 @@ def check_before_any_trial(spec: SweepSpec, project: Project, args: argparse.Nam
             if problems:
                 raise ConfigError(problems, config=spec.config)
             check_objective(cfg, spec)
+            spec.direction = direction_for(spec.objective, spec.direction)
         if "trainer" not in cfg.targets:
             raise UsageError(f"config '{spec.config}' has no 'trainer' target; nothing to train")
     return cfg
