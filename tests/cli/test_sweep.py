@@ -47,7 +47,7 @@ def losses(run_dir: Path, key: str = "loss") -> dict[int, float]:
 
 
 def trials(project: Path) -> list[dict]:
-    (sweep,) = (project / "output" / "sweeps").iterdir()
+    (sweep,) = [p for p in (project / "output" / "sweeps").iterdir() if p.name != "pruned"]
     return [json.loads(p.read_text()) for p in sorted((sweep / "trials").glob("*.json"))]
 
 
@@ -253,6 +253,7 @@ def test_a_study_beats_the_defaults_and_pruning_shows(project, tmp_path):
     study = run_forge("sweep", "train", "-p", str(target), *argv, "--trials", "6", *budget)
     assert study.returncode == 0, study.stderr
     values = [r["value"] for r in trials(target) if r["status"] == "completed"]
+    print(f"defaults: eval_loss {baseline:.4f}; study's best {min(values):.4f} of {values}")
     assert min(values) < baseline
 
     pruned = run_forge(
@@ -263,5 +264,9 @@ def test_a_study_beats_the_defaults_and_pruning_shows(project, tmp_path):
     assert "pruned at step 10" in pruned.stderr
     shown = run_forge("sweep", "show", "pruned", "-p", str(target))
     assert shown.stdout.count(" pruned ") == 2
-    runs = run_forge("runs", "-p", str(target))
-    assert runs.stdout.count("pruned") == 2
+    sweep = target / "output" / "sweeps" / "pruned"
+    for path in (sweep / "trials").glob("*.json"):
+        run_dir = Path(json.loads(path.read_text())["run_dir"])
+        record = json.loads((run_dir / "run.json").read_text())
+        assert record["status"] == "pruned" and record["step"] == 10
+        assert (run_dir / "checkpoints" / "checkpoint-000010").is_dir()
