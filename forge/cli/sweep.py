@@ -443,9 +443,9 @@ def show_sweep(args: argparse.Namespace, name: str | None) -> int:
     if not rows:
         print("(no trials yet)")
         return EXIT_OK
-    from forge.cli.commands import _table
+    from forge.cli.table import table
 
-    print(_table(rows, ["TRIAL", objective.upper(), "STATUS", *names, "STEP", "RUN"]))
+    print(table(rows, ["TRIAL", objective.upper(), "STATUS", *names, "STEP", "RUN"]))
     best = link_best(directory, _Direction(spec["direction"]))
     if best is not None:
         shown = _shown(best["run_dir"], project)
