@@ -258,15 +258,15 @@ def test_a_study_beats_the_defaults_and_pruning_shows(project, tmp_path):
 
     pruned = run_forge(
         "sweep", "train", "-p", str(target), *argv, "--trials", "2", "--name", "pruned",
-        "--pruner", "threshold(upper=0.01)", *budget,
+        "--pruner", "threshold(upper=0.01)", *budget, "-D", "eval_steps=5",
     )  # fmt: skip
     assert pruned.returncode == 0, pruned.stderr
-    assert "pruned at step 10" in pruned.stderr
+    assert "pruned at step 5" in pruned.stderr  # no save was due at step 5: pruning saved
     shown = run_forge("sweep", "show", "pruned", "-p", str(target))
     assert shown.stdout.count(" pruned ") == 2
     sweep = target / "output" / "sweeps" / "pruned"
     for path in (sweep / "trials").glob("*.json"):
         run_dir = Path(json.loads(path.read_text())["run_dir"])
         record = json.loads((run_dir / "run.json").read_text())
-        assert record["status"] == "pruned" and record["step"] == 10
-        assert (run_dir / "checkpoints" / "checkpoint-000010").is_dir()
+        assert record["status"] == "pruned" and record["step"] == 5
+        assert (run_dir / "checkpoints" / "checkpoint-000005").is_dir()
