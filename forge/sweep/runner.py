@@ -77,19 +77,23 @@ class Sweeper:
             records = sweep.records()
             if self.study is not None:
                 records = self._adopt_asked(records)
+            if not self._may_take_another():
+                return None
             for record in records:
                 if record["status"] in ENDED:
                     continue
                 job = self._reclaim(record)
                 if job is not None:
+                    self._started_here += 1
                     return job
             if len(records) >= sweep.trials or self.stopping or self.missing_metric:
                 return None
-            with self._mutex:
-                if self.max_trials_here is not None and self._started_here >= self.max_trials_here:
-                    return None
-                self._started_here += 1
+            self._started_here += 1
             return self._new_trial(len(records))
+
+    def _may_take_another(self) -> bool:
+        """``--one-trial`` (a SLURM array task) takes one trial, resumed or new; else any."""
+        return self.max_trials_here is None or self._started_here < self.max_trials_here
 
     def _adopt_asked(self, records: list[dict[str, Any]]) -> list[dict[str, Any]]:
         """A study trial asked by a sweep killed before it wrote the trial's record gets one."""
@@ -231,8 +235,14 @@ class Sweeper:
                 if log:
                     log.close()
                 return
+            # a session of its own: Ctrl-C in a terminal reaches the trial once, forwarded by
+            # _on_signal (a second signal would stop it before its checkpoint is saved)
             child = subprocess.Popen(
-                command, env=env, stdout=log or sys.stderr, stderr=log or sys.stderr
+                command,
+                env=env,
+                stdout=log or sys.stderr,
+                stderr=log or sys.stderr,
+                start_new_session=True,
             )
             self._children.add(child)
         try:

@@ -204,6 +204,8 @@ def test_sigkill_then_the_same_command_continues_exactly(project, tmp_path):
         assert time.monotonic() < deadline
         time.sleep(0.1)
     assert len(trials(target)) == 1 and trials(target)[0]["status"] == "running"
+    shown = run_forge("sweep", "show", "-p", str(target))
+    assert " interrupted " in shown.stdout  # no process holds its run: the sweep was killed
 
     again = run_forge("sweep", "train", "-p", str(target), *argv)
     assert again.returncode == 0, again.stderr
@@ -270,3 +272,15 @@ def test_a_study_beats_the_defaults_and_pruning_shows(project, tmp_path):
         record = json.loads((run_dir / "run.json").read_text())
         assert record["status"] == "pruned" and record["step"] == 5
         assert (run_dir / "checkpoints" / "checkpoint-000005").is_dir()
+
+
+@pytest.mark.slow
+def test_one_trial_is_a_worker_that_takes_the_next_trial(project, tmp_path):
+    """What each task of the --dry-run's SLURM array runs."""
+    target = fresh(project, tmp_path)
+    argv = ["sweep", "train", "-p", str(target), "-D", "learning_rate=1e-3,3e-3", *SHORT]
+    for expected in ([0], [0, 1], [0, 1]):
+        worker = run_forge(*argv, "--one-trial")
+        assert worker.returncode == 0, worker.stderr
+        assert [r["trial"] for r in trials(target)] == expected
+    assert {r["status"] for r in trials(target)} == {"completed"}
