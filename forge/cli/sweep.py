@@ -477,6 +477,8 @@ def plot_sweep(args: argparse.Namespace, name: str | None) -> int:
     if not records:
         raise UsageError(f"sweep {directory.name} has no trial with an objective yet")
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator, NullFormatter
+
     names = list(spec["axes"])
     figure, axes = plt.subplots(
         1, 1 + len(names), figsize=(4.5 * (1 + len(names)), 4), layout="constrained", squeeze=False
@@ -501,6 +503,7 @@ def plot_sweep(args: argparse.Namespace, name: str | None) -> int:
     if line:
         axes[0].step(*zip(*line, strict=True), where="post", color="0.4", label="best so far")
     axes[0].set_xlabel("trial")
+    axes[0].xaxis.set_major_locator(MaxNLocator(integer=True))
     axes[0].set_ylabel(objective)
     axes[0].legend()
     axes[0].set_title(f"sweep {directory.name}")
@@ -511,6 +514,7 @@ def plot_sweep(args: argparse.Namespace, name: str | None) -> int:
         ax.scatter(xs, [v for _, v in points])
         if spec["axes"][variable].startswith("loguniform") or ",log)" in spec["axes"][variable]:
             ax.set_xscale("log")
+            ax.xaxis.set_minor_formatter(NullFormatter())  # labels at the decades only
         ax.set_xlabel(variable)
         ax.set_ylabel(objective)
     for ax in axes:
