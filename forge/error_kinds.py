@@ -18,6 +18,8 @@ USAGE_ERRORS = frozenset(
         "LoraUsageError",  # forge.train.lora: the base model given
         "CheckpointUsageError",  # forge.checkpoint.resolve: options that contradict the path
         "AmbiguousRunError",  # forge.runs: a run number several configs have
+        "SweepUsageError",  # forge.sweep: axes, objective, direction, sampler or pruner
+        "SweepStateError",  # forge.sweep: another config's (or search's) sweep directory
     }
 )
 # a usage error may subclass one of these (CheckpointUsageError is a CheckpointError): usage wins

@@ -24,6 +24,7 @@ OPTIONAL_PACKAGES: dict[str, str] = {
     "datasets": "pip install 'forge[datasets]'",
     "matplotlib": "pip install 'forge[plot]'",
     "lightning": "pip install 'forge[lightning]'",
+    "optuna": "pip install 'forge[sweep]'",
     "wandb": "pip install wandb",
     "mlflow": "pip install mlflow",
     "tensorboard": "pip install tensorboard",

@@ -33,7 +33,8 @@ except ImportError:  # pragma: no cover - not POSIX: runs are not locked
 
 RUN_PATTERN = re.compile(r"^run_(\d{3,})$")
 BEST_LINK = "best"
-STATUSES = ("created", "running", "completed", "failed", "interrupted", "killed")
+# pruned: a sweep trial its study stopped early (forge.sweep), with a checkpoint at that step
+STATUSES = ("created", "running", "completed", "failed", "interrupted", "killed", "pruned")
 
 
 class RunError(Exception):
@@ -158,6 +159,7 @@ _FIELD_TYPES: dict[str, tuple[type, ...]] = {
     "restarts": (list,),
     "signal": (str, type(None)),
     "reached_step": (int,),
+    "sweep": (dict,),
 }
 _TYPE_NAMES = {int: "an integer", str: "a string", list: "a list", dict: "an object"}
 
@@ -327,8 +329,10 @@ def create_run(
     overrides: list[str],
     variables: dict[str, Any],
     nproc: int,
+    fields: dict[str, Any] | None = None,
 ) -> Path:
-    """Create the next ``run_NNN`` under ``config_dir`` with its config and record.
+    """Create the next ``run_NNN`` under ``config_dir`` with its config and record; ``fields``
+    adds to the record (a sweep trial's ``sweep``).
 
     Numbers are claimed with an exclusive ``mkdir``, so two launches at once get two runs.
     """
@@ -364,6 +368,7 @@ def create_run(
             "checkpoints": [],
             "best": None,
             "resumes": [],
+            **(fields or {}),
         },
     )
     record.save()

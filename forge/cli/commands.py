@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from forge.cli.exits import EXIT_FAILURE, EXIT_OK, EXIT_USAGE, UsageError, exit_code_for
+from forge.cli.table import table as _table
 from forge.config import ConfigError, Project, find_project, load_config, load_project
 from forge.config import parse_define as _parse_define
 from forge.config.analysis import unused_variables
@@ -67,15 +68,6 @@ def _load(args: argparse.Namespace, project: Project, *, check: bool = True):
 def _graph_problems(cfg) -> list:
     """The problems found while parsing (tags, !var, keys), without importing any callable."""
     return [cfg.problem(p.loc, p.message, p.hint) for p in cfg._graph_problems]
-
-
-def _table(rows: list[list[str]], header: list[str]) -> str:
-    cells = [header] + [[str(c) for c in row] for row in rows]
-    widths = [max(len(row[i]) for row in cells) for i in range(len(header))]
-    lines = [
-        "  ".join(c.ljust(w) for c, w in zip(row, widths, strict=False)).rstrip() for row in cells
-    ]
-    return "\n".join(lines)
 
 
 def _clip(text: str, width: int = 40) -> str:
@@ -840,6 +832,12 @@ def cmd_tb(args: argparse.Namespace) -> int:
     os.execv(command[0], command)  # TensorBoard takes over this process and its Ctrl-C
 
 
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from forge.cli.sweep import cmd_sweep as sweep
+
+    return sweep(args)
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     from forge.cli.env import environment_report
 
@@ -866,6 +864,7 @@ COMMANDS = {
     "code": cmd_code,
     "plot": cmd_plot,
     "tb": cmd_tb,
+    "sweep": cmd_sweep,
     "env": cmd_env,
     "_worker": cmd_worker,
 }

@@ -129,6 +129,18 @@ EXAMPLES = {
           forge tb train/run_002 -p projects/tiny_lm --port 6007
           forge tb -p projects/tiny_lm --print-command        # show the command, start nothing
     """,
+    "sweep": """
+        examples:
+          forge sweep train -p demo -D learning_rate=1e-4,1e-3,1e-2      # a grid: 3 runs
+          forge sweep train -p demo -D "learning_rate=loguniform(1e-4,1e-2)" \\
+              -D "hidden_size=int(32,256)" --trials 20                     # an Optuna study (TPE)
+          forge sweep train -p demo --file lr.yaml --jobs 2              # templates/sweeps/lr.yaml
+          forge sweep train -p demo -D "learning_rate=uniform(0.001,0.01)" --method random \\
+              --trials 8 --objective eval_accuracy --direction maximize
+          forge sweep train -p demo ... --dry-run   # the plan of trials and a SLURM array script
+          forge sweep show -p demo                   # the newest sweep's trials, best first
+          forge sweep plot -p demo                   # objective over trials, each variable
+    """,
     "env": """
         examples:
           forge env            # paste this into a bug report
@@ -494,6 +506,67 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", help="address to bind (default: localhost)")
     p.add_argument(
         "--print-command", action="store_true", help="print the command instead of running it"
+    )
+
+    p = _sub(
+        subparsers,
+        "sweep",
+        "search over a config's variables (grid, random, Optuna study), each trial a run",
+    )
+    p.add_argument(
+        "words",
+        nargs="*",
+        metavar="CONFIG | show [NAME] | plot [NAME]",
+        help="the config to sweep (default: meta.yaml's default_config); `show` prints a "
+        "sweep's trials, `plot` draws them (default: the newest sweep)",
+    )
+    _add_config_inputs(p, config=False)
+    p.add_argument(
+        "--file", metavar="FILE", help="sweep file (YAML), or NAME for templates/sweeps/NAME.yaml"
+    )
+    p.add_argument(
+        "--method",
+        metavar="NAME",
+        help="grid (default for lists), random, or an Optuna sampler: tpe (default otherwise), "
+        "cmaes, gp, qmc, nsgaii, optuna-random; NAME(key=value,...) passes its options",
+    )
+    p.add_argument("--trials", type=int, metavar="N", help="trials in all, those done included")
+    p.add_argument(
+        "--objective", metavar="METRIC", help="logged metric to optimise (default: eval_loss)"
+    )
+    p.add_argument(
+        "--direction",
+        metavar="minimize|maximize",
+        help="needed unless the objective is a loss (then minimize)",
+    )
+    p.add_argument("--seed", type=int, metavar="N", help="the sampler's seed (default: 0)")
+    p.add_argument(
+        "--pruner",
+        metavar="NAME",
+        help="Optuna pruner for studies: median (default), percentile, hyperband, "
+        "successive-halving, threshold(upper=X), patient, wilcoxon, none",
+    )
+    p.add_argument(
+        "--name", metavar="NAME", help="the sweep's name (default: CONFIG-HASH of its search)"
+    )
+    p.add_argument(
+        "--jobs",
+        type=int,
+        metavar="N",
+        help="trials at once on this machine: one GPU each, or a share of the CPU cores",
+    )
+    p.add_argument(
+        "--one-trial",
+        action="store_true",
+        help="run one trial of the study and exit (a worker, e.g. a SLURM array task)",
+    )
+    p.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check everything, print the plan of trials and a SLURM array script; train nothing",
+    )
+    p.add_argument(
+        "-o", "--output", metavar="PNG", help="plot: image file (default: SWEEP/sweep.png)"
     )
 
     _sub(subparsers, "env", "versions, devices and backends (for bug reports)")

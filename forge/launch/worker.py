@@ -110,7 +110,7 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
 
 
 #: the statuses of a run no job is training: what a resume that fails to start leaves in place
-ENDED = ("completed", "failed", "interrupted", "killed")
+ENDED = ("completed", "failed", "interrupted", "killed", "pruned")
 
 
 def restart_count() -> int:
@@ -158,6 +158,25 @@ def stopped_message(stop: TrainingInterrupted, run_dir: Path, project: Project) 
     )
 
 
+def _pruning_callback(record: RunRecord):
+    """A sweep trial whose study prunes reports each evaluation to it (forge.sweep)."""
+    sweep = record.data.get("sweep") or {}
+    if not sweep.get("storage") or sweep.get("pruner", "none") == "none":
+        return None
+    from forge.sweep.pruning import PruningCallback
+
+    return PruningCallback(sweep)
+
+
+def pruned_message(record: RunRecord, pruned: dict[str, Any]) -> str:
+    sweep = record.data.get("sweep") or {}
+    return (
+        f"trial {sweep.get('trial')} of sweep {sweep.get('name')} pruned at step "
+        f"{pruned['step']} ({sweep.get('objective')}={pruned['value']:.6g}); its checkpoint "
+        f"is in {record.run_dir.name}/checkpoints"
+    )
+
+
 def run_worker(
     run_dir: Path,
     project: Project,
@@ -192,6 +211,9 @@ def run_worker(
         cfg = load_run_config(run_dir, project, allow)
         variables = build_variables(run_dir, project, record.data.get("config", "config"))
         trainer = cfg.build(TRAINER_TARGET, variables)
+        pruning = _pruning_callback(record)
+        if pruning is not None:
+            trainer.add_callback(pruning)
         if rank == 0:
             callback = make_run_record_callback(record, restart)
             trainer.add_callback(callback)
@@ -199,7 +221,11 @@ def run_worker(
         trainer.train(resume_from_checkpoint=resume_from)
         if rank == 0:
             record = RunRecord.load(run_dir)
-            record.set_status("completed", finished=now_iso(), step=trainer.state.global_step)
+            if pruning is not None and pruning.pruned is not None:
+                record.set_status("pruned", finished=now_iso(), pruned=pruning.pruned)
+                logger.info("%s", pruned_message(record, pruning.pruned))
+            else:
+                record.set_status("completed", finished=now_iso(), step=trainer.state.global_step)
     except TrainingInterrupted as stop:
         if rank == 0:
             record = RunRecord.load(run_dir)

@@ -377,7 +377,9 @@ class BaseTrainer(TrainerSetup, Evaluation):
             self.log_step()
         if evaluate:
             improved = self._evaluate_in_training()
-            save = save or (improved and args.save_strategy == "best")
+            # a callback may ask for a save on what it saw in the evaluation (HF does the same)
+            save = save or control.should_save or (improved and args.save_strategy == "best")
+            control.should_save = False
         if save:
             self.save_checkpoint()
         return log or evaluate or save

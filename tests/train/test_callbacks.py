@@ -129,3 +129,22 @@ def test_progress_bar_on_a_terminal(tmp_path, monkeypatch, caplog):
     assert not [r for r in caplog.records if r.name == "forge.train.callbacks"]  # no plain lines
     progress = next(cb for cb in trainer.callback_handler.callbacks if hasattr(cb, "bar"))
     assert progress.bar is None  # closed at the end
+
+
+def test_a_callback_that_asks_on_evaluation_gets_a_checkpoint_at_that_step_and_stops(tmp_path):
+    """What a sweep's pruning does: save where the evaluation said stop, though no save is due."""
+    from forge.train import TrainerCallback
+
+    class StopHere(TrainerCallback):
+        def on_evaluate(self, args, state, control, metrics, **kwargs):
+            if state.global_step == 4:
+                control.should_save = True
+                control.should_training_stop = True
+
+    args = jsonl_args(tmp_path, eval_steps=4, save_steps=10, max_steps=12)
+    args.save_final_checkpoint = False  # the save asked for is the only one
+    trainer = make_trainer(args, eval_size=8)
+    trainer.add_callback(StopHere())
+    trainer.train()
+    assert trainer.state.global_step == 4
+    assert checkpoint_dir(tmp_path, 4).is_dir()
