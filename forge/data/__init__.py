@@ -3,12 +3,8 @@
 from forge.data.collator import CausalLMCollator, TupleCollator
 from forge.data.corpus import read_text_files, stdlib_dir, stdlib_source_files
 from forge.data.datasets import PackedTextDataset
-from forge.data.loader import (
-    ResumableDataLoader,
-    ResumableDistributedSampler,
-    build_dataloader,
-    loader_epoch_length,
-)
+from forge.data.loader import ResumableDataLoader, build_dataloader, loader_epoch_length
+from forge.data.sampler import ResumableDistributedSampler
 from forge.data.tokenizer import load_or_train_tokenizer
 from forge.data.trainer_loaders import (
     StridedSampler,

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 from torch.utils.data import Dataset
 
-from forge.data.loader import ResumableDistributedSampler
+from forge.data.sampler import ResumableDistributedSampler
 
 __all__ = [
     "LengthError",

@@ -137,7 +137,7 @@ class BatchFit:
     def line(self, state: int) -> str:
         """The plan's line: the largest per-device batch beside ``state`` bytes of model
         state."""
-        from forge.launch.job_plan import human_bytes
+        from forge.checkpoint.io import format_bytes as human_bytes  # the plan's binary units
 
         head = "  batch fit     "
         if self.memory is None:
