@@ -32,7 +32,11 @@ Three parts (``--parts``):
   are counted by a forward pre-hook on the model (``attention_mask`` summed; a packed row is all
   real). HF's sampler draws from torch's global generator, so its batches are not forge's; with
   ``--steps`` covering most of an epoch, both see nearly the same documents. Contenders run
-  interleaved, each repeat in a rotated order; medians and min-max over ``--repeat`` runs.
+  interleaved, each repeat in a rotated order, after one short untimed run of each (a
+  process's first training run pays warm-up costs inside its window: here about 0.7x the
+  later runs' rate). Reported: medians and min-max over ``--repeat`` runs, and a robust rate,
+  the median of the real tokens/s of all runs' blocks of 10 steps (as bench/train_speed.py's
+  robust column): a burst of load from another job spoils a block, not the result.
 * ``resume``: how long forge's grouped loader takes, built afresh, to load a saved state and
   hand out its first batch, resumed at an early step vs a late step of an epoch (median over
   ``--resume-repeat`` alternating tries), and whether that batch is the one the uninterrupted
@@ -69,7 +73,7 @@ import tempfile
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +93,9 @@ from forge.data.loader import ResumableDistributedSampler, build_dataloader
 BENCH = Path(__file__).resolve().parent
 REPO = BENCH.parent
 VOCAB_SIZE = 4096  # tiny_lm's tokenizer (projects/causal_lm.yaml's default)
+#: the robust rate is the median of the real tokens/s of blocks of this many steps, pooled over
+#: runs: a burst of load from another process spoils a block, not the result
+BLOCK_STEPS = 10
 MODEL = {"hidden_size": 64, "intermediate_size": 170, "num_hidden_layers": 2}
 
 
@@ -386,11 +393,17 @@ def measure_run(
     times = clock.window()
     seconds = times[-1] - times[0]
     tokens = counter.tokens_between(times[0], times[-1])
+    block = min(BLOCK_STEPS, setup.steps)
+    blocks = [
+        counter.tokens_between(times[i], times[i + block]) / (times[i + block] - times[i])
+        for i in range(0, len(times) - block, block)
+    ]
     return {
         "tokens_per_s": tokens / seconds,
         "steps_per_s": setup.steps / seconds,
         "real_tokens": tokens,
         "seconds": seconds,
+        "block_tokens_per_s": blocks,
     }
 
 
@@ -410,6 +423,12 @@ def measure_throughput(
     repeat: int,
     log: Callable[[str], None],
 ) -> dict[str, Any]:
+    # an untimed short run of each first: the process's first training run pays warm-up costs
+    # (the allocator growing, lazy imports and first calls) inside its window, which would
+    # count against whichever contender happens to run first
+    short = replace(setup, steps=min(setup.steps, BLOCK_STEPS))
+    for name in names:
+        measure_run(name, short, corpus)
     runs: dict[str, list[dict[str, float]]] = {name: [] for name in names}
     for r in range(repeat):
         shift = r % len(names)
@@ -422,7 +441,12 @@ def measure_throughput(
             )
     return {
         name: {key: spread([run[key] for run in done]) for key in ("tokens_per_s", "steps_per_s")}
-        | {"real_tokens": [run["real_tokens"] for run in done]}
+        | {
+            "real_tokens": [run["real_tokens"] for run in done],
+            "robust_tokens_per_s": statistics.median(
+                rate for run in done for rate in run["block_tokens_per_s"]
+            ),
+        }
         for name, done in runs.items()
     }
 
@@ -542,15 +566,16 @@ def render(results: dict[str, Any]) -> str:
             file=out,
         )
         print(
-            f"{'contender':16s} {'real tokens/s':>14s} {'min-max':>16s} {'steps/s':>8s} "
-            f"{'real tokens timed':>18s}",
+            f"{'contender':16s} {'real tokens/s':>14s} {'min-max':>16s} {'robust':>8s} "
+            f"{'steps/s':>8s} {'real tokens timed':>18s}",
             file=out,
         )
         for name, row in results["throughput"].items():
             t, s = row["tokens_per_s"], row["steps_per_s"]
             print(
                 f"{name:16s} {t['median']:14.0f} {t['min']:7.0f}-{t['max']:<8.0f} "
-                f"{s['median']:8.2f} {statistics.median(row['real_tokens']):18.0f}",
+                f"{row['robust_tokens_per_s']:8.0f} {s['median']:8.2f} "
+                f"{statistics.median(row['real_tokens']):18.0f}",
                 file=out,
             )
     if "resume" in results:
@@ -587,9 +612,9 @@ def ratios_of(results: dict[str, Any]) -> dict[str, float]:
         ratios["padding_grouped_vs_plain"] = (
             pad["forge_grouped"]["padding_fraction"] / pad["plain"]["padding_fraction"]
         )
-    rate = {
-        name: row["tokens_per_s"]["median"] for name, row in results.get("throughput", {}).items()
-    }
+    throughput = results.get("throughput", {})
+    rate = {name: row["tokens_per_s"]["median"] for name, row in throughput.items()}
+    robust = {name: row["robust_tokens_per_s"] for name, row in throughput.items()}
     pairs = {
         "forge_vs_hf_grouped_tokens_per_s": ("forge grouped", "HF grouped"),
         "grouped_vs_padded_tokens_per_s": ("forge grouped", "forge padded"),
@@ -599,6 +624,7 @@ def ratios_of(results: dict[str, Any]) -> dict[str, float]:
     for key, (ours, other) in pairs.items():
         if ours in rate and other in rate:
             ratios[key] = rate[ours] / rate[other]
+            ratios[f"{key}_robust"] = robust[ours] / robust[other]
     if "resume" in results:
         ratios["resume_late_vs_early"] = results["resume"]["late_vs_early"]
     return ratios
