@@ -30,10 +30,10 @@ Three parts (``--parts``):
   packed (``DataCollatorWithFlattening``). The time of steps W to W + N is taken at each
   step's end (bench/train_speed.py's clocks), and the real tokens of the forwards in that window
   are counted by a forward pre-hook on the model (``attention_mask`` summed; a packed row is all
-  real). HF's sampler draws from torch's global generator, so its batches are not forge's; with
-  ``--steps`` covering most of an epoch, both see nearly the same documents. Contenders run
+  real). HF's sampler draws from torch's global generator, so its batches are not forge's
+  (the real tokens of each timed window are reported beside the rate). Contenders run
   interleaved, each repeat in a rotated order, after one short untimed run of each (a
-  process's first training run pays warm-up costs inside its window: here about 0.7x the
+  process's first training run pays warm-up costs inside its window: here 0.5-0.7x the
   later runs' rate). Reported: medians and min-max over ``--repeat`` runs, and a robust rate,
   the median of the real tokens/s of all runs' blocks of 10 steps (as bench/train_speed.py's
   robust column): a burst of load from another job spoils a block, not the result.
@@ -598,7 +598,7 @@ def render(results: dict[str, Any]) -> str:
             op, bound = target
             met = value >= bound if op == ">=" else value <= bound
             verdict = f"   (target {op} {bound}: {'met' if met else 'missed'})"
-        print(f"{key:34s} {value:7.3f}{verdict}", file=out)
+        print(f"{key:42s} {value:7.3f}{verdict}", file=out)
     return out.getvalue()
 
 
