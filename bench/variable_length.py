@@ -26,11 +26,12 @@ Three parts (``--parts``):
   weights, seed 42) through ``forge.train.Trainer`` with ``train_sampling_strategy:
   group_by_length`` and ``transformers.Trainer`` with ``train_sampling_strategy=
   "group_by_length"`` (transformers 5's name for 4.x's ``group_by_length=True``), both with
-  forge's ``CausalLMCollator``; and forge in random order, padded (``CausalLMCollator``) and
-  packed (``DataCollatorWithFlattening``). The time of steps W to W + N is taken at each
+  forge's ``CausalLMCollator``; HF's Trainer with its sampler's generator seeded as forge's
+  (``hf-forge-order``: exactly forge's batches, nothing else changed); and forge in random
+  order, padded (``CausalLMCollator``) and packed (``DataCollatorWithFlattening``). The time of steps W to W + N is taken at each
   step's end (bench/train_speed.py's clocks), and the real tokens of the forwards in that window
   are counted by a forward pre-hook on the model (``attention_mask`` summed; a packed row is all
-  real). HF's sampler draws from torch's global generator, so its batches are not forge's
+  real). HF's own sampler draws from torch's global generator, so its batches are not forge's
   (the real tokens of each timed window are reported beside the rate). Contenders run
   interleaved, each repeat in a rotated order, after one short untimed run of each (a
   process's first training run pays warm-up costs inside its window: here 0.5-0.7x the
@@ -334,8 +335,29 @@ def forge_runner(strategy: str, packed: bool) -> Callable[..., None]:
     return run
 
 
+class SeededHFTrainer(transformers.Trainer):
+    """HF's Trainer whose ``LengthGroupedSampler`` draws from a generator seeded as forge's
+    (``seed`` + epoch 0), so both trainers see the same batches; nothing else changes."""
+
+    def _get_train_sampler(self, train_dataset=None):
+        sampler = super()._get_train_sampler(train_dataset)
+        sampler.generator = torch.Generator().manual_seed(self.args.seed)
+        return sampler
+
+
+def hf_runner(trainer_class: type[transformers.Trainer]) -> Callable[..., None]:
+    def run(setup: Setup, dataset: Dataset, clock: StepClock, model: torch.nn.Module) -> None:
+        run_hf_grouped(setup, dataset, clock, model, trainer_class)
+
+    return run
+
+
 def run_hf_grouped(
-    setup: Setup, dataset: Dataset, clock: StepClock, model: torch.nn.Module
+    setup: Setup,
+    dataset: Dataset,
+    clock: StepClock,
+    model: torch.nn.Module,
+    trainer_class: type[transformers.Trainer] = transformers.Trainer,
 ) -> None:
     args = transformers.TrainingArguments(
         output_dir=tempfile.mkdtemp(prefix="hf-", dir=setup.workdir),
@@ -355,7 +377,7 @@ def run_hf_grouped(
         use_cpu=True,
         disable_tqdm=True,
     )
-    trainer = transformers.Trainer(
+    trainer = trainer_class(
         model=model,
         args=args,
         train_dataset=dataset,
@@ -369,12 +391,14 @@ def run_hf_grouped(
 CONTENDERS: dict[str, Callable[..., None]] = {
     "forge grouped": forge_runner("group_by_length", packed=False),
     "HF grouped": run_hf_grouped,
+    "HF grouped, forge's order": hf_runner(SeededHFTrainer),
     "forge padded": forge_runner("random", packed=False),
     "forge packed": forge_runner("random", packed=True),
 }
 SHORT_NAMES = {
     "forge-grouped": "forge grouped",
     "hf-grouped": "HF grouped",
+    "hf-forge-order": "HF grouped, forge's order",
     "forge-padded": "forge padded",
     "forge-packed": "forge packed",
 }
@@ -566,14 +590,14 @@ def render(results: dict[str, Any]) -> str:
             file=out,
         )
         print(
-            f"{'contender':16s} {'real tokens/s':>14s} {'min-max':>16s} {'robust':>8s} "
+            f"{'contender':26s} {'real tokens/s':>14s} {'min-max':>16s} {'robust':>8s} "
             f"{'steps/s':>8s} {'real tokens timed':>18s}",
             file=out,
         )
         for name, row in results["throughput"].items():
             t, s = row["tokens_per_s"], row["steps_per_s"]
             print(
-                f"{name:16s} {t['median']:14.0f} {t['min']:7.0f}-{t['max']:<8.0f} "
+                f"{name:26s} {t['median']:14.0f} {t['min']:7.0f}-{t['max']:<8.0f} "
                 f"{row['robust_tokens_per_s']:8.0f} {s['median']:8.2f} "
                 f"{statistics.median(row['real_tokens']):18.0f}",
                 file=out,
@@ -617,6 +641,7 @@ def ratios_of(results: dict[str, Any]) -> dict[str, float]:
     robust = {name: row["robust_tokens_per_s"] for name, row in throughput.items()}
     pairs = {
         "forge_vs_hf_grouped_tokens_per_s": ("forge grouped", "HF grouped"),
+        "forge_vs_hf_same_batches_tokens_per_s": ("forge grouped", "HF grouped, forge's order"),
         "grouped_vs_padded_tokens_per_s": ("forge grouped", "forge padded"),
         "packed_vs_padded_tokens_per_s": ("forge packed", "forge padded"),
         "packed_vs_grouped_tokens_per_s": ("forge packed", "forge grouped"),

@@ -52,10 +52,24 @@ def test_throughput_of_every_contender(tmp_path: Path) -> None:
     )
 
     throughput = results["throughput"]
-    assert set(throughput) == {"forge grouped", "HF grouped", "forge padded", "forge packed"}
+    assert set(throughput) == {
+        "forge grouped",
+        "HF grouped",
+        "HF grouped, forge's order",
+        "forge padded",
+        "forge packed",
+    }
     for row in throughput.values():
         assert row["tokens_per_s"]["median"] > 0 and row["real_tokens"][0] > 0
         assert row["robust_tokens_per_s"] > 0
-    pairs = ("forge_vs_hf_grouped", "grouped_vs_padded", "packed_vs_padded", "packed_vs_grouped")
+    pairs = (
+        "forge_vs_hf_grouped",
+        "forge_vs_hf_same_batches",
+        "grouped_vs_padded",
+        "packed_vs_padded",
+        "packed_vs_grouped",
+    )
     keys = {f"{pair}_tokens_per_s{kind}" for pair in pairs for kind in ("", "_robust")}
     assert set(results["ratios"]) == keys
+    same = throughput["HF grouped, forge's order"]["real_tokens"]
+    assert same == throughput["forge grouped"]["real_tokens"]  # the same batches
