@@ -77,12 +77,13 @@ def _sanity_problems(cfg: Config, trainer: CallNode, materializer: Materializer)
     import time
 
     from forge.train.args import TrainingArgumentsError
-    from forge.train.sanity import SanityFailure, run_sanity_pass
+    from forge.train.sanity import SanityFailure, one_process_stand_in, run_sanity_pass
 
     args_node = trainer.kwargs.get("args")
     started = time.perf_counter()
     try:
-        built = materializer.value(trainer)
+        with one_process_stand_in():
+            built = materializer.value(trainer)
     except TrainingArgumentsError as err:
         key = "trainer.args"
         if isinstance(args_node, CallNode):

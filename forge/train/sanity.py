@@ -17,6 +17,7 @@ at that part's line of the config.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import random
 from collections.abc import Iterator
 from typing import Any
@@ -31,6 +32,26 @@ PARTS = {
     "preprocess_logits_for_metrics": "preprocess_logits_for_metrics",
     "args": "args",
 }
+
+
+_STAND_IN = contextvars.ContextVar("forge_sanity_stand_in", default=False)
+
+
+@contextlib.contextmanager
+def one_process_stand_in() -> Iterator[None]:
+    """Trainers built inside are the sanity pass's one-process stand-ins for a job of several
+    processes: a pipeline of several stages is built as one stage (the job's own split is
+    checked by its plan, forge/launch/preflight.py), so the pass still runs its batches."""
+    token = _STAND_IN.set(True)
+    try:
+        yield
+    finally:
+        _STAND_IN.reset(token)
+
+
+def is_stand_in() -> bool:
+    """Whether the trainer being built is the sanity pass's one-process stand-in."""
+    return _STAND_IN.get()
 
 
 class SanityFailure(Exception):

@@ -8,6 +8,7 @@ composed with its parallelism strategy (forge/train/strategies/).
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -19,6 +20,7 @@ from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.args.pipeline import PipelineTrainingArguments
 from forge.train.loop import BaseTrainer
 from forge.train.pipeline.plan import meta_skeleton, pipeline_size, plan_pipeline
+from forge.train.sanity import is_stand_in
 from forge.train.strategies.accelerate import Accelerate, accelerate_config_problems
 from forge.train.strategies.base import ParallelStrategy
 from forge.train.strategies.ddp import DataParallel
@@ -112,6 +114,9 @@ class PipelineTrainer(BaseTrainer):
     def make_topology(self) -> Topology:
         """Stage-major ranks: ``pipeline_parallel_size`` stages, the rest replicas."""
         env = Topology.from_env()
+        if is_stand_in() and env.world_size == 1 and self.args.pipeline_parallel_size:
+            # the sanity pass's one process runs the whole model as one stage
+            self.args = dataclasses.replace(self.args, pipeline_parallel_size=None)
         size, problems = pipeline_size(self.args, env.world_size)
         if problems:
             raise TrainingArgumentsError(problems)

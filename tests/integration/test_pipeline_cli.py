@@ -182,6 +182,10 @@ def test_dry_run_prints_the_pipeline_plan_for_the_jobs_process_count(project):
     ) in lines
     assert "  stage 0 (process 0): model.embed_tokens + model.layers.0-1" in lines
     assert "  stage 1 (process 1): model.layers.2-3 + model.norm + lm_head" in lines
+    # the sanity pass ran its batches in one process, the model as one stage: the job's split
+    # of 2 stages is the plan's to check (it failed the dry run, pipeline_parallel_size 2 not
+    # dividing its one process)
+    assert "sanity pass: one training batch" in result.stderr
     assert not (project / "output" / "pipeline").exists()
 
 
