@@ -114,9 +114,20 @@ class PipelineTrainer(BaseTrainer):
     def make_topology(self) -> Topology:
         """Stage-major ranks: ``pipeline_parallel_size`` stages, the rest replicas."""
         env = Topology.from_env()
-        if is_stand_in() and env.world_size == 1 and self.args.pipeline_parallel_size:
-            # the sanity pass's one process runs the whole model as one stage
-            self.args = dataclasses.replace(self.args, pipeline_parallel_size=None)
+        if is_stand_in() and env.world_size == 1:
+            # the sanity pass's one process runs the whole model as one stage: the job's
+            # split (its size, stage starts, stages per rank) is its plan's to check
+            self.args = dataclasses.replace(
+                self.args,
+                pipeline_parallel_size=None,
+                pipeline_split=None,
+                pipeline_stages_per_rank=1,
+                pipeline_schedule=(
+                    "1f1b"
+                    if self.args.pipeline_schedule == "interleaved_1f1b"
+                    else self.args.pipeline_schedule
+                ),
+            )
         size, problems = pipeline_size(self.args, env.world_size)
         if problems:
             raise TrainingArgumentsError(problems)
