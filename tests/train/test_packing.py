@@ -162,3 +162,45 @@ def test_a_packed_run_trains_and_counts_its_sequences(tmp_path):
     (summary,) = [r for r in records if "train_samples_per_second" in r]
     per_step = summary["train_samples_per_second"] / summary["train_steps_per_second"]
     assert per_step == pytest.approx(16, rel=0.01)  # the batch's sequences, not its one row
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("nproc", ["1", "2"])
+def test_a_packed_run_killed_with_sigkill_resumes_bit_identical(tmp_path, nproc):
+    """The flattening collator keeps no state: a packed run killed after a checkpoint and
+    continued with `forge resume` ends with the weights and optimizer state of the same run
+    trained straight (1 and 2 processes)."""
+    import signal
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from tests.integration.test_train_resume import start_forge, wait_for
+    from tests.train.common import assert_same_tensors, component_state
+
+    project = shutil.copytree(
+        TINY_LM, tmp_path / "tiny_lm", ignore=shutil.ignore_patterns("output")
+    )
+    extra = [
+        *defines(SMALL_LM), "-D", "padding_free=true", "-D", "max_steps=12",
+        "-D", "save_steps=4", "-D", "eval_steps=12", "-D", "logging_steps=4",
+        "-D", "report_to=none", "--nproc", nproc,
+    ]  # fmt: skip
+    straight = run_forge("train", "-p", str(project), *extra, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = start_forge("train", "-p", str(project), *extra, cwd=project)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000004", proc)
+    proc.send_signal(signal.SIGKILL)  # the launcher dies; its workers die with it
+    proc.wait(timeout=300)
+    assert not (run_dir / "checkpoints" / "checkpoint-000012").exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    ends = [
+        Path(straight.stdout.splitlines()[0]) / "checkpoints" / "checkpoint-000012",
+        run_dir / "checkpoints" / "checkpoint-000012",
+    ]
+    weights = [load_file(end / "model.safetensors") for end in ends]
+    assert_same_tensors(*weights, "weights")
+    assert_same_tensors(*(component_state(end, "optimizer") for end in ends), "optimizer")
