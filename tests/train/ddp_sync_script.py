@@ -2,8 +2,9 @@
 
     python -m torch.distributed.run --nproc_per_node=2 ddp_sync_script.py OUTPUT_DIR
 
-Run by test_host_sync.py. Each rank prints one JSON line: the step it stopped at and the host
-reads it made during steps that neither log nor save.
+Run by test_host_sync.py. Each rank writes OUTPUT_DIR/result-RANK.json: the step it stopped at
+and the host reads it made during steps that neither log nor save (files, not stdout: two ranks
+printing at once can share a line of the pipe).
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from pathlib import Path
 
 import torch
 
@@ -59,7 +61,7 @@ def main(output_dir: str) -> int:
         "quiet_reads": {step: by_step[step] for step in quiet if step in by_step},
         "logging_step_reads": len(by_step.get(LOGGING_STEPS, [])),
     }
-    print(json.dumps(result), flush=True)
+    Path(output_dir, f"result-{rank}.json").write_text(json.dumps(result))
     return 0
 
 
