@@ -354,7 +354,7 @@ def create_run(
             "config": config_name,
             "project": str(project_root),
             "overrides": list(overrides),
-            "variables": {k: _jsonable(v) for k, v in variables.items()},
+            "variables": {k: jsonable(v) for k, v in variables.items()},
             "created": now_iso(),
             "created_ns": time.time_ns(),
             "updated": now_iso(),
@@ -375,7 +375,8 @@ def create_run(
     return run_dir
 
 
-def _jsonable(value: Any) -> Any:
+def jsonable(value: Any) -> Any:
+    """``value`` if JSON can write it, else its ``str``."""
     try:
         json.dumps(value)
         return value

@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from forge.config.yaml_io import parse_value
+from forge.runs import jsonable
 
 KINDS = ("list", "loguniform", "uniform", "int", "choice")
 _CALL_RE = re.compile(r"^\s*([A-Za-z_]+)\s*\((.*)\)\s*$", re.S)
@@ -183,7 +184,7 @@ class SweepSpec:
         return {
             "config": self.config,
             "axes": {a.name: a.describe() for a in self.axes},
-            "fixed": {k: _jsonable(v) for k, v in sorted(self.fixed.items())},
+            "fixed": {k: jsonable(v) for k, v in sorted(self.fixed.items())},
             "method": self.method,
             "objective": self.objective,
             "direction": self.direction,
@@ -227,14 +228,6 @@ class SweepSpec:
                     f"a grid takes lists of values; {', '.join(ranged)} is a distribution. "
                     "Give a list (-D NAME=A,B,C), or --method random or tpe"
                 )
-
-
-def _jsonable(value: Any) -> Any:
-    try:
-        json.dumps(value)
-        return value
-    except TypeError:
-        return str(value)
 
 
 def direction_for(objective: str, direction: str | None) -> str:
