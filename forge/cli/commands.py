@@ -231,17 +231,22 @@ def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch.cluster import ONE_NODE, check_host
     from forge.launch.endpoint import Here
     from forge.launch.preflight import check_training_contract
+    from forge.launch.start import (
+        claimed_new_run,
+        discard_if_unstarted,
+        new_run,
+        require_trainer,
+    )
     from forge.launch.torchrun import launch_training, resolve_max_restarts, resolve_nproc
     from forge.launch.worker import build_variables
-    from forge.runs import claim_run, config_output_dir, create_run, discard_unstarted_run
+    from forge.runs import config_output_dir
 
     memory = _memory_option(args)
     project = _project(args)
     name, cfg = _load(args, project)
     nproc = resolve_nproc(args.nproc)
     max_restarts = resolve_max_restarts(args.max_restarts)
-    if "trainer" not in cfg.targets:
-        raise UsageError(f"config '{name}' has no 'trainer' target; nothing to train")
+    require_trainer(cfg, name)
     topology = Topology.from_env()
     node_flags = [n for n in _NODE_FLAGS if getattr(args, n) is not None]
     if topology.distributed and (args.nproc not in (None, "1") or max_restarts or node_flags):
@@ -302,14 +307,13 @@ def cmd_train(args: argparse.Namespace) -> int:
         return _join(args, project, nproc, nodes, torchrun_args, max_restarts, here, cfg.text)
 
     def make_run() -> Path:
-        return create_run(
-            config_output_dir(project.output_dir, name),
-            config_name=name,
-            config_text=cfg.text,
-            project_root=project.root,
+        return new_run(
+            project,
+            name,
+            cfg,
             overrides=args.set or [],
             variables=_defines(args),
-            nproc=topology.world_size if topology.distributed else nproc * nodes.nnodes,
+            world_size=topology.world_size if topology.distributed else nproc * nodes.nnodes,
         )
 
     if topology.distributed:  # every rank of a job another launcher started runs this
@@ -317,25 +321,20 @@ def cmd_train(args: argparse.Namespace) -> int:
     run_dir = make_run()
     print(run_dir, flush=True)
     logger.info("run directory: %s", run_dir)
-    try:
-        with claim_run(run_dir):
-            code = launch_training(
-                project,
-                run_dir,
-                nproc,
-                torchrun_args=torchrun_args,
-                nodes=nodes,
-                allow=args.allow or [],
-                verbose=args.verbose,
-                max_restarts=max_restarts,
-                here=Here("train", name, run_dir / "config.yaml") if nodes.multinode else None,
-            )
-    except Exception as err:
-        if exit_code_for(err) == EXIT_USAGE and discard_unstarted_run(run_dir):
-            logger.info("removed %s: the run never started", run_dir)
-        raise
-    if code == EXIT_USAGE and discard_unstarted_run(run_dir):
-        logger.info("removed %s: the run never started", run_dir)
+    with claimed_new_run(run_dir):
+        code = launch_training(
+            project,
+            run_dir,
+            nproc,
+            torchrun_args=torchrun_args,
+            nodes=nodes,
+            allow=args.allow or [],
+            verbose=args.verbose,
+            max_restarts=max_restarts,
+            here=Here("train", name, run_dir / "config.yaml") if nodes.multinode else None,
+        )
+    if code == EXIT_USAGE:
+        discard_if_unstarted(run_dir)
     return code
 
 
@@ -415,75 +414,43 @@ def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> 
 
 
 def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, nodes) -> int:
-    from forge.checkpoint.resolve import CheckpointNotFound, resume_checkpoint
     from forge.launch.endpoint import Here
-    from forge.launch.preflight import check_training_contract
+    from forge.launch.start import (
+        check_resume_fits,
+        plan_resume,
+        recorded_resume,
+        recorded_world_size,
+    )
     from forge.launch.torchrun import launch_training, resolve_nproc
-    from forge.launch.worker import build_variables
-    from forge.runs import (
-        PROJECT_RUNS,
-        RunRecord,
-        failed_to_start,
-        nothing_to_resume,
-        now_iso,
-        parse_run_config,
-        record_resume,
-        write_text_atomic,
-    )
 
-    from_checkpoint = Path(args.from_checkpoint).resolve() if args.from_checkpoint else None
-    try:  # validated (hashed) here, once: the training processes take it as it is
-        checkpoint = resume_checkpoint(from_checkpoint or run_dir, run_dir, runs=PROJECT_RUNS)
-    except CheckpointNotFound as err:
-        hint = (
-            "" if from_checkpoint else " Start a new run with `forge train`, or pass --from CKPT."
-        )
-        raise CheckpointNotFound(f"{err}; nothing was changed.{hint}") from None
-    overrides = args.set or []
-    cfg = parse_run_config(run_dir, project, overrides, args.allow or [])
-    done = nothing_to_resume(
-        run_dir, checkpoint.path, cfg, changed=bool(overrides or from_checkpoint)
+    plan = plan_resume(
+        project,
+        run_dir,
+        from_checkpoint=Path(args.from_checkpoint).resolve() if args.from_checkpoint else None,
+        overrides=args.set or [],
+        allow=args.allow or [],
     )
-    if done:
-        logger.info("%s", done)
+    if plan.done:
+        logger.info("%s", plan.done)
         return EXIT_OK
-    # as `forge train` does: the config (maybe changed by --set, or by hand) must still fit
-    variables = build_variables(run_dir, project, RunRecord.load(run_dir).data.get("config", ""))
-    recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)
+    recorded = recorded_world_size(run_dir)
     nproc = resolve_nproc(args.nproc, default=max(recorded // nodes.nnodes, 1))
-    check_training_contract(
-        cfg,
-        variables,
-        args.allow or [],
-        config=str(run_dir / "config.yaml"),
-        world_size=nproc * nodes.nnodes,
-    )
-    config_file = run_dir / "config.yaml"
-    kept = config_file.read_text() if overrides else None
-    if overrides:
-        write_text_atomic(config_file, cfg.text)
-    record_resume(run_dir, checkpoint.path, overrides=overrides, world_size=nproc * nodes.nnodes)
-    print(run_dir, flush=True)
-    logger.info("resuming %s from %s", run_dir, checkpoint)
-    launched = now_iso()
-    try:
+    check_resume_fits(plan, project, args.allow or [], world_size=nproc * nodes.nnodes)
+    with recorded_resume(plan, world_size=nproc * nodes.nnodes):
+        print(run_dir, flush=True)
+        logger.info("resuming %s from %s", run_dir, plan.checkpoint)
         return launch_training(
             project,
             run_dir,
             nproc,
             torchrun_args=args.torchrun_args,
             nodes=nodes,
-            resume_from=checkpoint,
+            resume_from=plan.checkpoint,
             allow=args.allow or [],
             verbose=args.verbose,
             max_restarts=max_restarts,
             here=Here("resume"),
         )
-    finally:
-        if kept is not None and failed_to_start(run_dir, since=launched):
-            # it trained nothing: the run is as it was, its config too (the --set is undone)
-            write_text_atomic(config_file, kept)
-            logger.info("%s/config.yaml is as it was before this resume", run_dir.name)
 
 
 def cmd_worker(args: argparse.Namespace) -> int:

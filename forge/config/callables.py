@@ -23,8 +23,9 @@ from typing import Any
 
 from forge.extras import missing_package_note
 from forge.suggest import did_you_mean, offer, suggestion
+from forge.text import short_list
 
-from .errors import display_path, short_list
+from .errors import display_path
 from .project_imports import project_importer
 
 logger = logging.getLogger(__name__)

@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from forge.suggest import did_you_mean, offer, suggestion
+from forge.text import short_list
 
 from .callables import Resolver, SpecError
-from .errors import short_list
 from .graph import CallNode, ContainerNode, Loc, Node, walk
 
 logger = logging.getLogger(__name__)

@@ -80,15 +80,6 @@ def display_path(path: str | Path) -> str:
         return str(path)
 
 
-def short_list(names: Iterable[str], limit: int = 20) -> str:
-    """Comma-separated names, cut after `limit` with a count of the rest."""
-    names = list(names)
-    shown = ", ".join(names[:limit])
-    if len(names) > limit:
-        shown += f", ... ({len(names) - limit} more)"
-    return shown
-
-
 def excerpt(lines: list[str], line: int, around: int = 2) -> str:
     """Lines `line - around` .. `line + around` of `lines`, numbered, `line` marked with '>'."""
     first, last = max(1, line - around), min(len(lines), line + around)

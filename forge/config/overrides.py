@@ -15,10 +15,11 @@ from collections.abc import Callable, Iterable
 import yaml
 
 from forge.suggest import suggestion
+from forge.text import short_list
 
 from .callables import SpecError
 from .check import Keywords
-from .errors import ConfigError, Problem, short_list
+from .errors import ConfigError, Problem
 from .graph import CALL_KINDS
 from .yaml_io import compose
 

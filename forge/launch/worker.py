@@ -25,7 +25,7 @@ from forge.train.topology import Topology
 
 if TYPE_CHECKING:
     from forge.checkpoint.resolve import Checkpoint
-    from forge.train import TrainingInterrupted
+    from forge.train import TrainingInterrupted, TrainOutput
 
 logger = logging.getLogger(__name__)
 
@@ -184,12 +184,31 @@ def run_worker(
     resume_from: Checkpoint | str | None = None,
     allow: list[str] = (),
 ) -> int:
-    """Build the trainer from ``run_dir/config.yaml`` and train; returns the exit code.
+    """Build the trainer from ``run_dir/config.yaml`` and train; returns the exit code
+    (128 + N when signal N stopped it, after a checkpoint).
 
     ``resume_from`` is the checkpoint the launching command resolved (forge.checkpoint.resolve),
     as a ``Checkpoint`` in this process, or its path in a process torchrun started (checked
     again, not hashed again), or None for the start.
     """
+    from forge.train import TrainingInterrupted
+
+    try:
+        train_run(run_dir, project, resume_from=resume_from, allow=allow)
+    except TrainingInterrupted as stop:
+        return 128 + int(stop.signum)
+    return 0
+
+
+def train_run(
+    run_dir: Path,
+    project: Project,
+    *,
+    resume_from: Checkpoint | str | None = None,
+    allow: list[str] = (),
+) -> TrainOutput:
+    """:func:`run_worker`'s training: the trainer's ``TrainOutput``, the run's record kept as
+    the worker keeps it; a signal's stop is recorded and raised (``TrainingInterrupted``)."""
     from forge.checkpoint.resolve import Checkpoint, Restart, checked_by_launcher, use_run_lookup
     from forge.train import TrainingInterrupted
 
@@ -218,7 +237,7 @@ def run_worker(
             callback = make_run_record_callback(record, restart)
             trainer.add_callback(callback)
             record.set_status("running", world_size=world_size, started=now_iso())
-        trainer.train(resume_from_checkpoint=resume_from)
+        output = trainer.train(resume_from_checkpoint=resume_from)
         if rank == 0:
             record = RunRecord.load(run_dir)
             if pruning is not None and pruning.pruned is not None:
@@ -235,7 +254,7 @@ def run_worker(
                 reached_step=reached_step(trainer),
             )
             logger.info("%s", stopped_message(stop, run_dir, project))
-        return 128 + int(stop.signum)
+        raise
     except BaseException as err:
         lost = peer_loss(err) if world_size > 1 else None
         if rank == 0:
@@ -264,4 +283,4 @@ def run_worker(
     finally:
         if lock is not None:
             lock.release()
-    return 0
+    return output

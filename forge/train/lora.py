@@ -37,8 +37,8 @@ from forge.checkpoint.adapter import (
     quiet_peft,
 )
 from forge.checkpoint.io import CheckpointError
-from forge.config.errors import short_list
 from forge.suggest import suggestion
+from forge.text import short_list
 from forge.train import dist
 from forge.train.args import TrainingArgumentsError
 from forge.wrappers import class_label, is_peft_model

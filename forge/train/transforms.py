@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from forge.config.errors import short_list
 from forge.suggest import suggestion
+from forge.text import short_list
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.lora import LoraStep
 from forge.train.runtime import name_causal_lm_loss

@@ -1,0 +1,317 @@
+"""One object for the read side: a checkpoint or run forge wrote, and what a caller asks of it.
+
+``CheckpointReader(path)`` opens a checkpoint directory, a run directory (its newest valid
+checkpoint, or with ``best`` the one ``run.json`` records as best), a project (its newest run)
+or a Hugging Face model directory, validated once by forge.checkpoint.resolve. It hands out
+the config the run trained with, the metrics stored with the checkpoint, its state dict, its
+tokenizer, and the model with its weights: built as the run's training built it (the
+``trainer.model`` of the run's ``config.yaml``), filled by forge's one weights reader, so the
+model's logits are bit for bit those ``forge evaluate`` computes from the same checkpoint.
+
+Every layout loads alike: one ``model.safetensors``, shards, one file per pipeline stage, the
+per-rank shards of an FSDP run (put back whole), written by any process count. A LoRA
+checkpoint holds only the adapter: its model is the base recorded in its manifest (its hash
+checked) with the adapter, as a peft model or merged into the base's weights
+(``merge_lora``). ``ema`` puts the moving average of the weights the checkpoint holds
+(``ema_decay``) in place of the trained weights it covers.
+
+It lives above forge.checkpoint (which reads files and knows no config or trainer) because
+building a run's model needs the run's config (forge.config), the run's record (forge.runs)
+and the moving average's and LoRA's readers (forge.train).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+import tempfile
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from forge.checkpoint.adapter import adapter_base, is_adapter_directory
+from forge.checkpoint.io import ADAPTER_WEIGHTS, CheckpointError
+from forge.checkpoint.resolve import Checkpoint, CheckpointUsageError, resolve_checkpoint
+from forge.runs import PROJECT_RUNS, RunRecord
+from forge.wrappers import class_label
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from forge.config import Config, Project
+
+logger = logging.getLogger(__name__)
+
+__all__ = ["CheckpointReader", "load"]
+
+
+class CheckpointReader:
+    """A checkpoint (or a run's, or a project's newest run's) opened for reading.
+
+    ``path``: a checkpoint, run, ``checkpoints/`` or project directory, or a Hugging Face
+    model or adapter directory; ``best``: the run's best checkpoint; ``allow``: more module
+    roots the run's config may call (as ``--allow``). The checkpoint's manifest, sizes and
+    hashes are checked here, once; ``CheckpointNotFound`` says what is wrong with ``path``.
+    """
+
+    def __init__(
+        self, path: str | os.PathLike, *, best: bool = False, allow: list[str] = ()
+    ) -> None:
+        self.checkpoint: Checkpoint = resolve_checkpoint(
+            path, best=best, models=True, runs=PROJECT_RUNS
+        )
+        self.allow = list(allow)
+
+    def __repr__(self) -> str:
+        return f"CheckpointReader({str(self.path)!r})"
+
+    # ------------------------------------------------------------------ what it is
+    @property
+    def path(self) -> Path:
+        """The checkpoint directory read."""
+        return self.checkpoint.path
+
+    @property
+    def step(self) -> int | None:
+        """The optimizer step the checkpoint was saved at (None for a model directory)."""
+        return self.checkpoint.step
+
+    @property
+    def metrics(self) -> dict[str, Any]:
+        """The evaluation metrics saved with the checkpoint (empty when it has none)."""
+        manifest = self.checkpoint.manifest
+        return dict(manifest.metrics) if manifest is not None else {}
+
+    @property
+    def is_adapter(self) -> bool:
+        """Whether the checkpoint holds a LoRA adapter (its base is stored once per run)."""
+        return is_adapter_directory(self.path)
+
+    @property
+    def has_ema(self) -> bool:
+        """Whether the checkpoint holds a moving average of the weights (``ema_decay``)."""
+        from forge.train.ema import EMA_COMPONENT
+
+        manifest = self.checkpoint.manifest
+        return manifest is not None and bool((manifest.components or {}).get(EMA_COMPONENT))
+
+    @functools.cached_property
+    def run_dir(self) -> Path | None:
+        """The run that wrote the checkpoint (``RUN/checkpoints/checkpoint-N``), or None."""
+        run_dir = self.path.resolve().parent.parent
+        if (run_dir / "run.json").is_file() and (run_dir / "config.yaml").is_file():
+            return run_dir
+        return None
+
+    @functools.cached_property
+    def record(self) -> dict[str, Any]:
+        """The run's ``run.json`` (empty outside a run)."""
+        return RunRecord.load(self.run_dir).data if self.run_dir is not None else {}
+
+    @functools.cached_property
+    def project(self) -> Project | None:
+        """The project the run belongs to (None outside a run)."""
+        from forge.config import load_project
+
+        if self.run_dir is None:
+            return None
+        return load_project(Path(self.record.get("project") or self.run_dir.parents[2]))
+
+    @functools.cached_property
+    def config(self) -> Config | None:
+        """The config the run trained with (its ``config.yaml``, parsed and checked: a
+        ``ConfigError`` lists every problem), or None outside a run. ``config.text`` is the
+        YAML, ``config.build(target)`` builds its objects."""
+        from forge.launch.worker import load_run_config
+
+        if self.run_dir is None:
+            return None
+        return load_run_config(self.run_dir, self.project, self.allow)
+
+    @functools.cached_property
+    def tokenizer(self) -> Any:
+        """The tokenizer (or, for a model of images or sound, the processor) saved with the
+        checkpoint, or None when it holds none."""
+        from forge.checkpoint.io import no_hf_progress_bars
+
+        path = self.path
+        with no_hf_progress_bars():
+            if (path / "preprocessor_config.json").is_file():
+                from transformers import AutoProcessor
+
+                return AutoProcessor.from_pretrained(path)
+            if (path / "tokenizer.json").is_file() or (path / "tokenizer_config.json").is_file():
+                from transformers import AutoTokenizer
+
+                return AutoTokenizer.from_pretrained(path)
+        return None
+
+    # ------------------------------------------------------------------ weights
+    def state_dict(self, *, ema: bool = False, merge_lora: bool = False) -> dict[str, torch.Tensor]:
+        """The checkpoint's weights by name, on the CPU: every name of the model's
+        ``state_dict()`` (tied names each), so ``model.load_state_dict(..., strict=True)``
+        takes them. ``ema``: the moving average in place of the weights it covers, each in
+        the saved dtype. A LoRA checkpoint gives its adapter (peft's names), or with
+        ``merge_lora`` the base's state dict with the adapter merged in."""
+        self._check_options(ema=ema, merge_lora=merge_lora)
+        if self.is_adapter:
+            if merge_lora:
+                return self.model(ema=ema, merge_lora=True).state_dict()
+            if ema:
+                from peft import get_peft_model_state_dict
+
+                return get_peft_model_state_dict(self.model(ema=True))
+            from safetensors.torch import load_file
+
+            return load_file(self.path / ADAPTER_WEIGHTS)
+        from forge.checkpoint.weights import read_state_dict
+
+        tensors = read_state_dict(self.path)
+        if ema:
+            from forge.train.ema import with_ema_weights
+
+            tensors = with_ema_weights(tensors, self._average())
+        return tensors
+
+    def model(
+        self,
+        *,
+        ema: bool = False,
+        merge_lora: bool = False,
+        device: str | torch.device | None = None,
+        dtype: str | torch.dtype | None = None,
+    ) -> nn.Module:
+        """The model with the checkpoint's weights, in eval mode, on ``device`` (default: the
+        CPU) in ``dtype`` (default: as built).
+
+        A run's model is built as its training built it (the module, or what its builder
+        returns), so its forward gives what ``forge evaluate`` computes; a model directory
+        outside a run is built from its ``config.json``. A LoRA checkpoint's model is a peft
+        model around its base, or with ``merge_lora`` the base module with the adapter merged
+        in (no peft needed to use it). ``ema``: the moving average of the weights in place of
+        the trained ones."""
+        self._check_options(ema=ema, merge_lora=merge_lora)
+        average = self._average() if ema else None  # refused before anything is built
+        model = self._built_with_weights(trainable=ema)
+        if average is not None:
+            from forge.train.ema import load_ema_weights
+
+            load_ema_weights(model, average, str(self.path))
+        if merge_lora:
+            model = model.merge_and_unload()
+        if device is not None or dtype is not None:
+            model.to(device=device, dtype=_dtype(dtype))
+        return model.eval()
+
+    # ------------------------------------------------------------------ helpers
+    def _check_options(self, *, ema: bool, merge_lora: bool) -> None:
+        if merge_lora and not self.is_adapter:
+            raise CheckpointUsageError(
+                f"merge_lora merges a LoRA adapter into its base, and {self.path} holds no "
+                "adapter (it is a full model); leave out merge_lora"
+            )
+        if ema and not self.has_ema:
+            raise CheckpointUsageError(
+                f"ema: {self.path} holds no moving average of the weights (it was not trained "
+                "with trainer.args.ema_decay set); leave out ema to use its weights"
+            )
+
+    def _average(self) -> dict[str, torch.Tensor]:
+        from forge.train.ema import read_ema_state
+
+        return read_ema_state(self.path)
+
+    def _built_with_weights(self, *, trainable: bool) -> nn.Module:
+        """The model holding the checkpoint's weights (a LoRA checkpoint's: a peft model whose
+        adapter is ``trainable``, as in training, for the moving average to load into)."""
+        from forge.checkpoint.weights import load_model_weights
+
+        adapter = self.is_adapter
+        if self.run_dir is None:
+            return self._model_directory(trainable)
+        model = self._run_model()
+        # a LoRA run's base: the directory its manifest records, its hash checked
+        load_model_weights(model, adapter_base(self.path) if adapter else self.path, strict=True)
+        if not adapter:
+            return model
+        from peft import PeftModel
+
+        from forge.checkpoint.adapter import quiet_peft
+        from forge.checkpoint.io import no_hf_progress_bars
+
+        with no_hf_progress_bars(), quiet_peft():
+            return PeftModel.from_pretrained(model, self.path, is_trainable=trainable)
+
+    def _model_directory(self, trainable: bool) -> nn.Module:
+        """A Hugging Face model (or adapter) directory outside any run, built from its
+        ``config.json``."""
+        from forge.checkpoint.adapter import auto_class_of, load_adapter_model
+        from forge.checkpoint.weights import hf_directory_problem, load_pretrained
+
+        if self.is_adapter:
+            return load_adapter_model(self.path, merge=False)
+        problem = hf_directory_problem(self.path)
+        if problem is not None:
+            raise CheckpointUsageError(
+                f"{self.path} is not a Hugging Face model directory ({problem}) and is not "
+                "inside a forge run whose config.yaml builds its model; give the run's "
+                "checkpoint"
+            )
+        return load_pretrained(self.path, auto_class_of(self.path))
+
+    def _run_model(self) -> nn.Module:
+        """The run's model as its training built it, before any weights are loaded: the
+        config's ``model`` target when the trainer takes it, else the trainer's model."""
+        from torch import nn
+
+        from forge.config.graph import CallNode
+        from forge.launch.worker import TRAINER_TARGET, build_variables
+
+        cfg = self.config
+        trainer = cfg.targets.get(TRAINER_TARGET)
+        given = trainer.kwargs.get("model") if isinstance(trainer, CallNode) else None
+        alone = given is not None and cfg.targets.get("model") is given
+        # the objects' own files (a trainer's logs) go to a scratch directory, not to the run
+        with tempfile.TemporaryDirectory(prefix="forge-read-") as scratch:
+            variables = build_variables(Path(scratch), self.project, self.record.get("config", ""))
+            if alone:  # only the model and what it needs
+                built = cfg.build("model", variables)
+            else:
+                built = cfg.build(TRAINER_TARGET, variables)
+                built = built.model if built.model is not None else built.model_init
+            model = built if isinstance(built, nn.Module) else built()
+        if not isinstance(model, nn.Module):
+            raise CheckpointError(
+                f"{self.run_dir}/config.yaml: the trainer's model built a {class_label(model)}, "
+                "not a torch.nn.Module"
+            )
+        return model
+
+
+def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
+    """``"bfloat16"`` / ``"torch.bfloat16"`` / ``torch.bfloat16`` as a torch dtype."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    found = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(found, torch.dtype):
+        raise ValueError(f"dtype {dtype!r} is no torch dtype (e.g. 'float32', 'bfloat16')")
+    return found
+
+
+def load(
+    path: str | os.PathLike,
+    *,
+    best: bool = False,
+    ema: bool = False,
+    merge_lora: bool = False,
+    device: str | torch.device | None = None,
+    dtype: str | torch.dtype | None = None,
+    allow: list[str] = (),
+) -> nn.Module:
+    """The model of a checkpoint or run, with its weights, ready for ``eval()``: see
+    :class:`CheckpointReader` and its ``model()``."""
+    reader = CheckpointReader(path, best=best, allow=allow)
+    return reader.model(ema=ema, merge_lora=merge_lora, device=device, dtype=dtype)
