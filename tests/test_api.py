@@ -16,21 +16,13 @@ import torch
 import forge
 from forge.config import ConfigError
 from tests.helpers import REPO, run_forge
-from tests.plain_project import write_project
+from tests.plain_project import PIPELINE_CONFIG, write_project
 
-HF_CONFIG = """\
--- extends 'configs/lm.yaml'
--- block model
-model: &model !partial:transformers:LlamaForCausalLM
-    - !singleton:transformers:LlamaConfig
-        vocab_size: !call:forge.data.vocab:vocab_size [*tokenizer]
-        hidden_size: 16
-        intermediate_size: 32
-        num_hidden_layers: 2
-        num_attention_heads: 2
-        max_position_embeddings: 32
--- endblock
-"""
+# a LlamaForCausalLM in place of lm.yaml's TinyLM: the pipeline config's model block
+_MODEL_BLOCK = PIPELINE_CONFIG[
+    PIPELINE_CONFIG.index("-- block model") : PIPELINE_CONFIG.index("-- block collator")
+]
+HF_CONFIG = "-- extends 'configs/lm.yaml'\n" + _MODEL_BLOCK
 
 LORA_CONFIG = """\
 -- extends 'configs/hf.yaml'

@@ -9,7 +9,8 @@ itself; ``from forge.checkpoint import CheckpointError`` counts as an import of 
 defines the name (forge.checkpoint.io), which is what ``__getattr__`` then imports.
 
 The layers, top down: forge.cli (the commands; the only place that turns errors into exit
-codes) > forge.launch > forge.runs, forge.train > forge.checkpoint, forge.data, forge.config.
+codes) > forge.api (the Python API) > forge.read (the read side) > forge.launch > forge.runs,
+forge.train > forge.checkpoint, forge.data, forge.config > forge.text.
 """
 
 from __future__ import annotations
@@ -25,10 +26,21 @@ import forge
 PACKAGE = Path(forge.__file__).parent
 
 # What each layer must not import (any module of these packages, or the module itself).
+_API = ("forge.api", "forge.read")  # the Python API and the read side sit above the layers
 FORBIDDEN = {
-    "forge.checkpoint": ("forge.runs", "forge.config", "forge.train", "forge.cli", "forge.launch"),
-    "forge.train": ("forge.runs", "forge.cli", "forge.launch"),
-    "forge.launch": ("forge.cli",),
+    "forge.checkpoint": (
+        "forge.runs",
+        "forge.config",
+        "forge.train",
+        "forge.cli",
+        "forge.launch",
+        *_API,
+    ),
+    "forge.train": ("forge.runs", "forge.cli", "forge.launch", *_API),
+    "forge.launch": ("forge.cli", *_API),
+    "forge.config": ("forge.train", "forge.checkpoint", "forge.cli", "forge.launch", *_API),
+    "forge.read": ("forge.cli", "forge.api"),
+    "forge.text": ("forge",),  # the shared message helpers import nothing of forge
 }
 
 # Edges ("a -> b") inside forge/train and forge/checkpoint that break the rules above or close
