@@ -114,6 +114,7 @@ def train(
     checkpoint and raise ``TrainingInterrupted``. Several processes (``nproc`` > 1) are the
     command line's: ``forge train CONFIG --nproc N`` starts them under torchrun.
     """
+    from forge.launch.length_note import length_note, moot_arguments
     from forge.launch.preflight import check_training_contract
     from forge.launch.start import claimed_new_run, new_run, require_trainer
     from forge.launch.worker import build_variables, train_run
@@ -128,6 +129,9 @@ def train(
     check_training_contract(
         cfg, build_variables(next_run, project, name), list(allow), config=name, world_size=1
     )
+    for sentence in [length_note(cfg), *(said for _, said in moot_arguments(cfg))]:
+        if sentence:  # what `forge train` warns of: which argument decides, which are moot
+            logger.warning("%s", sentence)
     run_dir = new_run(project, name, cfg, overrides=overrides, variables=variables, world_size=1)
     logger.info("run directory: %s", run_dir)
     with claimed_new_run(run_dir):

@@ -5,9 +5,9 @@ progress. Exit codes: 0 ok, 1 runtime failure, 2 usage or config error, 128+N on
 (130 Ctrl-C, 143 SIGTERM). The argument parser lives in :mod:`forge.cli.parser`, the thin
 command functions in :mod:`forge.cli.commands`. A command that is a body of its own lives
 beside them (``export``, ``predict`` for evaluate and predict, ``generate``, ``plot``, ``new``
-for new and new-config, ``env``, ``length_note`` for what ``forge train`` says of a config's
-length); the others drive the part they belong to (forge.config, forge.runs, forge.launch,
-...). Heavy modules (torch, transformers) are imported only by the commands that need them.
+for new and new-config, ``env``); the others drive the part they belong to (forge.config,
+forge.runs, forge.launch, ...: what ``forge train`` says of a config's length is
+forge.launch.length_note's, shared with the Python API). Heavy modules (torch, transformers) are imported only by the commands that need them.
 """
 
 from __future__ import annotations

@@ -227,9 +227,9 @@ def _memory_option(args: argparse.Namespace) -> int | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
-    from forge.cli.length_note import length_note, moot_arguments
     from forge.launch.cluster import ONE_NODE, check_host
     from forge.launch.endpoint import Here
+    from forge.launch.length_note import length_note, moot_arguments
     from forge.launch.preflight import check_training_contract
     from forge.launch.start import (
         claimed_new_run,
@@ -706,9 +706,9 @@ def cmd_new_config(args: argparse.Namespace) -> int:
 
 
 def cmd_code(args: argparse.Namespace) -> int:
-    from forge.cli.length_note import moot_arguments
     from forge.config.codegen import generate_script
     from forge.config.graph import CallNode
+    from forge.launch.length_note import moot_arguments
 
     project = _project(args)
     name, cfg = _load(args, project)

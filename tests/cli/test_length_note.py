@@ -4,9 +4,9 @@ the config set both."""
 from __future__ import annotations
 
 from forge.cli import main
-from forge.cli.length_note import length_note
 from forge.cli.new import new_config, new_project
 from forge.config import load_config, load_project
+from forge.launch.length_note import length_note
 from tests.helpers import TINY_LM
 
 EPOCHS = "-- block trainer_args\n    == super()\n    num_train_epochs: 1\n-- endblock\n"
