@@ -322,5 +322,8 @@ def test_the_python_api_pages_example_runs(tmp_path, monkeypatch, capsys):
     assert printed[0].startswith("meta:")
     assert printed[1].endswith("demo_cls/output/train/run_001 40 " + printed[1].split()[-1])
     assert printed[-1].endswith("of 8 right")
-    record = json.loads((tmp_path / "demo_cls/output/train/run_001/run.json").read_text())
+    run_dir = tmp_path / "demo_cls/output/train/run_001"
+    record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "completed" and record["step"] == 40
+    best = forge.CheckpointReader(run_dir, best=True)  # the one run.json records
+    assert best.metrics[record["best"]["metric"]] == record["best"]["value"]
