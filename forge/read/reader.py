@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointReader", "load"]
+__all__ = ["CheckpointReader"]
 
 
 class CheckpointReader:
@@ -299,19 +299,3 @@ def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
     if not isinstance(found, torch.dtype):
         raise ValueError(f"dtype {dtype!r} is no torch dtype (e.g. 'float32', 'bfloat16')")
     return found
-
-
-def load(
-    path: str | os.PathLike,
-    *,
-    best: bool = False,
-    ema: bool = False,
-    merge_lora: bool = False,
-    device: str | torch.device | None = None,
-    dtype: str | torch.dtype | None = None,
-    allow: list[str] = (),
-) -> nn.Module:
-    """The model of a checkpoint or run, with its weights, ready for ``eval()``: see
-    :class:`CheckpointReader` and its ``model()``."""
-    reader = CheckpointReader(path, best=best, allow=allow)
-    return reader.model(ema=ema, merge_lora=merge_lora, device=device, dtype=dtype)
