@@ -197,6 +197,9 @@ class TokenBudgetBatchSampler(ResumableDistributedSampler):
                 f"{num_replicas} processes; lower it or set dataloader_drop_last: false"
             )
 
+    def describe_order(self) -> str:
+        return f"batches of at most {self.max_tokens} padded tokens (max_tokens_per_batch)"
+
     def _batches(self, tiebreak: list[int]) -> list[list[int]]:
         """Batches of the items sorted longest first, equal lengths in ``tiebreak``'s order."""
         order = sorted(tiebreak, key=lambda i: -self.lengths[i])  # stable: keeps the tiebreak

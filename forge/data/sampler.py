@@ -190,6 +190,10 @@ class ResumableDistributedSampler(DistributedSampler):
         start = int(state_dict.get("start", 0))  # states before it: epochs never continued
         self._continued = (epoch, start, self.saved_order_params(state_dict))
 
+    def describe_order(self) -> str:
+        """The order's kind, for messages."""
+        return "order"
+
     def saved_order_params(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         """The order parameters of the epoch ``state_dict`` is in."""
         return dict(state_dict.get("order_params") or self.order_params())
@@ -200,25 +204,9 @@ class ResumableDistributedSampler(DistributedSampler):
         order not used yet to this sampler's ranks. Returns (units used, units of the epoch);
         ValueError says why the state cannot be continued."""
         if not self.reshardable:
-            raise ValueError(
-                f"a {self.order.split('=')[0]} order cannot be dealt to another number of ranks"
-            )
-        missing = [key for key in _STATE_KEYS if key not in state_dict]
-        if missing:
-            raise ValueError(f"data loader state lacks {missing}; it was not saved by forge")
-        mine = self.state_dict()
-        saved_kind = str(state_dict.get("order", "dataset")).split(":")[0]
-        if saved_kind != self.order.split(":")[0]:
-            raise ValueError(
-                f"it was saved with order={state_dict.get('order', 'dataset')!r}, this loader "
-                f"has order={self.order!r}; resume with the same order"
-            )
-        for key in ("seed", "shuffle", "drop_last", "dataset_size"):
-            if state_dict[key] != mine[key]:
-                raise ValueError(
-                    f"it was saved with {key}={state_dict[key]!r} but this one has "
-                    f"{key}={mine[key]!r}; resume with the same {key}"
-                )
+            raise ValueError(f"its {self.describe_order()} depend on the number of ranks")
+        kind = {**state_dict, "order": str(state_dict.get("order", "dataset")).split(":")[0]}
+        self._check_same(kind, ("seed", "shuffle", "drop_last", "dataset_size", "order"))
         epoch = int(state_dict["epoch"])
         self.set_epoch(epoch)
         params = self.saved_order_params(state_dict)
@@ -233,19 +221,26 @@ class ResumableDistributedSampler(DistributedSampler):
 
     def check_compatible(self, state_dict: dict[str, Any]) -> None:
         """Raise ValueError unless ``state_dict`` was saved by a sampler with this layout."""
-        missing = [key for key in _STATE_KEYS if key not in state_dict]
-        if missing:
-            raise ValueError(f"data loader state lacks {missing}; it was not saved by forge")
-        mine = self.state_dict()
-        for key in _LAYOUT_KEYS:
-            saved = state_dict.get(key, "dataset")  # only "order" may be absent
-            if saved != mine[key]:
-                raise ValueError(
-                    f"cannot resume the data loader: it was saved with {key}={saved!r} "
-                    f"but this one has {key}={mine[key]!r}; resume with the same {key}"
-                )
+        self._check_same(state_dict, _LAYOUT_KEYS)
         if not 0 <= int(state_dict["yielded"]) <= self.num_samples:
             raise ValueError(
                 f"data loader state has yielded={state_dict['yielded']} outside "
                 f"[0, {self.num_samples}]"
             )
+
+    def _check_same(self, state_dict: dict[str, Any], keys: tuple[str, ...]) -> None:
+        """Raise ValueError unless ``state_dict`` is forge's and has this sampler's ``keys``
+        (``order`` compared by its kind when the state's is only a kind)."""
+        missing = [key for key in _STATE_KEYS if key not in state_dict]
+        if missing:
+            raise ValueError(f"data loader state lacks {missing}; it was not saved by forge")
+        mine = self.state_dict()
+        if ":" not in str(state_dict.get("order", "")):
+            mine["order"] = str(mine["order"]).split(":")[0]
+        for key in keys:
+            saved = state_dict.get(key, "dataset")  # only "order" may be absent
+            if saved != mine[key]:
+                raise ValueError(
+                    f"it was saved with {key}={saved!r} but this one has {key}={mine[key]!r}; "
+                    f"resume with the same {key}"
+                )

@@ -102,10 +102,17 @@ class DataPosition:
         self.epoch, self.batch = epoch, batch
 
     def restart_epoch_unless_restored(self) -> None:
-        """After a resume that did not restore the loader (not saved, not asked for, or saved
-        by another data-parallel size): the saved epoch restarts from its first batch, unless
-        it had ended."""
-        if not self.restored and self.batch < len(self.loader):
+        """After a resume that did not restore the loader (not saved, or not asked for): the
+        saved epoch restarts from its first batch, unless it had ended."""
+        if not self.restored and 0 < self.batch < len(self.loader):
+            if self._is_main:
+                logger.warning(
+                    "the data position was not restored (%s.ignore_data_skip or "
+                    "restore_dataloader_state: false, or not saved): epoch %d restarts from "
+                    "its first batch, its items used before the checkpoint seen again",
+                    self._key,
+                    self.epoch,
+                )
             self.batch = 0
 
     def state_dict(self) -> dict[str, Any]:
