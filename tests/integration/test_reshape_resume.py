@@ -102,6 +102,14 @@ def test_a_plain_checkpoint_continues_its_epoch_under_another_trainer_on_two_pro
     plain, _ = forge("train", "ids", "-p", p, "-D", "max_steps=5")
     checkpoint = plain / "checkpoints" / "checkpoint-000005"
     resume = f"trainer.args.resume_from_checkpoint={checkpoint}"
+    plan = run_forge(
+        "train", "ids", "-p", p, "--nproc", "2", "--dry-run", "--set", resume, *trainer
+    )
+    assert plan.returncode == 0, plan.stderr
+    assert (
+        "  resume        checkpoint-000005 was written by 1 data-parallel rank(s): the rest of "
+        "its epoch is dealt to these 2; its global batch was 8 (4 x 2 x 1)"
+    ) in plan.stdout.splitlines()
     continued, stderr = forge(
         "train", "ids", "-p", p, "--nproc", "2", "-D", "max_steps=9", "--set", resume, *trainer
     )

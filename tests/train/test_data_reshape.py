@@ -182,3 +182,14 @@ def test_the_global_order_does_not_depend_on_the_number_of_ranks():
     assert positions.global_order({}) == other.global_order({})
     assert positions.global_order({}) != list(range(50))
     assert torch.equal(torch.tensor(sorted(positions.global_order({}))), torch.arange(50))
+
+
+def test_a_position_not_restored_restarts_its_epoch_and_says_so(caplog):
+    """ignore_data_skip (or restore_dataloader_state: false): the inexact way, said."""
+    position = job(96, 2)[0]
+    position.seek(0, 5)  # the trainer's counters: 5 micro-batches into epoch 0
+    with caplog.at_level(logging.WARNING, logger="forge.train.data_position"):
+        position.restart_epoch_unless_restored()
+    assert position.batch == 0
+    (line,) = [record.getMessage() for record in caplog.records]
+    assert "trainer.args.ignore_data_skip" in line and "epoch 0 restarts" in line
