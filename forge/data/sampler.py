@@ -4,7 +4,8 @@ torchdata's), and the epoch-tagged index it yields. forge/data/length_grouping.p
 grouped orders on it.
 
 An epoch's order is one sequence for all ranks (its *global order*: a function of the seed, the
-epoch and the dataset, not of the number of ranks), dealt to the ranks a chunk at a time
+epoch, the dataset and the sampler's ``order_params``, such as the length-grouped order's group
+size; a continued epoch keeps the saved job's), dealt to the ranks a chunk at a time
 (``deal``). Every rank takes as many units as the others, so after each rank took ``y`` of
 them the first ``num_replicas * y`` units of the global order are used: that count is the
 epoch's position for any number of ranks, and a job of another data-parallel size continues
