@@ -29,7 +29,8 @@ the end. A stage-scoped component saved with another number of stages is reshard
 are keyed by parameter name and merged). A rank-scoped one follows the data-parallel replica:
 it maps when the saved job had the same data-parallel size, whatever its pipeline split (see
 ``saved_rank_for``); saved by another data-parallel size it goes to the component's
-``on_reshape`` handler, or fails naming the component and what to do.
+``reshape`` handler (with every saved rank's state) or ``on_reshape`` handler, or fails naming
+the component and what to do.
 """
 
 from __future__ import annotations
@@ -122,6 +123,9 @@ class Component:
     (e.g. "set trainer.args.restore_optimizer_state: false to start it fresh").
     ``on_reshape`` (rank scope): called with a description instead of loading when the
     checkpoint was written by another number of ranks; without it that is an error.
+    ``reshape`` (rank scope): as ``on_reshape``, but given every saved rank's state too (in
+    saved rank order), for state that can be dealt to another number of ranks (the data
+    position); it takes the place of ``on_reshape``.
     ``reshard`` (stage scope): merges the shards of another split (default: dict union).
     ``on_absent``: called, at the component's place in the load order, when a checkpoint
     without it is restored (after the warning that it starts fresh).
@@ -138,6 +142,7 @@ class Component:
     restore_last: bool = False
     fix: str = ""
     on_reshape: Callable[[str], None] | None = None
+    reshape: Callable[[str, list[Any]], None] | None = None
     reshard: Callable[[list[Any]], Any] | None = merge_shards
     on_absent: Callable[[], None] | None = None
 
@@ -392,6 +397,14 @@ class CheckpointRegistry:
             if saved_stages > 1 or topo.num_stages > 1:
                 description += f" ({saved_dp} and {topo.dp_size} data-parallel replica(s))"
                 resume = f"{saved_dp} data-parallel replica(s)"
+            if component.reshape is not None:
+                names = component_file_names(component.name, Scope.RANK.value, False, saved)
+                states = [
+                    self._read_file(path / name, manifest, component, {"rank": rank})
+                    for rank, name in enumerate(names)
+                ]
+                component.reshape(description, states)
+                return _SKIPPED
             if component.on_reshape is None:
                 raise CheckpointError(
                     f"{path}: component '{component.name}' is per rank and {description}; "

@@ -112,31 +112,32 @@ class LengthGroupedSampler(ResumableDistributedSampler):
         self.batch_size = batch_size
         self.group_size = group_size or batch_size * num_replicas
         self.order = f"group_by_length:{self.batch_size}x{self.group_size}"
+        self.chunk = batch_size  # each rank's batch of a row
 
-    def grouped_indices(self) -> list[int]:
-        """All ranks' items of the current epoch, in HF's grouped order."""
+    def order_params(self) -> dict[str, Any]:
+        return {"group_size": self.group_size}
+
+    def saved_order_params(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        if state_dict.get("order_params"):
+            return dict(state_dict["order_params"])
+        # states before order_params: the group size is the end of the order's name
+        return {"group_size": int(str(state_dict["order"]).rpartition("x")[2])}
+
+    def grouped_indices(self, group_size: int | None = None) -> list[int]:
+        """All ranks' items of the current epoch, in HF's grouped order (groups of
+        ``group_size`` items, default this sampler's)."""
         from transformers.trainer_pt_utils import get_length_grouped_indices
 
         generator = torch.Generator()
         generator.manual_seed(self.seed + self.epoch)
-        return list(get_length_grouped_indices(self.lengths, self.group_size, generator=generator))
+        return list(
+            get_length_grouped_indices(
+                self.lengths, group_size or self.group_size, generator=generator
+            )
+        )
 
-    def epoch_order(self) -> list[int]:
-        order = self.grouped_indices()
-        if self.drop_last:
-            order = order[: self.total_size]
-        else:  # pad by repeating the start, as DistributedSampler does
-            while len(order) < self.total_size:
-                order += order[: self.total_size - len(order)]
-        n, size = self.num_replicas, self.batch_size
-        row = size * n
-        whole = len(order) // row * row
-        mine = []
-        for start in range(self.rank * size, whole, row):
-            mine += order[start : start + size]
-        tail = order[whole:]  # fewer than a row: a multiple of num_replicas, split evenly
-        share = len(tail) // n
-        return mine + tail[self.rank * share : (self.rank + 1) * share]
+    def global_order(self, params: dict[str, Any]) -> list[int]:
+        return self.grouped_indices(int(params["group_size"]))
 
 
 def token_batches(lengths: Sequence[int], max_tokens: int, order: Sequence[int]) -> list[list[int]]:
@@ -159,6 +160,8 @@ class TokenBudgetBatchSampler(ResumableDistributedSampler):
     each item it yields is a list of indices, and ``len()`` counts this rank's batches."""
 
     order = "max_tokens_per_batch"
+    #: the batches and their rounds depend on the number of ranks
+    reshardable = False
 
     def __init__(
         self,
@@ -193,6 +196,9 @@ class TokenBudgetBatchSampler(ResumableDistributedSampler):
                 f"max_tokens_per_batch={max_tokens} makes {count} batches, fewer than the "
                 f"{num_replicas} processes; lower it or set dataloader_drop_last: false"
             )
+
+    def describe_order(self) -> str:
+        return f"batches of at most {self.max_tokens} padded tokens (max_tokens_per_batch)"
 
     def _batches(self, tiebreak: list[int]) -> list[list[int]]:
         """Batches of the items sorted longest first, equal lengths in ``tiebreak``'s order."""

@@ -154,6 +154,18 @@ class ResumableDataLoader(StatefulDataLoader):
         if sampler_state is not None:
             self.positions.set_epoch(int(sampler_state["epoch"]))
 
+    def continue_from(self, state_dict: dict[str, Any]) -> tuple[int, int]:
+        """Continue the epoch of ``state_dict``, saved by this kind of loader over another
+        number of ranks: the next ``iter()`` deals the items of that epoch not used yet to
+        this loader's ranks, each once. Returns (items used, items of the epoch), counted in
+        the sampler's units; ValueError says why it cannot."""
+        sampler_state = _sampler_state(state_dict)
+        if sampler_state is None:
+            raise ValueError("its data loader state was not saved by build_dataloader's loader")
+        self.next_iter_state = None
+        self.set_epoch(int(sampler_state["epoch"]))
+        return self.positions.continue_from(sampler_state)
+
     def _checked_sampler_state(self, state_dict: dict[str, Any]) -> dict[str, Any]:
         saved_workers = _saved_num_workers(state_dict)
         sampler_state = _sampler_state(state_dict)
@@ -276,6 +288,14 @@ def _sampler_state(state_dict: dict[str, Any] | None) -> dict[str, Any] | None:
     iterator_state = main.get("_sampler_iter_state") or {}
     sampler_state = iterator_state.get("sampler_state")
     return sampler_state if isinstance(sampler_state, dict) else None
+
+
+def saved_position(state_dict: dict[str, Any] | None) -> tuple[int, int, int] | None:
+    """The (epoch, start, yielded) a loader state holds, None when it holds none."""
+    sampler_state = _sampler_state(state_dict)
+    if sampler_state is None:
+        return None
+    return tuple(int(sampler_state.get(key, 0)) for key in ("epoch", "start", "yielded"))  # type: ignore[return-value]
 
 
 def _saved_num_workers(state_dict: dict[str, Any]) -> int | None:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -253,11 +254,13 @@ def describe_plan(
     checkpoints_dir: str,
     tokenizer_bytes: int = 0,
     batch_fit: Any = None,
+    resumed: str | None = None,
 ) -> list[str]:
     """The plan as lines (stdout): one topic a line, figures a person can check by hand.
     ``tokenizer_bytes``: what the tokenizer's files take in a checkpoint; ``batch_fit``: the
     memory and measured activations the largest per-device batch is worked out from
-    (forge/launch/batch_fit.py), None for no such line."""
+    (forge/launch/batch_fit.py), None for no such line; ``resumed``: what starting from a
+    checkpoint of another data-parallel size does to the data and the batch."""
     replicas = world_size // pp  # the ranks that read their own batches (sharded ones too)
     sharded = f" (FSDP2: the model state sharded over {shard})" if shard > 1 else ""
     stages = "pipeline stage" if pp == 1 else "pipeline stages"
@@ -273,6 +276,8 @@ def describe_plan(
         f"  batch         {batch} per device x {accumulation} accumulation x {replicas} data-parallel"
         f" = {batch * accumulation * replicas} per optimizer step"
     )
+    if resumed:
+        lines.append(f"  resume        {resumed}")
     if dataset_size is not None:
         per_epoch = steps_per_epoch(
             dataset_size, batch, accumulation, replicas, bool(args.dataloader_drop_last)
@@ -456,6 +461,34 @@ def make_plan(
         checkpoints_dir=checkpoints_dir,
         tokenizer_bytes=_tokenizer_bytes(build, trainer.kwargs.get("tokenizer")),
         batch_fit=fit,
+        resumed=_reshaped_resume(args, world_size // pp),
+    )
+
+
+def _reshaped_resume(args: Any, replicas: int) -> str | None:
+    """For a run that starts from a checkpoint (a path) of another data-parallel size: where
+    its epoch goes on and the global batch it had; None otherwise."""
+    path = getattr(args, "resume_from_checkpoint", None)
+    if not isinstance(path, str) or not os.path.isfile(os.path.join(path, "manifest.json")):
+        return None
+    from forge.checkpoint import CheckpointError
+    from forge.checkpoint.layout import read_manifest
+    from forge.checkpoint.registry import read_component_states, saved_dp_size
+    from forge.train.data_position import StepBatch
+
+    try:
+        saved = saved_dp_size(read_manifest(path).topology)
+        if saved == replicas:
+            return None
+        states = read_component_states(path, "data") or [{}]
+    except (CheckpointError, OSError) as err:
+        logger.debug("no resume line (%s)", err)
+        return None
+    step = states[0].get("step_batch") if isinstance(states[0], dict) else None
+    was = f"; its global batch was {StepBatch(**step).describe()}" if step else ""
+    return (
+        f"{os.path.basename(os.path.normpath(path))} was written by {saved} data-parallel "
+        f"rank(s): the rest of its epoch is dealt to these {replicas}{was}"
     )
 
 

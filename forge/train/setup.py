@@ -51,7 +51,7 @@ from forge.data.length_grouping import LengthError, item_lengths
 from forge.train import dist
 from forge.train.args import TrainingArgumentsError
 from forge.train.callbacks import TrainerControl, TrainerState
-from forge.train.data_position import DataPosition
+from forge.train.data_position import DataPosition, StepBatch
 from forge.train.loop_state import Batch, StopVote, Tally
 from forge.train.loss import resolve_label_names
 from forge.train.model_parts import ModelParts, TrainingPlan, offered_parts
@@ -112,7 +112,15 @@ class TrainerSetup:
             is_world_process_zero=self.is_main_process,
         )
         self.control = TrainerControl()
-        self.data_position = DataPosition(self.train_loader, is_main=self.is_main_process)
+        per_device = None if args.max_tokens_per_batch else self.train_loader.batch_size
+        self.data_position = DataPosition(
+            self.train_loader,
+            is_main=self.is_main_process,
+            step_batch=StepBatch(
+                per_device, args.gradient_accumulation_steps, self.topology.dp_size
+            ),
+            key=args.config_key,
+        )
         self._tally = Tally()
         self._last_eval = (None, {})
         self._stop_vote, self._stop_agreed = StopVote(), 0
@@ -425,7 +433,7 @@ class TrainerSetup:
                 save=args.save_dataloader_state,
                 restore=args.restore_dataloader_state,
                 fix=f"set {key}.restore_dataloader_state: false to restart the epoch",
-                on_reshape=data.on_reshape,
+                reshape=data.reshape,
             )
         )
         self.register(
@@ -437,7 +445,7 @@ class TrainerSetup:
                 restore=args.restore_rng_state,
                 restore_last=True,
                 fix=_start_fresh(key, "restore_rng_state"),
-                on_reshape=lambda _: None,  # data's warning says it
+                on_reshape=lambda _: None,  # each rank's generators as a new job seeds them
             )
         )
 

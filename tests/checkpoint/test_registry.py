@@ -48,6 +48,7 @@ def components(topology: Topology, values: dict | None = None) -> list[Component
             values.get("position", Value({"rank": topology.rank})),
             Scope.RANK,
             on_reshape=values.get("on_reshape"),
+            reshape=values.get("reshape"),
         ),
     ]
 
@@ -256,6 +257,27 @@ def test_rank_count_mismatch_is_named_or_handled(tmp_path):
     assert seen == [f"{path.name} was written by 2 rank(s), this job has 1"]
     assert got["position"].state == {}  # not restored
     assert got["progress"].state == {"step": 7}
+
+
+def test_a_reshape_handler_gets_every_saved_ranks_state(tmp_path):
+    """What a data position needs to deal the rest of its epoch to another number of ranks."""
+    path = save(tmp_path, world_size=4, num_stages=2)  # 2 replicas
+    seen = []
+    got = load(
+        path,
+        Topology(0, 1, 0),
+        reshape=lambda description, states: seen.append((description, states)),
+        on_reshape=lambda description: pytest.fail("reshape takes on_reshape's place"),
+        reshard=list,
+    )
+    assert seen == [
+        (
+            f"{path.name} was written by 4 rank(s), this job has 1 (2 and 1 data-parallel "
+            "replica(s))",
+            [{"rank": rank} for rank in range(4)],  # in saved rank order
+        )
+    ]
+    assert got["position"].state == {}  # the handler restores it, not load_state_dict
 
 
 def test_per_rank_state_follows_the_data_parallel_replica_not_the_process(tmp_path):
