@@ -76,7 +76,9 @@ def local_piece(tensor: Any) -> tuple[torch.Tensor, int, list[int]]:
 def split_state(state: dict[str, Any], *, keep_whole: bool) -> dict[str, Any]:
     """A state dict as one rank's shard: ``tensors`` (its rows of each DTensor, and whole
     tensors where ``keep_whole``), ``layout`` (``name: [offset, *shape]``) and ``other``
-    (plain values)."""
+    (plain values, where ``keep_whole``). One rank keeps what every rank holds whole, so the
+    shards sum to one process's state (a scalar step per parameter and an optimizer's flat
+    settings are a tenth of a small model's moments)."""
     tensors, layout, other = {}, {}, {}
     for name, value in state.items():
         if _is_dtensor(value):
@@ -85,7 +87,7 @@ def split_state(state: dict[str, Any], *, keep_whole: bool) -> dict[str, Any]:
         elif isinstance(value, torch.Tensor):
             if keep_whole:
                 tensors[name], layout[name] = value, [0, *value.shape]
-        else:
+        elif keep_whole:
             other[name] = value
     return {"tensors": tensors, "layout": layout, "other": other}
 

@@ -168,9 +168,9 @@ def test_a_sharded_checkpoint_reshards_to_one_process_back_and_to_a_pipeline(str
     _continue_from(straight / "fsdp", tmp_path / "to_plain", 6)
     finish(launch(tmp_path / "to_plain", "plain-resume", nproc=1))
     # one process -> FSDP on 2 ranks (each takes its rows of the whole weights and moments)
-    finish(launch(tmp_path / "plain", "plain", nproc=1))
+    finish(launch(tmp_path / "plain", "plain-wide", nproc=1))
     _continue_from(tmp_path / "plain", tmp_path / "to_fsdp", 6)
-    finish(launch(tmp_path / "to_fsdp", "fsdp-resume"))
+    finish(launch(tmp_path / "to_fsdp", "fsdp-wide-resume"))
     # FSDP on 2 ranks -> the pipeline trainer, 2 stages: each stage reads its own weights
     _continue_from(straight / "fsdp", tmp_path / "to_pipeline", 6)
     finish(launch(tmp_path / "to_pipeline", "pipeline-resume"))
@@ -183,6 +183,44 @@ def test_a_sharded_checkpoint_reshards_to_one_process_back_and_to_a_pipeline(str
     assert (
         read_manifest(checkpoint_dir(tmp_path / "to_fsdp", 9)).components["model"]["scope"]
         == "sharded"
+    )
+
+
+def component_bytes(checkpoint: Path) -> dict[str, list[int]]:
+    """Each component of a checkpoint: the sizes of its files (a sharded one's: one per rank)."""
+    manifest = read_manifest(checkpoint)
+    return {
+        name: [manifest.files[file]["size"] for file in entry["files"]]
+        for name, entry in manifest.components.items()
+    }
+
+
+def assert_each_rank_writes_its_share(sharded: Path, whole: Path, names: tuple[str, ...]) -> None:
+    """The files of each sharded component of ``sharded`` sum to its one-process checkpoint's
+    (``whole``, the same state unsharded) within 5 %, and each rank's is its share. A file
+    costs about 300 B per tensor besides its data: the model must be wide enough for that to
+    be noise."""
+    ours, theirs = component_bytes(sharded), component_bytes(whole)
+    for name in names:
+        assert read_manifest(sharded).components[name]["scope"] == "sharded", name
+        share = sum(theirs[name]) / len(ours[name])
+        assert sum(ours[name]) == pytest.approx(sum(theirs[name]), rel=0.05), (name, ours, theirs)
+        for size in ours[name]:
+            assert size == pytest.approx(share, rel=0.1), (name, ours[name], share)
+
+
+@pytest.mark.slow
+def test_after_a_plain_checkpoint_is_continued_under_fsdp_each_rank_writes_its_share(tmp_path):
+    """A one-process checkpoint continued under FSDP: each rank keeps its rows of the moments
+    it loaded whole, and writes those alone (each rank wrote the whole optimizer, a view's
+    storage, at every later save)."""
+    finish(launch(tmp_path / "plain", "plain-wide", nproc=1))
+    _continue_from(tmp_path / "plain", tmp_path / "to_fsdp", 6)
+    finish(launch(tmp_path / "to_fsdp", "fsdp-wide-resume"))
+    assert_each_rank_writes_its_share(
+        checkpoint_dir(tmp_path / "to_fsdp", STEPS),
+        checkpoint_dir(tmp_path / "plain", STEPS),
+        ("model", "optimizer"),
     )
 
 
@@ -265,12 +303,19 @@ def test_every_file_of_a_sharded_checkpoint_is_written_once_by_its_owner(straigh
             assert ranks == [int(own.group(1))], name
         else:
             assert ranks == [0], name
-    # each rank writes about half of the state (no gather): the bytes of the shard files
+    # each rank writes about half of the state (no gather), rank 0 also what is whole on every
+    # rank (a step count per parameter, the settings): the bytes of the shard files
     per_rank = [0, 0]
     for line in writes(straight / "writes"):
         if line["step"] == 6 and "-shard-" in line["file"]:
             per_rank[line["rank"]] += line["bytes"]
-    assert per_rank[1] == pytest.approx(per_rank[0], rel=0.1)
+    assert per_rank[1] == pytest.approx(per_rank[0], rel=0.15)
+    whole = sum(
+        component_bytes(checkpoint_dir(straight / "ddp", 6))[name][-1]
+        for name in ("model", "optimizer")
+    )
+    # a small model's file costs about 300 B per tensor besides its data
+    assert sum(per_rank) == pytest.approx(whole, rel=0.08)
 
 
 @pytest.mark.slow
