@@ -42,6 +42,8 @@ ACCUMULATION = 2
 SHARDING = {
     "fsdp": {"fsdp": "full_shard"},
     "zero2": {"fsdp": "shard_grad_op", "activation_checkpointing": True},
+    # HSDP: 2 replicas of 2 shards on 4 processes (on two nodes of 2, the default mesh)
+    "hsdp": {"fsdp": "hybrid_shard", "fsdp_config": {"replicate_size": 2}},
 }
 
 

@@ -378,3 +378,41 @@ def test_t5_shards_the_blocks_of_both_stacks_and_trains_without_a_view_warning(t
     assert "returned a view tensor" not in output
     assert not [w for w in found["warnings"] if "view tensor" in w], found["warnings"]
     assert sorted(losses(tmp_path)) == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_trains_as_ddp_writes_one_copy_and_resumes_bit_identical(tmp_path):
+    """HSDP on 4 processes, 2 replicas x 2 shards: the losses are DDP's on 4 up to float
+    noise; the first replica's ranks write the rows (the shards sum to DDP's files), the
+    second's nearly nothing; killed after the checkpoint of step 6 and resumed, it ends bit for
+    bit where the straight run ends."""
+    runs = {"hsdp": launch(tmp_path / "hsdp", "hsdp", nproc=4)}
+    runs["ddp"] = launch(tmp_path / "ddp", "ddp", nproc=4)
+    for proc in runs.values():
+        finish(proc)
+    hybrid, ddp = losses(tmp_path / "hsdp"), losses(tmp_path / "ddp")
+    assert [hybrid[s] for s in sorted(ddp)] == pytest.approx(
+        [ddp[s] for s in sorted(ddp)], rel=1e-5
+    )
+    checkpoint = checkpoint_dir(tmp_path / "hsdp", STEPS)
+    ours, theirs = (
+        component_bytes(checkpoint),
+        component_bytes(checkpoint_dir(tmp_path / "ddp", STEPS)),
+    )
+    for name in ("model", "optimizer"):
+        first, second = ours[name][:2], ours[name][2:]
+        assert max(second) < 0.02 * min(first), (name, ours[name])
+        assert sum(ours[name]) == pytest.approx(theirs[name][-1], rel=0.1), (name, ours, theirs)
+    ours_w, theirs_w = (
+        read_weights(checkpoint),
+        read_weights(checkpoint_dir(tmp_path / "ddp", STEPS)),
+    )
+    for name in theirs_w:
+        torch.testing.assert_close(ours_w[name], theirs_w[name], rtol=1e-4, atol=1e-5)
+
+    finish(launch(tmp_path / "run", "hsdp", nproc=4, stop=6), killed=True)
+    assert not checkpoint_dir(tmp_path / "run", 9).exists()
+    finish(launch(tmp_path / "run", "hsdp-resume", nproc=4))
+    done = checkpoint_dir(tmp_path / "run", STEPS)
+    assert_same_tensors(read_weights(checkpoint), read_weights(done), "weights")
+    assert_same_tensors(optimizer_state(checkpoint), optimizer_state(done), "optimizer")
