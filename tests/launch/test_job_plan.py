@@ -333,8 +333,10 @@ SHORT = ["-D", "max_steps=2", "-D", "save_steps=2", "-D", "eval_steps=1000"]
     [
         ("train", ["--set", "trainer.args.fsdp=full_shard"]),
         ("pipeline", []),  # 2 stages: the tied embedding's optimizer state on both
+        # each rank's rows of the moving average too
+        ("train", ["--set", "trainer.args.fsdp=full_shard", "--set", "trainer.args.ema_decay=0.9"]),
     ],
-    ids=["fsdp", "pipeline"],
+    ids=["fsdp", "pipeline", "fsdp-ema"],
 )
 def test_the_planned_checkpoint_size_matches_two_processes_files(project, config, extra, capsys):
     from tests.helpers import run_forge
