@@ -229,6 +229,18 @@ def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: boo
             f"{directory}: weights do not match {class_label(model)} (missing keys: "
             f"{', '.join(missing[:5])})"
         )
+    wrong = [
+        f"{name} is {tuple(reader.shapes[source[name]])} in the checkpoint, "
+        f"{tuple(value.shape)} in the model"
+        for name, value in expected.items()
+        if name in source and list(reader.shapes[source[name]]) != list(value.shape)
+    ]
+    if wrong:  # a DTensor takes rows of any width: the shapes are checked before reading
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise CheckpointError(
+            f"{directory}: weights do not fit {class_label(model)}: {'; '.join(wrong[:3])}"
+            f"{more}; the checkpoint was written for another configuration of the model"
+        )
     state: dict[str, Any] = {}
     for name, value in expected.items():
         if name not in source:
