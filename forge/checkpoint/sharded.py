@@ -235,7 +235,7 @@ def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: boo
         for name, value in expected.items()
         if name in source and list(reader.shapes[source[name]]) != list(value.shape)
     ]
-    if wrong:  # a DTensor takes rows of any width: the shapes are checked before reading
+    if wrong:  # before reading: torch's copy error would give the model's shape for both
         more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
         raise CheckpointError(
             f"{directory}: weights do not fit {class_label(model)}: {'; '.join(wrong[:3])}"

@@ -169,8 +169,10 @@ def test_a_sharded_model_is_named_by_its_own_class(one_rank, tmp_path):
 
 
 def test_a_sharded_model_refuses_weights_of_another_shape_by_name(tmp_path):
-    """A DTensor takes rows of any width from a file: without a check, a checkpoint of a wider
-    model loaded into a sharded one without an error (each rank read rows of the wrong width)."""
+    """A checkpoint of a wider model, loaded into a sharded one, is refused naming each tensor
+    and both shapes (rows of the wrong width were read first, and torch's copy error named the
+    model's shape as the checkpoint's too: "dimensions in the model are [8, 4] and ... in the
+    checkpoint are [8, 4]")."""
     import torch.distributed as dist
     from torch import nn
     from torch.distributed.fsdp import fully_shard

@@ -170,7 +170,7 @@ def test_a_sharded_checkpoint_reshards_to_one_process_back_and_to_a_pipeline(str
     # one process -> FSDP on 2 ranks (each takes its rows of the whole weights and moments)
     finish(launch(tmp_path / "plain", "plain", nproc=1))
     _continue_from(tmp_path / "plain", tmp_path / "to_fsdp", 6)
-    finish(launch(tmp_path / "to_fsdp", "fsdp-wide-resume"))
+    finish(launch(tmp_path / "to_fsdp", "fsdp-resume"))
     # FSDP on 2 ranks -> the pipeline trainer, 2 stages: each stage reads its own weights
     _continue_from(straight / "fsdp", tmp_path / "to_pipeline", 6)
     finish(launch(tmp_path / "to_pipeline", "pipeline-resume"))
