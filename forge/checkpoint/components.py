@@ -96,6 +96,13 @@ class RngState:
         restore_rng_state(state, self.device)
 
 
+def is_main_rank() -> bool:
+    """Whether this process is rank 0 of its job (or runs alone)."""
+    import torch.distributed as dist
+
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
 def _plain_name(name: str) -> str:
     """A parameter name without DDP's ``module.`` or torch.compile's ``_orig_mod.`` parts."""
     return ".".join(p for p in name.split(".") if p not in ("module", "_orig_mod"))
@@ -233,11 +240,8 @@ class ShardedWeights:
         self.tokenizer = tokenizer
 
     def state_dict(self) -> dict[str, Any]:
-        import torch.distributed as dist
-
-        main = not dist.is_initialized() or dist.get_rank() == 0
         return split_state(
-            without_tied_copies(self.model, self.model.state_dict()), keep_whole=main
+            without_tied_copies(self.model, self.model.state_dict()), keep_whole=is_main_rank()
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # loads through load_checkpoint
@@ -273,7 +277,7 @@ class ShardedOptimizerState:
             return {}  # no step yet (see OptimizerState)
         options = StateDictOptions(flatten_optimizer_state_dict=True)
         flat = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        return split_state(flat, keep_whole=True)
+        return split_state(flat, keep_whole=is_main_rank())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the whole state (keyed by parameter name, as ``OptimizerState`` saves it):
@@ -296,9 +300,11 @@ class ShardedOptimizerState:
                 for key, value in own.items():
                     if isinstance(param, DTensor) and value.dim() and value.shape == param.shape:
                         local, offset, _ = local_piece(param)
-                        rows = value[offset : offset + local.shape[0]].to(local.dtype)
+                        # a copy of the rows: a view would keep (and torch.save write)
+                        # every rank's rows of the whole moment
+                        rows = value[offset : offset + local.shape[0]]
                         own[key] = DTensor.from_local(
-                            rows.contiguous(),
+                            rows.to(local.dtype, copy=True, memory_format=torch.contiguous_format),
                             param.device_mesh,
                             param.placements,
                             shape=param.shape,

@@ -57,35 +57,60 @@ def _is_dtensor(value: Any) -> bool:
 
 def local_piece(tensor: Any) -> tuple[torch.Tensor, int, list[int]]:
     """(this rank's rows, their offset in dimension 0, the whole shape) of a DTensor sharded
-    on dimension 0 (FSDP2's layout), or of a whole tensor (offset 0)."""
+    on dimension 0 (FSDP2's layout; replicated along other mesh dimensions, as HSDP's), or of
+    a whole tensor (offset 0)."""
     if not _is_dtensor(tensor):
         return tensor, 0, list(tensor.shape)
-    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor import Replicate, Shard
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-    if any(not isinstance(p, Shard) or p.dim != 0 for p in tensor.placements):
-        if all(not isinstance(p, Shard) for p in tensor.placements):
-            return tensor.to_local(), 0, list(tensor.shape)
+    if any(
+        not (isinstance(p, Replicate) or (isinstance(p, Shard) and p.dim == 0))
+        for p in tensor.placements
+    ):
         raise CheckpointError(f"a tensor sharded as {tensor.placements} cannot be saved by rows")
+    if all(isinstance(p, Replicate) for p in tensor.placements):
+        return tensor.to_local(), 0, list(tensor.shape)
     _, offset = compute_local_shape_and_global_offset(
         tensor.shape, tensor.device_mesh, tensor.placements
     )
     return tensor.to_local(), int(offset[0]) if tensor.dim() else 0, list(tensor.shape)
 
 
+def first_holder(tensor: Any) -> bool:
+    """Whether this rank is the first of the ranks holding the same piece of ``tensor``: a
+    DTensor replicated along a mesh dimension (HSDP's replicas) is held by one rank of each
+    coordinate there, and only coordinate 0 writes it."""
+    if not _is_dtensor(tensor):
+        return True
+    from torch.distributed.tensor import Replicate
+
+    coordinate = tensor.device_mesh.get_coordinate() or []
+    return all(
+        c == 0
+        for c, p in zip(coordinate, tensor.placements, strict=True)
+        if isinstance(p, Replicate)
+    )
+
+
 def split_state(state: dict[str, Any], *, keep_whole: bool) -> dict[str, Any]:
     """A state dict as one rank's shard: ``tensors`` (its rows of each DTensor, and whole
     tensors where ``keep_whole``), ``layout`` (``name: [offset, *shape]``) and ``other``
-    (plain values)."""
+    (plain values, where ``keep_whole``). Rows a replica holds as well are kept by the first
+    replica's rank alone (``first_holder``). One rank keeps what every rank holds whole, so the
+    shards sum to one process's state (a scalar step per parameter and an optimizer's flat
+    settings are a tenth of a small model's moments)."""
     tensors, layout, other = {}, {}, {}
     for name, value in state.items():
         if _is_dtensor(value):
+            if not first_holder(value):
+                continue  # a replica's copy: the first replica writes these rows
             local, offset, shape = local_piece(value)
             tensors[name], layout[name] = local, [offset, *shape]
         elif isinstance(value, torch.Tensor):
             if keep_whole:
                 tensors[name], layout[name] = value, [0, *value.shape]
-        else:
+        elif keep_whole:
             other[name] = value
     return {"tensors": tensors, "layout": layout, "other": other}
 
@@ -203,6 +228,18 @@ def load_sharded_weights(model: torch.nn.Module, directory: Path, *, strict: boo
         raise CheckpointError(
             f"{directory}: weights do not match {class_label(model)} (missing keys: "
             f"{', '.join(missing[:5])})"
+        )
+    wrong = [
+        f"{name} is {tuple(reader.shapes[source[name]])} in the checkpoint, "
+        f"{tuple(value.shape)} in the model"
+        for name, value in expected.items()
+        if name in source and list(reader.shapes[source[name]]) != list(value.shape)
+    ]
+    if wrong:  # before reading: torch's copy error would give the model's shape for both
+        more = f" and {len(wrong) - 3} more" if len(wrong) > 3 else ""
+        raise CheckpointError(
+            f"{directory}: weights do not fit {class_label(model)}: {'; '.join(wrong[:3])}"
+            f"{more}; the checkpoint was written for another configuration of the model"
         )
     state: dict[str, Any] = {}
     for name, value in expected.items():

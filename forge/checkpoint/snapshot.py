@@ -110,9 +110,23 @@ def stepped_by(optimizer: Any) -> Callable[[Any], bool]:
     return lambda t: t.numel() > 0 and t.untyped_storage().data_ptr() in storages
 
 
+def compact(tensor: Any) -> Any:
+    """``tensor`` itself where it is contiguous and its storage holds nothing else, else a
+    contiguous copy of its own bytes. ``torch.save`` writes a tensor's whole storage: a view
+    (one rank's rows of a moment loaded whole, a slice of a merged state) would write every
+    other rank's rows as well, silently, at every save."""
+    import torch
+
+    own = tensor.numel() * tensor.element_size()
+    if tensor.is_contiguous() and tensor.untyped_storage().nbytes() == own:
+        return tensor
+    return tensor.clone(memory_format=torch.contiguous_format)
+
+
 def host_copy(obj: Any, copier: HostCopier | None = None) -> Any:
     """``obj`` (a state dict: dicts, lists and tuples of tensors and plain values) with every
     tensor copied to CPU memory: detached, contiguous and sharing no memory with ``obj``
+    (a kept CPU tensor is compacted: ``compact``)
     (``copier`` may keep CPU tensors, stage CUDA ones or defer copies: see HostCopier).
 
     Tensors that are the same tensor in ``obj`` (tied weights, one parameter under two names)
@@ -140,7 +154,7 @@ def host_copy(obj: Any, copier: HostCopier | None = None) -> Any:
         if found is not None:
             return found
         if item.device.type == "cpu" and not copier.copy_cpu:
-            found = item.detach().contiguous()  # no copy when already contiguous
+            found = compact(item.detach())  # no copy when it already owns just its bytes
         elif item.device.type == "cpu" and copier.deferrable and copier.deferrable(item):
             found = copier.defer(item)
         elif copier.staging is not None and item.device.type == "cuda":

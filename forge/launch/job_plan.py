@@ -45,6 +45,9 @@ AVERAGE_BYTES = 4
 #: group's 12 settings (flattened by name), the step, and the pickle and zip entries
 OPTIMIZER_KEYS_PER_TENSOR = 13  # + one per state
 OPTIMIZER_ENTRY_BYTES = 1300
+#: each further FSDP shard's optimizer file, per state tensor: its rows' pickle, zip entry and
+#: layout (rank 0's file alone holds the settings and step counts)
+SHARD_MOMENT_BYTES = 300
 #: model.safetensors, per tensor: its header entry (name, dtype, shape, offsets)
 WEIGHTS_ENTRY_BYTES = 64
 #: ema.pt, per tensor: its name, pickle and zip entry
@@ -221,16 +224,18 @@ def checkpoint_size(
     """What one checkpoint of a job with ``processes`` processes writes. Each stage of a
     pipeline writes the optimizer state (and moving average) of every trainable parameter it
     holds, so a tied weight's are written by both of its stages; each of ``shard`` FSDP shard
-    files keys its part of every tensor by the tensor's name."""
+    files keys its part of every tensor by the tensor's name (what is whole on every rank,
+    rank 0's alone; an HSDP replica's other ranks write nearly empty files)."""
     per = params.bytes_per_param
     trained = sum(params.trainable_per_process)
     trained_names = [n for names in params.trainable_names for n in names]
     weights = params.saved * per + shard * sum(
         WEIGHTS_ENTRY_BYTES + len(n) for n in params.saved_names
     )
-    optimizer = trained * states * per + shard * sum(
+    optimizer = trained * states * per + sum(
         OPTIMIZER_ENTRY_BYTES + (OPTIMIZER_KEYS_PER_TENSOR + states) * len(n) for n in trained_names
     )
+    optimizer += (shard - 1) * states * sum(SHARD_MOMENT_BYTES + len(n) for n in trained_names)
     moving = 0
     if average:
         moving = trained * AVERAGE_BYTES + shard * sum(
@@ -249,6 +254,7 @@ def describe_plan(
     shard: int,
     args: Any,
     dataset_size: int | None,
+    mesh: tuple[int, int] | None = None,
     params: ParameterCount | None,
     optimizer: tuple[str, int | None],
     checkpoints_dir: str,
@@ -263,6 +269,11 @@ def describe_plan(
     checkpoint of another data-parallel size does to the data and the batch."""
     replicas = world_size // pp  # the ranks that read their own batches (sharded ones too)
     sharded = f" (FSDP2: the model state sharded over {shard})" if shard > 1 else ""
+    if mesh is not None:
+        sharded = (
+            f" (HSDP: a {mesh[0]} x {mesh[1]} mesh, {mesh[0]} replica(s) of the model state "
+            f"sharded over {mesh[1]})"
+        )
     stages = "pipeline stage" if pp == 1 else "pipeline stages"
     where = f"{nnodes} nodes" if nnodes > 1 else "1 node"
     lines = [
@@ -433,13 +444,19 @@ def make_plan(
     params = count_parameters(model, pipeline) if isinstance(model, nn.Module) else None
     if params is not None and peft_node is not None:
         params.adapter = True
-    shard = 1
+    shard, mesh = 1, None
     settings = getattr(args, "fsdp_settings", None)
-    if pp == 1 and world_size > 1 and callable(settings) and settings() is not None:
+    sharding = settings() if callable(settings) else None
+    if pp == 1 and world_size > 1 and sharding is not None:
         shard = world_size  # FSDP2 shards over every data-parallel rank
+        if sharding.hybrid:  # HSDP: over the ranks of one replica
+            mesh = sharding.hybrid_mesh(world_size, world_size // max(nnodes, 1))
+            shard = mesh[1]
     how = (
         "pipeline stages"
         if pp > 1
+        else "hybrid sharded data parallel, FSDP2 (HSDP)"
+        if mesh is not None
         else "sharded data parallel, FSDP2"
         if shard > 1
         else "data parallel"
@@ -454,6 +471,7 @@ def make_plan(
         nnodes=nnodes,
         pp=pp,
         shard=shard,
+        mesh=mesh,
         args=args,
         dataset_size=dataset_size,
         params=params,

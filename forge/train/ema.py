@@ -15,7 +15,10 @@ training started from. The update is ``torch.optim.swa_utils.get_ema_multi_avg_f
 
 It is a stage-scoped checkpoint component keyed by parameter name, so each pipeline stage
 keeps the average of its own parameters and a checkpoint of one split loads into another, as
-the optimizer's state does. ``swapped_in`` evaluates with the average: it puts the average into
+the optimizer's state does. Under FSDP2 the parameters are DTensors holding each rank's rows: the
+average is a DTensor sharded as its parameter, updated on the local rows alone (no gather), and
+a sharded component: each rank writes its rows, and any process count or trainer reads them
+back (a merge by name, as the sharded optimizer's). ``swapped_in`` evaluates with the average: it puts the average into
 the parameters and, after, the weights back bit for bit. ``read_ema_state`` reads a
 checkpoint's average for ``forge export --ema`` and ``forge evaluate --ema``.
 
@@ -41,13 +44,41 @@ from torch.optim.swa_utils import get_ema_multi_avg_fn
 
 from forge.checkpoint import CheckpointError, Component, Scope, read_manifest
 from forge.checkpoint.registry import read_component_states
+from forge.checkpoint.sharded import has_dtensors, local_piece, merge_sharded, split_state
 from forge.train.callbacks import TrainerCallback
 from forge.wrappers import unwrap_model
 
 logger = logging.getLogger(__name__)
 
-#: the checkpoint component's name (files ``ema.pt`` or ``ema-stage-K-of-N.pt``)
+#: the checkpoint component's name (files ``ema.pt``, ``ema-stage-K-of-N.pt`` or
+#: ``ema-shard-RRRRR-of-WWWWW.pt``)
 EMA_COMPONENT = "ema"
+
+#: a sharded average's files key each tensor as ``weights.<name>`` beside ``steps``, ``updates``
+_WEIGHTS = "weights."
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a DTensor (sharing its memory), or the tensor itself."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def _sharded_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` that FSDP2's ``fully_shard`` made ``FSDPModule``s."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in unwrap_model(model).modules() if isinstance(m, FSDPModule)]
+
+
+def nested_state(state: dict[str, Any]) -> dict[str, Any]:
+    """An average's state as ``WeightsEMA.state_dict`` gives it whole, from that or from a
+    sharded average's shards merged (``weights.<name>`` keys beside ``steps``, ``updates``)."""
+    if "weights" in state:
+        return state
+    weights = {k.removeprefix(_WEIGHTS): v for k, v in state.items() if k.startswith(_WEIGHTS)}
+    return {"steps": state["steps"], "updates": state["updates"], "weights": weights}
 
 
 def trainable_parameters(model: nn.Module) -> list[tuple[list[str], nn.Parameter]]:
@@ -82,12 +113,20 @@ class WeightsEMA:
         if not self.params:
             raise ValueError("the model has no trainable parameters to average")
         self.shadow = [self._fp32_copy(p) for _, p in self.params]
+        self.sharded = has_dtensors(self.shadow)  # FSDP2: each rank holds its rows
+        self._gathered = _sharded_modules(model) if self.sharded else []
         self.steps = 0  # applied optimizer steps
         self.updates = 0
 
     @staticmethod
     def _fp32_copy(param: torch.Tensor) -> torch.Tensor:
-        return torch.empty_like(param, dtype=torch.float32).copy_(param.detach())
+        """An fp32 copy laid out as ``param`` (a DTensor's: sharded the same way)."""
+        with torch.no_grad():
+            return torch.empty_like(param, dtype=torch.float32).copy_(param.detach())
+
+    def _locals(self) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """(this rank's rows of each parameter, of its average): what an update touches."""
+        return [_local(p.detach()) for _, p in self.params], [_local(s) for s in self.shadow]
 
     # ------------------------------------------------------------------ updates
     def decay_at(self, step: int) -> float:
@@ -104,16 +143,17 @@ class WeightsEMA:
         self.steps += 1
         if self.steps % self.update_every:
             return
-        weights = [p.detach() for _, p in self.params]
+        weights, shadow = self._locals()  # a sharded average updates its own rows: no gather
         weights = [w if w.dtype == torch.float32 else w.float() for w in weights]
-        get_ema_multi_avg_fn(self.decay_at(self.steps))(self.shadow, weights, None)
+        with torch.no_grad():
+            get_ema_multi_avg_fn(self.decay_at(self.steps))(shadow, weights, None)
         self.updates += 1
 
     def reset_to_weights(self) -> None:
         """Start the average afresh from the current weights (no steps counted)."""
         with torch.no_grad():
-            for (_, param), shadow in zip(self.params, self.shadow, strict=True):
-                shadow.copy_(param.detach())
+            for weights, shadow in zip(*self._locals(), strict=True):
+                shadow.copy_(weights)
         self.steps = self.updates = 0
 
     # ------------------------------------------------------------------ evaluation
@@ -121,35 +161,56 @@ class WeightsEMA:
     def swapped_in(self) -> Iterator[None]:
         """The average in the parameters (in their dtype) for the duration; the weights are
         put back exactly afterwards, whatever happens inside."""
+        params, shadows = self._locals()
         with torch.no_grad():
-            kept = [p.detach().clone() for _, p in self.params]
-            for (_, param), shadow in zip(self.params, self.shadow, strict=True):
+            kept = [p.clone() for p in params]
+            for param, shadow in zip(params, shadows, strict=True):
                 param.copy_(shadow)
+        self._drop_gathered()
         try:
             yield
         finally:
             with torch.no_grad():
-                for (_, param), weights in zip(self.params, kept, strict=True):
+                for param, weights in zip(params, kept, strict=True):
                     param.copy_(weights)
+            self._drop_gathered()
+
+    def _drop_gathered(self) -> None:
+        """Free the parameters FSDP2 keeps gathered between forwards (the root's, which is
+        not resharded after a forward without backward): the next forward gathers the rows
+        just swapped in or out, never the other weights' stale copy."""
+        for module in self._gathered:
+            module.reshard()
 
     def copy_to_weights(self) -> None:
         """Put the average into the parameters (in their dtype), for good."""
         with torch.no_grad():
-            for (_, param), shadow in zip(self.params, self.shadow, strict=True):
+            for param, shadow in zip(*self._locals(), strict=True):
                 param.copy_(shadow)
+        self._drop_gathered()
 
     # ------------------------------------------------------------------ checkpoint component
     def state_dict(self) -> dict[str, Any]:
         """``{"steps", "updates", "weights": {name: fp32 tensor}}``: each tied parameter under
-        every name it has (one tensor, saved once), so any split finds the names it holds."""
+        every name it has (one tensor, saved once), so any split finds the names it holds.
+        A sharded average gives this rank's shard (``split_state``) of ``weights.<name>``
+        keys: its rows of each average; rank 0 also the counts."""
         weights = {}
         for (names, _), shadow in zip(self.params, self.shadow, strict=True):
             for name in names:
                 weights[name] = shadow
-        return {"steps": self.steps, "updates": self.updates, "weights": weights}
+        if not self.sharded:
+            return {"steps": self.steps, "updates": self.updates, "weights": weights}
+        import torch.distributed as dist
+
+        flat = {f"{_WEIGHTS}{name}": tensor for name, tensor in weights.items()}
+        flat.update(steps=self.steps, updates=self.updates)
+        return split_state(flat, keep_whole=not dist.is_initialized() or dist.get_rank() == 0)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """This model's names from a checkpoint of any split (``reshard`` merged them)."""
+        """This model's names from a checkpoint of any split (``reshard`` merged them) or any
+        number of shards (merged whole); a sharded average keeps this rank's rows."""
+        state = nested_state(state)
         saved = state["weights"]
         missing = [names[0] for names, _ in self.params if not any(n in saved for n in names)]
         if missing:
@@ -169,7 +230,8 @@ class WeightsEMA:
                         f"the checkpoint's moving average of {names[0]} has shape "
                         f"{tuple(found.shape)}, the parameter {tuple(shadow.shape)}"
                     )
-                shadow.copy_(found)
+                local, offset, _ = local_piece(shadow)
+                local.copy_(found[offset : offset + local.shape[0]] if local.dim() else found)
         self.steps, self.updates = int(state["steps"]), int(state["updates"])
 
     @staticmethod
@@ -230,7 +292,7 @@ class EMACallback(TrainerCallback):
             Component(
                 EMA_COMPONENT,
                 self.average,
-                Scope.STAGE,
+                Scope.SHARDED if self.average.sharded else Scope.STAGE,
                 required=False,
                 reshard=WeightsEMA.reshard,
                 on_absent=self.average.reset_to_weights,  # after the weights were restored
@@ -305,6 +367,8 @@ def read_ema_component(checkpoint: str | Path) -> dict[str, Any]:
     shards = read_component_states(checkpoint, EMA_COMPONENT)
     if not shards:
         raise CheckpointError(f"{checkpoint}: its '{EMA_COMPONENT}' component lists no files")
+    if manifest.components[EMA_COMPONENT].get("scope") == Scope.SHARDED.value:
+        return nested_state(merge_sharded(shards))
     return WeightsEMA.reshard(shards)
 
 

@@ -21,6 +21,7 @@ from typing import Any
 _RANK_VARS = ("RANK", "PMI_RANK", "OMPI_COMM_WORLD_RANK", "MV2_COMM_WORLD_RANK")
 _WORLD_VARS = ("WORLD_SIZE", "PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "MV2_COMM_WORLD_SIZE")
 _LOCAL_RANK_VARS = ("LOCAL_RANK", "MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK")
+_LOCAL_WORLD_VARS = ("LOCAL_WORLD_SIZE", "MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE")
 
 
 def _first_int(env: Mapping[str, str], names: tuple[str, ...], default: int) -> int:
@@ -44,6 +45,7 @@ class Topology:
     world_size: int = 1
     local_rank: int = 0
     num_stages: int = 1
+    local_world_size: int = 0  # processes on this node; 0: not told (all of them)
 
     def __post_init__(self) -> None:
         if self.world_size < 1 or not 0 <= self.rank < self.world_size:
@@ -62,11 +64,19 @@ class Topology:
             world_size=_first_int(env, _WORLD_VARS, 1),
             local_rank=_first_int(env, _LOCAL_RANK_VARS, 0),
             num_stages=num_stages,
+            local_world_size=_first_int(env, _LOCAL_WORLD_VARS, 0),
         )
 
     def with_stages(self, num_stages: int) -> Topology:
         """The same process in a job split into ``num_stages`` pipeline stages."""
-        return Topology(self.rank, self.world_size, self.local_rank, num_stages)
+        return Topology(
+            self.rank, self.world_size, self.local_rank, num_stages, self.local_world_size
+        )
+
+    @property
+    def node_size(self) -> int:
+        """The processes on one node (the launcher's LOCAL_WORLD_SIZE; all when not told)."""
+        return self.local_world_size or self.world_size
 
     @property
     def is_main(self) -> bool:

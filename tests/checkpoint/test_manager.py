@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from forge.checkpoint import CheckpointError, Component, ModelWeights, Scope, find_checkpoints
+from forge.checkpoint.io import load_torch_state
 from forge.checkpoint.manager import BestRule, CheckpointManager
 from forge.checkpoint.storage import CheckpointStorage, use_storage
 from forge.train.topology import Topology
@@ -144,3 +145,22 @@ def test_a_failed_background_commit_is_raised_at_the_next_boundary_and_changes_n
     assert record.last_checkpoint.endswith("checkpoint-000001")
     assert [step for step, _, _ in committed] == [1]
     assert [info.path.name for info in find_checkpoints(ckpt_dir)] == ["checkpoint-000001"]
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_a_view_is_written_as_its_own_bytes_not_its_whole_storage(ckpt_dir, async_save):
+    """One rank's rows of a moment loaded whole are a view of every rank's rows: torch.save
+    would write the whole storage. A save writes the view's bytes alone, as a compact copy of
+    the same state would be written."""
+    whole = torch.randn(256, 64)
+    manager, *_ = make_manager(ckpt_dir, async_save=async_save)
+    manager.register(Component("moments", Value({"exp_avg": whole[:128]})))
+    manager.register(Component("copy", Value({"exp_avg": whole[:128].clone()})))
+    manager.save(1, epoch=0.0, metrics={})
+    manager.wait()
+    checkpoint = ckpt_dir / "checkpoint-000001"
+    written, compact = (checkpoint / "moments.pt").stat().st_size, (checkpoint / "copy.pt").stat()
+    assert written == pytest.approx(compact.st_size, abs=64)
+    assert written < 0.6 * whole.numel() * whole.element_size()
+    saved = load_torch_state(checkpoint / "moments.pt")["state"]["exp_avg"]
+    assert torch.equal(saved, whole[:128])

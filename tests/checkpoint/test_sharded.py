@@ -166,3 +166,26 @@ def test_a_sharded_model_is_named_by_its_own_class(one_rank, tmp_path):
     assert "weights do not match LlamaForCausalLM (missing keys: lm_head.weight)" in str(
         refused.value
     )
+
+
+def test_a_sharded_model_refuses_weights_of_another_shape_by_name(tmp_path):
+    """A checkpoint of a wider model, loaded into a sharded one, is refused naming each tensor
+    and both shapes (rows of the wrong width were read first, and torch's copy error named the
+    model's shape as the checkpoint's too: "dimensions in the model are [8, 4] and ... in the
+    checkpoint are [8, 4]")."""
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.fsdp import fully_shard
+
+    from forge.checkpoint.sharded import load_sharded_weights
+
+    write_shards(tmp_path, {"weight": torch.zeros(8, 16), "bias": torch.zeros(8)}, 1)
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path}/group", rank=0, world_size=1)
+    try:
+        model = fully_shard(nn.Linear(4, 8))
+        with pytest.raises(
+            CheckpointError, match=r"weight is \(8, 16\) in the checkpoint, \(8, 4\)"
+        ):
+            load_sharded_weights(model, tmp_path)
+    finally:
+        dist.destroy_process_group()

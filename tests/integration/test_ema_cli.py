@@ -117,3 +117,77 @@ def test_the_average_of_two_pipeline_stages_survives_sigkill_and_resume(project)
     assert "model.norm.weight" not in first  # each stage averages its own parameters
     for index, (x, y) in enumerate(zip(a, b, strict=True)):
         assert_same_tensors(x, y, f"ema stage {index}")
+
+
+def merged(checkpoint: Path, name: str) -> dict:
+    """A component's state put back whole from every rank's shard (keyed by name)."""
+    from forge.checkpoint.registry import read_component_states
+    from forge.checkpoint.sharded import merge_sharded
+
+    return merge_sharded(read_component_states(checkpoint, name))
+
+
+@pytest.mark.slow
+def test_the_average_under_fsdp_survives_sigkill_resume_exports_and_reshards(project, tmp_path):
+    """tiny_lm with fsdp on 2 processes and an average: each rank keeps and writes its rows
+    of it (no gather); killed with SIGKILL after step 20 and resumed, the weights and the
+    average end bit for bit where a straight run's do, and the average is DDP's within float
+    noise. `forge export --ema` and `forge evaluate --ema` read the shards, and the plain
+    trainer on one process continues the checkpoint with its average."""
+    from forge.checkpoint.weights import read_weights
+
+    fsdp = ["--nproc", "2", "--set", "trainer.args.fsdp=full_shard"]
+    common = ["train", "-p", str(project), *SMALL, *EMA]
+    straight = run_forge(*common, *fsdp)
+    assert straight.returncode == 0, straight.stderr
+    straight_dir = Path(straight.stdout.splitlines()[0])
+    ddp = run_forge(*common, "--nproc", "2")
+    assert ddp.returncode == 0, ddp.stderr
+
+    proc = start_forge(*common, *fsdp, cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc.send_signal(signal.SIGKILL)  # the job dies with its launcher
+    proc.wait(timeout=300)
+    assert not final_checkpoint(run_dir).exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+
+    a, b = final_checkpoint(straight_dir), final_checkpoint(run_dir)
+    entry = json.loads((b / "manifest.json").read_text())["components"]["ema"]
+    assert entry["scope"] == "sharded"
+    assert entry["files"] == [f"ema-shard-{r:05d}-of-00002.pt" for r in range(2)]
+    assert_same_tensors(merged(a, "ema"), merged(b, "ema"), "ema")
+    assert_same_tensors(read_weights(a), read_weights(b), "weights")
+    # the same run under DDP keeps the same average, up to the order of float additions
+    average = {k.removeprefix("weights."): v for k, v in merged(b, "ema").items() if "." in k}
+    with_ddp = component_state(final_checkpoint(Path(ddp.stdout.splitlines()[0])), "ema")
+    assert sorted(average) == sorted(with_ddp["weights"])
+    for name, tensor in with_ddp["weights"].items():
+        torch.testing.assert_close(average[name], tensor, rtol=1e-4, atol=1e-5)
+    # each rank wrote about half of it: the shards sum to DDP's one file
+    sizes = [(b / name).stat().st_size for name in entry["files"]]
+    whole = (final_checkpoint(Path(ddp.stdout.splitlines()[0])) / "ema.pt").stat().st_size
+    assert sum(sizes) == pytest.approx(whole, rel=0.1)
+
+    out = tmp_path / "exported"
+    exported = run_forge("export", str(b), str(out), "--ema")
+    assert exported.returncode == 0, exported.stderr
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for name, param in model.named_parameters():
+        assert torch.equal(param, average[name].to(param.dtype)), name
+    averaged = run_forge("evaluate", str(b), "--ema", "--json")
+    raw = run_forge("evaluate", str(b), "--json")
+    assert averaged.returncode == 0 and raw.returncode == 0, averaged.stderr + raw.stderr
+    assert json.loads(averaged.stdout)["eval_loss"] != json.loads(raw.stdout)["eval_loss"]
+
+    # the plain trainer on one process continues it: the average is read whole from the shards
+    more = ["--set", "trainer.args.max_steps=45", "--set", "trainer.args.fsdp=null"]
+    plain = run_forge(
+        "resume", "-p", str(project), "--run-dir", str(run_dir), "--nproc", "1", *more
+    )
+    assert plain.returncode == 0, plain.stderr
+    after = component_state(run_dir / "checkpoints" / "checkpoint-000045", "ema")
+    assert after["steps"] == 45 and sorted(after["weights"]) == sorted(average)

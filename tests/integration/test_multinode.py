@@ -368,3 +368,44 @@ def test_a_second_job_on_a_busy_endpoint_fails_at_once_and_the_first_trains_on(p
         os.killpg(job.proc.pid, signal.SIGKILL)
     assert finish(first) == [-signal.SIGKILL] * 2
     assert [p.name for p in (project / "output" / "train").glob("run_*")] == [run_dir.name]
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_on_two_nodes_shards_within_a_node_and_the_plain_trainer_continues(
+    project,
+):
+    """`fsdp: hybrid_shard` on two nodes of 2 processes: a 2 x 2 mesh by default (replicas
+    across the nodes, shards within a node): node 0's two ranks write the shards, node 1's (the
+    other replica, the same rows) nearly empty files; one process with the plain trainer
+    continues the checkpoint from there."""
+    from forge.checkpoint import read_manifest
+    from forge.checkpoint.weights import read_weights
+
+    settings = [*SMALL, "-D", "max_steps=10", "-D", "save_steps=5", "-D", "eval_steps=1000"]
+    hybrid = ["--set", "trainer.args.fsdp=hybrid_shard", "--nproc", "2"]
+    jobs = nodes("train", project, *settings, *hybrid)
+    codes = finish(jobs)
+    assert codes == [0, 0], [job.text() for job in jobs]
+    (run_dir,) = (project / "output" / "train").glob("run_*")
+    checkpoint = run_dir / "checkpoints" / "checkpoint-000010"
+    manifest = read_manifest(checkpoint)
+    files = manifest.components["model"]["files"]
+    assert files == [f"model-shard-{r:05d}-of-00004.safetensors" for r in range(4)]
+    sizes = [manifest.files[name]["size"] for name in files]
+    assert min(sizes[:2]) > 50 * max(sizes[2:]), sizes  # the second replica's copies: unwritten
+    weights = read_weights(checkpoint)
+
+    more = ["--set", "trainer.args.max_steps=15", "--set", "trainer.args.fsdp=null"]
+    plain = subprocess.run(
+        [sys.executable, "-m", "forge.cli", "resume", "-p", str(project), "--run-dir",
+         str(run_dir), "--nproc", "1", *more],
+        cwd=REPO, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+        timeout=900,
+    )  # fmt: skip
+    assert plain.returncode == 0, plain.stderr
+    continued = read_weights(run_dir / "checkpoints" / "checkpoint-000015")
+    assert sorted(continued) == sorted(weights)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    losses = {r["step"]: r["loss"] for r in rows if "loss" in r and "step" in r}
+    # it goes on from the trained weights: below the loss of step 5 (a fresh start is above)
+    assert max(losses) == 15 and losses[15] < losses[5]

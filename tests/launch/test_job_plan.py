@@ -203,6 +203,30 @@ def test_an_fsdp_dry_run_shards_the_model_state_over_its_ranks(project, capsys):
     assert len(total) == 2 and total[1] == pytest.approx(total[0] / 2, rel=0.02)
 
 
+@pytest.mark.slow  # two dry runs (~25 s on a busy machine); the mesh sizes: test_fsdp_args.py
+def test_a_hybrid_dry_run_prints_the_mesh_and_divides_by_the_shards(project, capsys):
+    """2 nodes of 2 processes: a 2 x 2 mesh by default; memory per rank is DDP's over 2."""
+    base = ["train", "-p", str(project.root), *SMALL, "--nproc", "2", "--nnodes", "2"]
+    base += ["--rdzv-endpoint", "127.0.0.1:29400"]
+    plain = [*base, "--dry-run"]
+    assert main(plain) == 0
+    whole = next(line for line in capsys.readouterr()[0].splitlines() if "memory/rank" in line)
+    code = main([*plain, "--set", "trainer.args.fsdp=hybrid_shard"])
+    out, err = capsys.readouterr()
+    assert code == 0, err
+    lines = out.splitlines()
+    assert (
+        "  parallelism   4 data-parallel (HSDP: a 2 x 2 mesh, 2 replica(s) of the model state "
+        "sharded over 2) x 1 pipeline stage = 4 process(es) on 2 nodes" in lines
+    ), lines
+    assert any("(hybrid sharded data parallel, FSDP2 (HSDP))" in line for line in lines)
+    sharded = next(line for line in lines if "memory/rank" in line)
+    total = [
+        float(n) * UNITS[u] for n, u in re.findall(r"= ([\d.]+) (B|KiB|MiB|GiB);", whole + sharded)
+    ]
+    assert len(total) == 2 and total[1] == pytest.approx(total[0] / 2, rel=0.02)
+
+
 # ---------------------------------------------------------------------------------------------
 # what a checkpoint holds: the moving average of the weights, a LoRA run's adapter
 
@@ -309,8 +333,10 @@ SHORT = ["-D", "max_steps=2", "-D", "save_steps=2", "-D", "eval_steps=1000"]
     [
         ("train", ["--set", "trainer.args.fsdp=full_shard"]),
         ("pipeline", []),  # 2 stages: the tied embedding's optimizer state on both
+        # each rank's rows of the moving average too
+        ("train", ["--set", "trainer.args.fsdp=full_shard", "--set", "trainer.args.ema_decay=0.9"]),
     ],
-    ids=["fsdp", "pipeline"],
+    ids=["fsdp", "pipeline", "fsdp-ema"],
 )
 def test_the_planned_checkpoint_size_matches_two_processes_files(project, config, extra, capsys):
     from tests.helpers import run_forge

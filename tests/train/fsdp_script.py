@@ -4,7 +4,8 @@
 
 MODE ``fsdp``, ``zero2`` (shard_grad_op with activation checkpointing), ``ddp``, ``plain``
 (no sharding: one process, or DDP), ``accel`` (the Accelerate trainer) or ``pipeline`` (the
-pipeline trainer); ``KIND-tied`` ties the model's output head to its token embedding.
+pipeline trainer); ``KIND-tied`` ties the model's output head to its token embedding,
+``KIND-wide`` makes it 4 times as wide.
 Gradient accumulation and clipping are on, and an evaluation every 3 steps over an eval set the
 ranks split unevenly (a sharded forward needs every rank). Saves every 3 steps; with STOP the
 job is SIGKILLed by rank 0 right after the checkpoint of step STOP is committed. MODE
@@ -41,6 +42,8 @@ ACCUMULATION = 2
 SHARDING = {
     "fsdp": {"fsdp": "full_shard"},
     "zero2": {"fsdp": "shard_grad_op", "activation_checkpointing": True},
+    # HSDP: 2 replicas of 2 shards on 4 processes (on two nodes of 2, the default mesh)
+    "hsdp": {"fsdp": "hybrid_shard", "fsdp_config": {"replicate_size": 2}},
 }
 
 
@@ -80,6 +83,8 @@ def main(output_dir: str, mode: str, stop: int | None) -> None:
     config = tiny_llama_config()
     config.attention_dropout = 0.0
     config.tie_word_embeddings = "tied" in flags
+    if "wide" in flags:  # tensors large enough that a file's fixed cost per tensor is noise
+        config.hidden_size, config.intermediate_size = 128, 256
     args = make_args(
         output_dir,
         max_steps=STEPS,

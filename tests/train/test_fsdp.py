@@ -191,6 +191,44 @@ def test_a_sharded_checkpoint_reshards_to_one_process_back_and_to_a_pipeline(str
     )
 
 
+def component_bytes(checkpoint: Path) -> dict[str, list[int]]:
+    """Each component of a checkpoint: the sizes of its files (a sharded one's: one per rank)."""
+    manifest = read_manifest(checkpoint)
+    return {
+        name: [manifest.files[file]["size"] for file in entry["files"]]
+        for name, entry in manifest.components.items()
+    }
+
+
+def assert_each_rank_writes_its_share(sharded: Path, whole: Path, names: tuple[str, ...]) -> None:
+    """The files of each sharded component of ``sharded`` sum to its one-process checkpoint's
+    (``whole``, the same state unsharded) within 5 %, and each rank's is its share. A file
+    costs about 300 B per tensor besides its data: the model must be wide enough for that to
+    be noise."""
+    ours, theirs = component_bytes(sharded), component_bytes(whole)
+    for name in names:
+        assert read_manifest(sharded).components[name]["scope"] == "sharded", name
+        share = sum(theirs[name]) / len(ours[name])
+        assert sum(ours[name]) == pytest.approx(sum(theirs[name]), rel=0.05), (name, ours, theirs)
+        for size in ours[name]:
+            assert size == pytest.approx(share, rel=0.1), (name, ours[name], share)
+
+
+@pytest.mark.slow
+def test_after_a_plain_checkpoint_is_continued_under_fsdp_each_rank_writes_its_share(tmp_path):
+    """A one-process checkpoint continued under FSDP: each rank keeps its rows of the moments
+    it loaded whole, and writes those alone (each rank wrote the whole optimizer, a view's
+    storage, at every later save)."""
+    finish(launch(tmp_path / "plain", "plain-wide", nproc=1))
+    _continue_from(tmp_path / "plain", tmp_path / "to_fsdp", 6)
+    finish(launch(tmp_path / "to_fsdp", "fsdp-wide-resume"))
+    assert_each_rank_writes_its_share(
+        checkpoint_dir(tmp_path / "to_fsdp", STEPS),
+        checkpoint_dir(tmp_path / "plain", STEPS),
+        ("model", "optimizer"),
+    )
+
+
 #: the trainers a checkpoint moves between, each with the process count it runs on here
 TRAINERS = {"plain": 1, "accel": 2, "pipeline": 2, "fsdp": 2}
 
@@ -270,12 +308,19 @@ def test_every_file_of_a_sharded_checkpoint_is_written_once_by_its_owner(straigh
             assert ranks == [int(own.group(1))], name
         else:
             assert ranks == [0], name
-    # each rank writes about half of the state (no gather): the bytes of the shard files
+    # each rank writes about half of the state (no gather), rank 0 also what is whole on every
+    # rank (a step count per parameter, the settings): the bytes of the shard files
     per_rank = [0, 0]
     for line in writes(straight / "writes"):
         if line["step"] == 6 and "-shard-" in line["file"]:
             per_rank[line["rank"]] += line["bytes"]
-    assert per_rank[1] == pytest.approx(per_rank[0], rel=0.1)
+    assert per_rank[1] == pytest.approx(per_rank[0], rel=0.15)
+    whole = sum(
+        component_bytes(checkpoint_dir(straight / "ddp", 6))[name][-1]
+        for name in ("model", "optimizer")
+    )
+    # a small model's file costs about 300 B per tensor besides its data
+    assert sum(per_rank) == pytest.approx(whole, rel=0.08)
 
 
 @pytest.mark.slow
@@ -338,3 +383,41 @@ def test_t5_shards_the_blocks_of_both_stacks_and_trains_without_a_view_warning(t
     assert "returned a view tensor" not in output
     assert not [w for w in found["warnings"] if "view tensor" in w], found["warnings"]
     assert sorted(losses(tmp_path)) == [1, 2, 3]
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_trains_as_ddp_writes_one_copy_and_resumes_bit_identical(tmp_path):
+    """HSDP on 4 processes, 2 replicas x 2 shards: the losses are DDP's on 4 up to float
+    noise; the first replica's ranks write the rows (the shards sum to DDP's files), the
+    second's nearly nothing; killed after the checkpoint of step 6 and resumed, it ends bit for
+    bit where the straight run ends."""
+    runs = {"hsdp": launch(tmp_path / "hsdp", "hsdp", nproc=4)}
+    runs["ddp"] = launch(tmp_path / "ddp", "ddp", nproc=4)
+    for proc in runs.values():
+        finish(proc)
+    hybrid, ddp = losses(tmp_path / "hsdp"), losses(tmp_path / "ddp")
+    assert [hybrid[s] for s in sorted(ddp)] == pytest.approx(
+        [ddp[s] for s in sorted(ddp)], rel=1e-5
+    )
+    checkpoint = checkpoint_dir(tmp_path / "hsdp", STEPS)
+    ours, theirs = (
+        component_bytes(checkpoint),
+        component_bytes(checkpoint_dir(tmp_path / "ddp", STEPS)),
+    )
+    for name in ("model", "optimizer"):
+        first, second = ours[name][:2], ours[name][2:]
+        assert max(second) < 0.02 * min(first), (name, ours[name])
+        assert sum(ours[name]) == pytest.approx(theirs[name][-1], rel=0.1), (name, ours, theirs)
+    ours_w, theirs_w = (
+        read_weights(checkpoint),
+        read_weights(checkpoint_dir(tmp_path / "ddp", STEPS)),
+    )
+    for name in theirs_w:
+        torch.testing.assert_close(ours_w[name], theirs_w[name], rtol=1e-4, atol=1e-5)
+
+    finish(launch(tmp_path / "run", "hsdp", nproc=4, stop=6), killed=True)
+    assert not checkpoint_dir(tmp_path / "run", 9).exists()
+    finish(launch(tmp_path / "run", "hsdp-resume", nproc=4))
+    done = checkpoint_dir(tmp_path / "run", STEPS)
+    assert_same_tensors(read_weights(checkpoint), read_weights(done), "weights")
+    assert_same_tensors(optimizer_state(checkpoint), optimizer_state(done), "optimizer")

@@ -44,7 +44,8 @@ def test_the_config_keys_that_apply_to_fsdp2():
 @pytest.mark.parametrize(
     ("fsdp", "config", "says"),
     [
-        ("hybrid_shard", None, "2-D device mesh"),
+        ("full_shard", {"shard_size": 2}, "shard_size sizes a hybrid mesh"),
+        ("hybrid_shard", {"replicate_size": 0}, "replicate_size must be a positive integer"),
         ("no_shard", None, "leave fsdp unset"),
         ("full_shard shard_grad_op", None, "choose one"),
         ("full_shrad", None, "unknown option 'full_shrad'"),
@@ -64,14 +65,6 @@ def test_the_pipeline_trainer_refuses_sharding_with_the_reason():
         PipelineTrainingArguments(output_dir="o", fsdp="full_shard")
 
 
-def test_a_moving_average_is_refused_under_fsdp():
-    # the average is stage-scoped: under fsdp it would be saved as one rank's shard
-    with pytest.raises(TrainingArgumentsError, match="ema_decay: a moving average .* under fsdp"):
-        TrainingArguments(output_dir="out", fsdp="full_shard", ema_decay=0.99)
-    TrainingArguments(output_dir="out", fsdp="full_shard", ema_decay=0)  # 0 is off
-    TrainingArguments(output_dir="out", ema_decay=0.99)
-
-
 def test_an_async_save_is_refused_under_fsdp():
     # its deferred copies ran into FSDP's DTensor storage ("invalid python storage") at the save
     with pytest.raises(
@@ -79,3 +72,23 @@ def test_an_async_save_is_refused_under_fsdp():
     ):
         TrainingArguments(output_dir="out", fsdp="full_shard", async_save=True)
     TrainingArguments(output_dir="out", fsdp="full_shard", async_save=False)
+
+
+def test_hybrid_sharding_takes_hf_names_and_the_mesh_sizes():
+    from forge.train.args.fsdp import parse_fsdp
+
+    found, problems = parse_fsdp("hybrid_shard", None, "trainer.args")
+    assert problems == [] and found.hybrid and found.reshard_after_forward
+    # by default the processes of a node shard and the nodes replicate
+    assert found.hybrid_mesh(world_size=8, local_world_size=4) == (2, 4)
+    zero2, _ = parse_fsdp("hybrid_shard_zero2", {"dp_shard_size": 2}, "trainer.args")
+    assert zero2.hybrid and not zero2.reshard_after_forward
+    assert zero2.hybrid_mesh(world_size=8, local_world_size=8) == (4, 2)
+    sized, _ = parse_fsdp("hybrid_shard", {"replicate_size": 2}, "trainer.args")
+    assert sized.hybrid_mesh(world_size=4, local_world_size=4) == (2, 2)
+    assert sized.hybrid_mesh(world_size=6, local_world_size=6) == (2, 3)
+    with pytest.raises(ValueError, match="must be the 5 processes"):
+        sized.hybrid_mesh(world_size=5, local_world_size=5)
+    wrong, _ = parse_fsdp("hybrid_shard", {"replicate_size": 2, "shard_size": 2}, "t")
+    with pytest.raises(ValueError, match=r"must be the 6 processes \(got 2 x 2\)"):
+        wrong.hybrid_mesh(world_size=6, local_world_size=6)

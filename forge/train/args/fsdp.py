@@ -10,12 +10,16 @@ from dataclasses import dataclass
 from typing import Any
 
 #: ``fsdp`` words: the sharding strategy and its options (HF's names)
-STRATEGIES = {"full_shard": True, "shard_grad_op": False}  # -> reshard_after_forward
+STRATEGIES = {  # -> reshard_after_forward
+    "full_shard": True,
+    "shard_grad_op": False,
+    "hybrid_shard": True,  # HSDP: sharded within a replica, replicated across them
+    "hybrid_shard_zero2": False,
+}
+HYBRID = ("hybrid_shard", "hybrid_shard_zero2")
 OPTIONS = ("offload", "auto_wrap")
 REFUSED_WORDS = {
     "no_shard": "no_shard is data parallelism without sharding: leave fsdp unset (DDP)",
-    "hybrid_shard": "hybrid sharding needs a 2-D device mesh, which forge does not build",
-    "hybrid_shard_zero2": "hybrid sharding needs a 2-D device mesh, which forge does not build",
 }
 #: ``fsdp_config`` keys that apply to FSDP2 (an ``fsdp_`` prefix, as HF writes them, is dropped)
 CONFIG_KEYS = (
@@ -26,7 +30,16 @@ CONFIG_KEYS = (
     "mixed_precision",
     "transformer_layer_cls_to_wrap",
     "modules",
+    "replicate_size",
+    "shard_size",
 )
+#: other spellings of the hybrid mesh's sizes (Accelerate's ParallelismConfig, torchtitan)
+SIZE_ALIASES = {
+    "dp_replicate_size": "replicate_size",
+    "data_parallel_replicate_degree": "replicate_size",
+    "dp_shard_size": "shard_size",
+    "data_parallel_shard_degree": "shard_size",
+}
 DTYPES = {
     "bfloat16": "bfloat16",
     "bf16": "bfloat16",
@@ -44,7 +57,9 @@ class FsdpSettings:
     """How ``fully_shard`` is applied: resharding after forward (``full_shard``: yes, ZeRO-3;
     ``shard_grad_op``: no, ZeRO-2), parameters offloaded to the CPU, mixed-precision dtypes
     (names of torch dtypes) and the blocks sharded one by one (module paths or class names;
-    None: the model's repeated layers)."""
+    None: the model's repeated layers). ``hybrid_shard`` / ``hybrid_shard_zero2`` shard on a
+    2-D mesh of ``replicate_size`` replicas x ``shard_size`` shards (None: the processes of a
+    node shard, the nodes replicate: see ``hybrid_mesh``)."""
 
     strategy: str = "full_shard"
     reshard_after_forward: bool = True
@@ -52,6 +67,29 @@ class FsdpSettings:
     param_dtype: str | None = None
     reduce_dtype: str | None = None
     modules: tuple[str, ...] | None = None
+    replicate_size: int | None = None
+    shard_size: int | None = None
+
+    @property
+    def hybrid(self) -> bool:
+        return self.strategy in HYBRID
+
+    def hybrid_mesh(self, world_size: int, local_world_size: int) -> tuple[int, int]:
+        """(replicas, shards) of a hybrid strategy's mesh for ``world_size`` processes,
+        ``local_world_size`` of them on each node: the sizes given, the one missing worked
+        out from the other, else shards within a node and replicas across nodes. A
+        ValueError says why sizes do not fit."""
+        replicate, shard = self.replicate_size, self.shard_size
+        if shard is None:
+            shard = world_size // replicate if replicate else local_world_size
+        if replicate is None:
+            replicate = world_size // shard if shard else 0
+        if replicate * shard != world_size:
+            raise ValueError(
+                f"fsdp_config.replicate_size x shard_size must be the {world_size} processes "
+                f"(got {replicate} x {shard})"
+            )
+        return replicate, shard
 
 
 def _words(value: Any) -> list[str] | None:
@@ -89,11 +127,11 @@ def parse_fsdp(fsdp: Any, config: Any, key: str) -> tuple[FsdpSettings | None, l
             problems.append(f"{key}.fsdp: {REFUSED_WORDS[word]}")
         elif word not in STRATEGIES and word not in OPTIONS:
             problems.append(
-                f"{key}.fsdp: unknown option {word!r}; use full_shard or shard_grad_op, "
+                f"{key}.fsdp: unknown option {word!r}; use one of {', '.join(STRATEGIES)}, "
                 "optionally with offload / auto_wrap"
             )
     if len(strategies) > 1:
-        problems.append(f"{key}.fsdp names {strategies}; choose one of full_shard, shard_grad_op")
+        problems.append(f"{key}.fsdp names {strategies}; choose one of {', '.join(STRATEGIES)}")
     strategy = strategies[0] if strategies else "full_shard"
     values: dict[str, Any] = {
         "strategy": strategy,
@@ -102,6 +140,12 @@ def parse_fsdp(fsdp: Any, config: Any, key: str) -> tuple[FsdpSettings | None, l
     }
     if config_given:
         problems.extend(_read_config(config, f"{key}.fsdp_config", values))
+    sizes = [n for n in ("replicate_size", "shard_size") if values.get(n) is not None]
+    if sizes and strategy not in HYBRID:
+        problems.append(
+            f"{key}.fsdp_config.{sizes[0]} sizes a hybrid mesh: set fsdp: hybrid_shard (or "
+            f"hybrid_shard_zero2), or remove it ({strategy} shards over every process)"
+        )
     return (None if problems else FsdpSettings(**values)), problems
 
 
@@ -111,7 +155,13 @@ def _read_config(config: Any, key: str, values: dict[str, Any]) -> list[str]:
     problems = []
     for raw, value in config.items():
         name = str(raw).removeprefix("fsdp_")
-        if name == "version":
+        name = SIZE_ALIASES.get(name, name)
+        if name in ("replicate_size", "shard_size"):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                problems.append(f"{key}.{raw} must be a positive integer (got {value!r})")
+            else:
+                values[name] = value
+        elif name == "version":
             if value != 2:
                 problems.append(
                     f"{key}.version: forge shards with FSDP2 (torch's fully_shard); version "

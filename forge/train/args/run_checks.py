@@ -324,12 +324,6 @@ class RunChecks(ValueChecks):
                 "background commit's deferred copies do not handle sharded DTensor state); "
                 "set async_save: false, or train with DDP (fsdp: null)"
             )
-        if sharded is not None and self.ema_decay not in (None, 0, 0.0):
-            p.append(
-                f"{self._key('ema_decay')}: a moving average of the weights is not kept under "
-                "fsdp (each rank holds 1/N of the parameters, and the average would be saved "
-                "as one rank's shard); train without ema_decay, or with DDP (fsdp: null)"
-            )
 
     def fsdp_settings(self) -> FsdpSettings | None:
         """What ``fsdp`` / ``fsdp_config`` ask of FSDP2; None when sharding is off."""

@@ -44,16 +44,46 @@ def sharded_blocks(
     return checkpointed_blocks(model, args, names)
 
 
-def apply_fully_shard(
-    model: nn.Module, settings: FsdpSettings, device: torch.device, args: TrainingArguments
-) -> str:
-    """Shard ``model`` in place over every rank (a 1-D device mesh); a line saying what was
-    sharded."""
+def sharding_mesh(settings: FsdpSettings, device: torch.device, node_size: int) -> Any:
+    """The device mesh the model is sharded on: every rank (1-D), or for a hybrid strategy
+    (HSDP) ``replicate`` x ``shard`` (2-D; by default the ranks of a node shard and the nodes
+    replicate, so all-gathers and reduce-scatters stay within a node and only the gradient
+    all-reduce crosses nodes)."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    if not settings.hybrid:
+        return init_device_mesh(device.type, (world,), mesh_dim_names=("shard",))
+    try:
+        replicate, shard = settings.hybrid_mesh(world, node_size)
+    except ValueError as exc:
+        raise TrainingArgumentsError([f"trainer.args.{exc}"]) from None
+    return init_device_mesh(device.type, (replicate, shard), mesh_dim_names=MESH_DIMS)
+
+
+#: the names of a hybrid mesh's dimensions (outer: replicas, inner: shards)
+MESH_DIMS = ("replicate", "shard")
+
+
+def describe_mesh(mesh: Any) -> str:
+    if mesh.ndim == 1:
+        return f"over {mesh.size()} ranks"
+    replicate, shard = mesh.shape
+    return f"on a {replicate} x {shard} mesh ({replicate} replicas of {shard} shards)"
+
+
+def apply_fully_shard(
+    model: nn.Module,
+    settings: FsdpSettings,
+    device: torch.device,
+    args: TrainingArguments,
+    node_size: int = 0,
+) -> str:
+    """Shard ``model`` in place (``sharding_mesh``); a line saying what was sharded."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = init_device_mesh(device.type, (dist.get_world_size(),))
+    mesh = sharding_mesh(settings, device, node_size)
     options: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": settings.reshard_after_forward,
@@ -75,7 +105,7 @@ def apply_fully_shard(
     names = [name for name, _ in blocks]
     span = ", ".join(names[:2]) + (f", ..., {names[-1]}" if len(names) > 2 else "")
     return (
-        f"FSDP2 {settings.strategy} over {mesh.size()} ranks: {len(blocks)} blocks "
+        f"FSDP2 {settings.strategy} {describe_mesh(mesh)}: {len(blocks)} blocks "
         f"({span or 'none'}) and the root"
     )
 
@@ -120,7 +150,10 @@ class FullyShard(ParallelStrategy):
         self.sharded: nn.Module | None = None
 
     def parallelize(self, model: nn.Module, compiled: nn.Module | None) -> nn.Module:
-        self.info("%s", apply_fully_shard(model, self.settings, self.device, self.args))
+        line = apply_fully_shard(
+            model, self.settings, self.device, self.args, self.topology.node_size
+        )
+        self.info("%s", line)
         self.sharded = model
         return super().parallelize(model, compiled)
 
