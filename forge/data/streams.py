@@ -1,0 +1,506 @@
+"""Streams (iterable datasets) as training data: sharded over ranks and loader workers, shuffled
+from the seed, and resumable exactly, in constant time.
+
+A stream is read as *shards* (files, or one shard for a stream that has no notion of them)
+through a :class:`StreamSource`: a ``datasets.IterableDataset`` (``HFStreamSource``), a torch
+``IterableDataset`` (``TorchStreamSource``) or one's own reader of shards (:class:`ShardReader`).
+Every (rank, loader worker) pair is a *slot*; slot ``s`` of ``S`` reads, in epoch ``e``:
+
+* by shards, where the shard count is a multiple of ``S``: the shards ``order[s::S]`` of the
+  epoch's shard order (a permutation seeded by ``seed + e`` when shuffling);
+* by items otherwise: every shard in the epoch's order, keeping items ``s, s + S, ...``
+  (as ``datasets.distributed.split_dataset_by_node`` and HF's ``IterableDatasetShard`` do).
+
+Every item of an epoch reaches exactly one slot. A slot reads its epochs one after the other
+(an endless stream; the trainer stops at ``max_steps``), through a seeded shuffle buffer whose
+contents are part of the slot's state. The state of a slot — epoch, shard, the position inside
+the shard (the source's own ``state_dict()`` where it has one), the items it has seen, the
+buffer — is what ``StatefulDataLoader`` saves per worker; a resume seeks the shard and goes on,
+at a cost bounded by one shard's read (a source without state re-reads the current shard up
+to the position; a torch stream without ``state_dict`` is one shard, so it re-reads from its
+start, and says so).
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import logging
+import warnings
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Any
+
+from torch.utils.data import IterableDataset, get_worker_info
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+logger = logging.getLogger(__name__)
+
+__all__ = [
+    "ShardReader",
+    "ShardedStream",
+    "StreamError",
+    "StreamLoader",
+    "build_stream_loader",
+    "is_stream",
+    "stream_source",
+]
+
+
+class StreamError(RuntimeError):
+    """A stream that cannot be read: names the shard and the item where it failed."""
+
+
+def is_stream(dataset: Any) -> bool:
+    """True for a dataset forge reads as a stream: an iterable dataset without ``__getitem__``
+    by index (torch's ``IterableDataset``, ``datasets.IterableDataset``, a ``ShardReader``)."""
+    if isinstance(dataset, (IterableDataset, ShardReader)):
+        return True
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover - datasets is a dependency
+        return False
+    return isinstance(dataset, datasets.IterableDataset)
+
+
+# --------------------------------------------------------------------------- sources
+class StreamSource:
+    """How a stream is read: ``num_shards`` shards, each opened at a saved position."""
+
+    num_shards: int = 1
+    stateful: bool = True  # False: a position is reached by re-reading the shard
+
+    def shard_name(self, shard: int) -> str:
+        return f"shard {shard}"
+
+    def open(self, shard: int, epoch: int, position: Any) -> ShardCursor:
+        raise NotImplementedError
+
+
+class ShardCursor:
+    """One shard being read: an iterator of items whose ``position()`` says where it is (what
+    ``open`` takes back to continue after the last item read)."""
+
+    def __init__(self, items: Iterator[Any], position: Callable[[], Any]) -> None:
+        self.items, self.position = items, position
+
+    def __iter__(self) -> Iterator[Any]:
+        return self.items
+
+
+class ShardReader:
+    """One's own reader of shards: ``read(shard)`` yields the items of one shard (a file name,
+    a URL, any picklable value); ``shards`` lists them. forge deals the shards to ranks and
+    workers, reshuffles their order each epoch and resumes inside a shard by skipping the items
+    already read in it (the cost of one shard at most). ``read`` may instead take
+    ``(shard, start)`` and begin at item ``start`` itself (``seekable=True``)."""
+
+    def __init__(
+        self,
+        shards: Sequence[Any],
+        read: Callable[..., Iterable[Any]],
+        *,
+        seekable: bool = False,
+    ) -> None:
+        if not shards:
+            raise ValueError("ShardReader needs at least one shard (got none)")
+        self.shards, self.read, self.seekable = list(shards), read, seekable
+
+    def __repr__(self) -> str:
+        return f"ShardReader({len(self.shards)} shards, read={getattr(self.read, '__name__', self.read)})"
+
+
+class ReaderSource(StreamSource):
+    """A :class:`ShardReader`: the position inside a shard is the count of items read."""
+
+    def __init__(self, reader: ShardReader) -> None:
+        self.reader = reader
+        self.num_shards = len(reader.shards)
+        self.stateful = reader.seekable
+
+    def shard_name(self, shard: int) -> str:
+        return str(self.reader.shards[shard])
+
+    def open(self, shard: int, epoch: int, position: Any) -> ShardCursor:
+        start = int(position or 0)
+        name = self.reader.shards[shard]
+        if self.reader.seekable:
+            items = iter(self.reader.read(name, start))
+        else:
+            items = iter(self.reader.read(name))
+            for _ in range(start):
+                next(items)
+        count = [start]
+
+        def counted() -> Iterator[Any]:
+            for item in items:
+                count[0] += 1
+                yield item
+
+        return ShardCursor(counted(), lambda: count[0])
+
+
+class TorchStreamSource(StreamSource):
+    """A torch ``IterableDataset`` as one shard; ``set_epoch(epoch)`` is called before each
+    pass where it exists. Its position is its own ``state_dict()`` where it defines one (with
+    ``load_state_dict``), else the count of items read (re-read on resume)."""
+
+    def __init__(self, dataset: Any) -> None:
+        self.dataset = dataset
+        self.stateful = callable(getattr(dataset, "state_dict", None)) and callable(
+            getattr(dataset, "load_state_dict", None)
+        )
+
+    def shard_name(self, shard: int) -> str:
+        return type(self.dataset).__name__
+
+    def open(self, shard: int, epoch: int, position: Any) -> ShardCursor:
+        dataset = self.dataset
+        if callable(getattr(dataset, "set_epoch", None)):
+            dataset.set_epoch(epoch)
+        if self.stateful:
+            if position is not None:
+                dataset.load_state_dict(position)
+            return ShardCursor(iter(dataset), dataset.state_dict)
+        return ReaderSource(ShardReader([dataset], iter)).open(0, epoch, position)
+
+
+class HFStreamSource(StreamSource):
+    """A ``datasets.IterableDataset``: its own shards (files, or parts of them), each read on its
+    own and positioned by ``datasets``' ``state_dict()`` (rows of a parquet or arrow file are
+    sought, lines of a json or text file re-read)."""
+
+    def __init__(self, dataset: Any) -> None:
+        if getattr(dataset, "_shuffling", None) is not None:
+            raise ValueError(
+                "the datasets.IterableDataset was shuffled with .shuffle(); its shuffle buffer is "
+                "not restored on resume (datasets drops it), so forge shuffles the stream itself: "
+                "remove .shuffle() and set the trainer's stream_shuffle_buffer instead"
+            )
+        self.dataset = dataset
+        self.num_shards = max(int(dataset.num_shards), 1)
+        self._files = _data_files(dataset)
+
+    def shard_name(self, shard: int) -> str:
+        if self._files and len(self._files) == self.num_shards:
+            return str(self._files[shard])
+        return f"shard {shard} of {self.num_shards}"
+
+    def open(self, shard: int, epoch: int, position: Any) -> ShardCursor:
+        part = self.dataset
+        if self.num_shards > 1:
+            part = part.shard(num_shards=self.num_shards, index=shard, contiguous=True)
+        if position is not None:
+            part.load_state_dict(position)
+        # .iter() reads this shard in this process: iterating the dataset itself inside a
+        # loader worker would split it once more by worker
+        rows = ({key: values[0] for key, values in row.items()} for row in part.iter(1))
+        return ShardCursor(rows, part.state_dict)
+
+
+def _data_files(dataset: Any) -> list[Any]:
+    """The files a ``datasets`` stream reads, in shard order, where it says (else [])."""
+    kwargs = getattr(getattr(dataset, "_ex_iterable", None), "kwargs", None) or {}
+    files = kwargs.get("files")
+    return list(files) if isinstance(files, list) else []
+
+
+def stream_source(dataset: Any) -> StreamSource:
+    """The :class:`StreamSource` that reads ``dataset``."""
+    if isinstance(dataset, ShardReader):
+        return ReaderSource(dataset)
+    if isinstance(dataset, IterableDataset) and not _is_hf_stream(dataset):
+        return TorchStreamSource(dataset)
+    if _is_hf_stream(dataset):
+        return HFStreamSource(dataset)
+    raise TypeError(f"{type(dataset).__name__} is no stream forge can read")
+
+
+def _is_hf_stream(dataset: Any) -> bool:
+    try:
+        import datasets
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(dataset, datasets.IterableDataset)
+
+
+# --------------------------------------------------------------------------- slots
+def _draw(seed: int, epoch: int, slot: int, draw: int, bound: int) -> int:
+    """A uniform integer in [0, bound) from a counter-based hash: the buffer's generator has no
+    state but the count of draws."""
+    text = f"{seed}:{epoch}:{slot}:{draw}".encode()
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") % bound
+
+
+def shard_order(num_shards: int, seed: int, epoch: int, shuffle: bool) -> list[int]:
+    """The epoch's shard order: a permutation seeded by ``seed + epoch`` (or the identity)."""
+    import torch
+
+    if not shuffle:
+        return list(range(num_shards))
+    generator = torch.Generator().manual_seed(seed + epoch)
+    return torch.randperm(num_shards, generator=generator).tolist()
+
+
+class SlotStream:
+    """What one slot (a rank's loader worker, or the rank's main process) reads, epoch after
+    epoch, and where it is: a torchdata ``Stateful`` iterator, restored before its first item."""
+
+    def __init__(self, stream: ShardedStream, slot: int, slots: int) -> None:
+        self.stream, self.slot, self.slots = stream, slot, slots
+        self.epoch = stream.start_epoch
+        self.shard = 0  # index into this slot's shards of the epoch
+        self.position: Any = None  # inside the current shard
+        self.seen = 0  # items of the epoch read before the current one (the item split)
+        self.buffer: list[Any] = []
+        self.draws = 0
+        self.yielded = 0  # items this slot gave out in the epoch
+        self.restored = False
+        self._items: Iterator[Any] | None = None
+        self._cursor: ShardCursor | None = None
+
+    # ------------------------------------------------------------------ Stateful
+    def state_dict(self) -> dict[str, Any]:
+        position = self._cursor.position() if self._cursor is not None else self.position
+        return {
+            "epoch": self.epoch,
+            "shard": self.shard,
+            "position": copy.deepcopy(position),
+            "seen": self.seen,
+            "buffer": list(self.buffer),
+            "draws": self.draws,
+            "yielded": self.yielded,
+            "slot": self.slot,
+            "slots": self.slots,
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if (state.get("slot"), state.get("slots")) != (self.slot, self.slots):
+            raise ValueError(
+                f"the stream position was saved for slot {state.get('slot')} of "
+                f"{state.get('slots')} (ranks x loader workers), this is slot {self.slot} of "
+                f"{self.slots}"
+            )
+        self.epoch, self.shard = int(state["epoch"]), int(state["shard"])
+        self.position, self.seen = state["position"], int(state["seen"])
+        self.buffer, self.draws = list(state["buffer"]), int(state["draws"])
+        self.yielded, self.restored = int(state["yielded"]), True
+        self._items = None
+
+    # ------------------------------------------------------------------ iteration
+    def __iter__(self) -> SlotStream:
+        return self
+
+    def __next__(self) -> Any:
+        if self._items is None:
+            self._items = self._run()
+        return next(self._items)
+
+    def _run(self) -> Iterator[Any]:
+        stream = self.stream
+        if self.restored and not stream.source.stateful and self.position:
+            logger.info(
+                "resuming the stream (%s has no state_dict): re-reading %s items of %s",
+                type(stream.dataset).__name__,
+                self.position,
+                stream.source.shard_name(self._shards()[self.shard])
+                if self.shard < len(self._shards())
+                else "its current shard",
+            )
+        while True:
+            given = self.yielded
+            yield from self._epoch()
+            if self.yielded == 0 and given == 0:
+                return  # nothing for this slot in a whole epoch: it ends (others go on)
+            self.epoch += 1
+            self.shard, self.position, self.seen, self.draws, self.yielded = 0, None, 0, 0, 0
+
+    def _shards(self) -> list[int]:
+        stream = self.stream
+        order = shard_order(stream.source.num_shards, stream.seed, self.epoch, stream.shuffle)
+        if stream.by_shards(self.slots):
+            return order[self.slot :: self.slots]
+        return order
+
+    def _epoch(self) -> Iterator[Any]:
+        stream, shards = self.stream, self._shards()
+        by_items = not stream.by_shards(self.slots)
+        size = stream.shuffle_buffer if stream.shuffle else 0
+        while self.shard < len(shards):
+            cursor = self._open(shards[self.shard])
+            name = stream.source.shard_name(shards[self.shard])
+            while True:
+                try:
+                    item = next(cursor.items)
+                except StopIteration:
+                    break
+                except Exception as exc:
+                    raise StreamError(
+                        f"reading {name} (item {self.seen if by_items else '?'} of the epoch's "
+                        f"pass, epoch {self.epoch}): {type(exc).__name__}: {exc}"
+                    ) from exc
+                index, self.seen = self.seen, self.seen + 1
+                if by_items and index % self.slots != self.slot:
+                    continue
+                if size <= 1:
+                    self.yielded += 1
+                    yield item
+                    continue
+                if len(self.buffer) < size:
+                    self.buffer.append(item)
+                    continue
+                yield self._take(item)
+            self._cursor, self.position = None, None
+            self.shard += 1
+        while self.buffer:  # the epoch's last items, in a seeded order
+            yield self._take(None)
+
+    def _take(self, replacement: Any) -> Any:
+        pick = _draw(self.stream.seed, self.epoch, self.slot, self.draws, len(self.buffer))
+        self.draws += 1
+        self.yielded += 1
+        item = self.buffer[pick]
+        if replacement is None:
+            self.buffer[pick] = self.buffer[-1]
+            self.buffer.pop()
+        else:
+            self.buffer[pick] = replacement
+        return item
+
+    def _open(self, shard: int) -> ShardCursor:
+        stream = self.stream
+        try:
+            cursor = stream.source.open(shard, self.epoch, self.position)
+        except Exception as exc:
+            raise StreamError(
+                f"opening {stream.source.shard_name(shard)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        self._cursor = cursor
+        return cursor
+
+
+class ShardedStream(IterableDataset):
+    """``dataset`` (a stream) as this rank reads it: its slice, dealt over the loader's workers,
+    shuffled with a seeded buffer of ``shuffle_buffer`` items, epoch after epoch; ``iter()``
+    gives a :class:`SlotStream`, whose state is the position (see the module docstring)."""
+
+    def __init__(
+        self,
+        dataset: Any,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
+        seed: int = 0,
+        shuffle: bool = True,
+        shuffle_buffer: int = 1000,
+    ) -> None:
+        self.dataset = dataset
+        self.source = stream_source(dataset)
+        self.rank, self.world_size = rank, world_size
+        self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
+        self.start_epoch = 0
+
+    def by_shards(self, slots: int) -> bool:
+        """Whether ``slots`` readers split the stream by shards (else by items)."""
+        shards = self.source.num_shards
+        return shards >= slots and shards % slots == 0
+
+    def __iter__(self) -> SlotStream:
+        info = get_worker_info()
+        workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
+        return SlotStream(self, self.rank * workers + worker, self.world_size * workers)
+
+    def __repr__(self) -> str:
+        return (
+            f"ShardedStream({self.dataset!r}, rank={self.rank}/{self.world_size}, "
+            f"shards={self.source.num_shards}, shuffle_buffer={self.shuffle_buffer})"
+        )
+
+
+# --------------------------------------------------------------------------- the loader
+class StreamLoader(StatefulDataLoader):
+    """A ``StatefulDataLoader`` over a :class:`ShardedStream`: one endless pass over the epochs
+    of the stream (``iter()`` once; ``max_steps`` ends training). ``state_dict()`` holds every
+    slot's position; ``position()`` summarises it (epoch, shards read, items)."""
+
+    is_stream = True
+
+    def set_epoch(self, epoch: int) -> None:  # the slots count their own epochs
+        pass
+
+    def position(self, state: dict[str, Any] | None = None) -> dict[str, int]:
+        """This rank's place in the stream: the lowest epoch among its slots, the shards they
+        finished in it and the items they gave out in it."""
+        slots = slot_states(self.state_dict() if state is None else state)
+        if not slots:
+            return {"epoch": 0, "shards": 0, "items": 0}
+        epoch = min(s["epoch"] for s in slots)
+        now = [s for s in slots if s["epoch"] == epoch]
+        return {
+            "epoch": epoch,
+            "shards": sum(s["shard"] for s in now),
+            "items": sum(s["yielded"] for s in now),
+        }
+
+
+def slot_states(state: dict[str, Any]) -> list[dict[str, Any]]:
+    """The :class:`SlotStream` states inside a ``StatefulDataLoader`` state."""
+    found: list[dict[str, Any]] = []
+
+    def walk(value: Any) -> None:
+        if isinstance(value, dict):
+            if "slots" in value and "buffer" in value and "epoch" in value:
+                found.append(value)
+                return
+            for inner in value.values():
+                walk(inner)
+
+    walk(state)
+    return found
+
+
+def build_stream_loader(
+    dataset: Any,
+    *,
+    batch_size: int,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+    rank: int = 0,
+    world_size: int = 1,
+    shuffle_buffer: int = 1000,
+    num_workers: int = 0,
+    pin_memory: bool = False,
+    persistent_workers: bool = False,
+    prefetch_factor: int | None = None,
+    multiprocessing_context: str | None = None,
+    worker_init_fn: Callable[[int], None] | None = None,
+) -> StreamLoader:
+    """A resumable loader of this rank's slice of the stream ``dataset`` (see the module
+    docstring), in batches of ``batch_size`` items."""
+    stream = ShardedStream(
+        dataset,
+        rank=rank,
+        world_size=world_size,
+        seed=seed,
+        shuffle=shuffle,
+        shuffle_buffer=shuffle_buffer,
+    )
+    workers: dict[str, Any] = {}
+    if num_workers:
+        workers = {
+            "persistent_workers": persistent_workers,
+            "prefetch_factor": prefetch_factor,
+            "multiprocessing_context": multiprocessing_context,
+            "worker_init_fn": worker_init_fn,
+        }
+    with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch
+        warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
+        return StreamLoader(
+            stream,
+            batch_size=batch_size,
+            collate_fn=collate_fn,
+            num_workers=num_workers,
+            pin_memory=pin_memory,
+            snapshot_every_n_steps=1,  # every step is a resume point
+            **workers,
+        )
