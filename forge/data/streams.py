@@ -200,7 +200,7 @@ class HFStreamSource(StreamSource):
 def _data_files(dataset: Any) -> list[Any]:
     """The files a ``datasets`` stream reads, in shard order, where it says (else [])."""
     kwargs = getattr(getattr(dataset, "_ex_iterable", None), "kwargs", None) or {}
-    files = kwargs.get("files")
+    files = kwargs.get("base_files", kwargs.get("files"))
     return list(files) if isinstance(files, list) else []
 
 
@@ -271,6 +271,7 @@ class SlotStream:
             "yielded": self.yielded,
             "slot": self.slot,
             "slots": self.slots,
+            "split": "shards" if self.stream.by_shards(self.slots) else "items",
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -327,17 +328,19 @@ class SlotStream:
         size = stream.shuffle_buffer if stream.shuffle else 0
         while self.shard < len(shards):
             cursor = self._open(shards[self.shard])
-            name = stream.source.shard_name(shards[self.shard])
+            name, read = stream.source.shard_name(shards[self.shard]), 0
             while True:
                 try:
                     item = next(cursor.items)
                 except StopIteration:
                     break
                 except Exception as exc:
+                    where = "resumed " if self.restored else ""
                     raise StreamError(
-                        f"reading {name} (item {self.seen if by_items else '?'} of the epoch's "
-                        f"pass, epoch {self.epoch}): {type(exc).__name__}: {exc}"
+                        f"reading {name} (epoch {self.epoch}, after {read} item(s) of this "
+                        f"{where}read of it): {type(exc).__name__}: {exc}"
                     ) from exc
+                read += 1
                 index, self.seen = self.seen, self.seen + 1
                 if by_items and index % self.slots != self.slot:
                     continue
@@ -427,6 +430,13 @@ class StreamLoader(StatefulDataLoader):
     def set_epoch(self, epoch: int) -> None:  # the slots count their own epochs
         pass
 
+    def live_epoch(self) -> int | None:
+        """The epoch of the last item read, where the stream is read in this process (no
+        workers); None otherwise (a worker's epoch is known from its saved state)."""
+        fetcher = getattr(self._iterator, "_dataset_fetcher", None)
+        slot = getattr(fetcher, "dataset_iter", None)
+        return slot.epoch if isinstance(slot, SlotStream) else None
+
     def position(self, state: dict[str, Any] | None = None) -> dict[str, int]:
         """This rank's place in the stream: the lowest epoch among its slots, the shards they
         finished in it and the items they gave out in it."""
@@ -435,9 +445,11 @@ class StreamLoader(StatefulDataLoader):
             return {"epoch": 0, "shards": 0, "items": 0}
         epoch = min(s["epoch"] for s in slots)
         now = [s for s in slots if s["epoch"] == epoch]
+        shards = [s["shard"] for s in now]  # each slot's finished shards of the epoch
         return {
             "epoch": epoch,
-            "shards": sum(s["shard"] for s in now),
+            # by shards the slots read different shards; by items they all read every shard
+            "shards": sum(shards) if now[0].get("split") == "shards" else min(shards),
             "items": sum(s["yielded"] for s in now),
         }
 

@@ -55,7 +55,9 @@ class StreamPosition:
 
     @property
     def fraction(self) -> float:
-        return self.passes
+        """The stream's passes: live where it is read in this process, else as last saved."""
+        live = self.loader.live_epoch()
+        return self.passes if live is None else float(live)
 
     def describe(self) -> str:
         """The stream and, after a resume, where it continues."""
