@@ -30,6 +30,7 @@ import warnings
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
+import torch
 from torch.utils.data import IterableDataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
@@ -170,7 +171,7 @@ class HFStreamSource(StreamSource):
     sought, lines of a json or text file re-read)."""
 
     def __init__(self, dataset: Any) -> None:
-        if getattr(dataset, "_shuffling", None) is not None:
+        if _buffer_shuffled(getattr(dataset, "_ex_iterable", None)):
             raise ValueError(
                 "the datasets.IterableDataset was shuffled with .shuffle(); its shuffle buffer is "
                 "not restored on resume (datasets drops it), so forge shuffles the stream itself: "
@@ -195,6 +196,16 @@ class HFStreamSource(StreamSource):
         # loader worker would split it once more by worker
         rows = ({key: values[0] for key, values in row.items()} for row in part.iter(1))
         return ShardCursor(rows, part.state_dict)
+
+
+def _buffer_shuffled(node: Any) -> bool:
+    """Whether a ``datasets`` stream's pipeline holds a shuffle buffer (``.shuffle()``)."""
+    if node is None:
+        return False
+    if type(node).__name__ == "BufferShuffledExamplesIterable":
+        return True
+    inner = [getattr(node, "ex_iterable", None), *getattr(node, "ex_iterables", [])]
+    return any(_buffer_shuffled(child) for child in inner if child is not None)
 
 
 def _data_files(dataset: Any) -> list[Any]:
@@ -514,5 +525,8 @@ def build_stream_loader(
             num_workers=num_workers,
             pin_memory=pin_memory,
             snapshot_every_n_steps=1,  # every step is a resume point
+            # iter() draws its workers' base seed from this, not from torch's generator, which
+            # a resumed run would then leave elsewhere than the straight run (one iter() each)
+            generator=torch.Generator().manual_seed(seed),
             **workers,
         )
