@@ -43,6 +43,7 @@ __all__ = [
     "StreamLoader",
     "build_stream_loader",
     "is_stream",
+    "read_stream",
     "stream_source",
 ]
 
@@ -428,6 +429,18 @@ class ShardedStream(IterableDataset):
             f"ShardedStream({self.dataset!r}, rank={self.rank}/{self.world_size}, "
             f"shards={self.source.num_shards}, shuffle_buffer={self.shuffle_buffer})"
         )
+
+
+def read_stream(dataset: Any, limit: int | None = None) -> list[Any]:
+    """One pass over the stream ``dataset`` in its order (its first ``limit`` items): an
+    evaluation stream, read once into a list that evaluation then shares over ranks in order."""
+    slot = SlotStream(ShardedStream(dataset, shuffle=False), 0, 1)
+    items: list[Any] = []
+    for item in slot:
+        if slot.epoch > 0 or (limit is not None and len(items) >= limit):
+            break
+        items.append(item)
+    return items
 
 
 # --------------------------------------------------------------------------- the loader

@@ -21,7 +21,7 @@ from forge.data.loader import (
     build_dataloader,
     die_with_parent,
 )
-from forge.data.streams import StreamLoader, build_stream_loader, is_stream
+from forge.data.streams import StreamLoader, build_stream_loader, is_stream, read_stream
 
 __all__ = ["StridedSampler", "build_eval_loader", "build_train_loader", "worker_settings"]
 
@@ -123,11 +123,17 @@ def build_eval_loader(
     inputs: ModelInputs | None = None,
     description: str = "eval",
     seed: int = 0,
+    max_items: int | None = None,
 ) -> DataLoader:
     """This data-parallel rank's share of ``dataset``, in order: items ``rank, rank +
     world_size, ...``, each item once (``StridedSampler``). Worker processes draw each batch's
     random numbers from ``seed`` and the batch (``WorkerSeededBatches``): every evaluation of a
-    run sees the same batches."""
+    run sees the same batches. A stream is read once, in its order, into a list (its first
+    ``max_items`` items where given: ``max_eval_batches`` bounds it), then shared the same way."""
+    if is_stream(dataset):
+        dataset = read_stream(dataset, max_items)
+        if not dataset:
+            raise ValueError(f"the {description} stream yielded no item")
     if inputs is not None:
         dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
     workers = dict(workers or {})

@@ -337,10 +337,13 @@ class TrainerSetup:
     def build_eval_loader(self, dataset: Dataset | None = None, description: str = "eval") -> Any:
         """This rank's share of ``dataset`` (default: the eval dataset), in order: items
         ``rank, rank + world_size, ...``, each item once."""
+        batch = self.strategy.per_rank_batch_size("per_device_eval_batch_size")
+        limit = self.args.max_eval_batches
         return trainer_loaders.build_eval_loader(
             self.eval_dataset if dataset is None else dataset,
             self.data_collator,
-            batch_size=self.strategy.per_rank_batch_size("per_device_eval_batch_size"),
+            batch_size=batch,
+            max_items=None if limit is None else limit * batch * self.topology.dp_size,
             rank=self.topology.dp_rank,
             world_size=self.topology.dp_size,
             workers=self._worker_settings(),

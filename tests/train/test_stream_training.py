@@ -97,3 +97,15 @@ def test_an_empty_stream_fails_with_a_message(tmp_path):
     with pytest.raises(StreamError, match="holds no item"):
         trainer.train()
     assert signal.getsignal(signal.SIGTERM) is not None
+
+
+def test_an_eval_stream_is_read_once_in_order_and_bounded_by_max_eval_batches(tmp_path):
+    """An evaluation stream gives the metrics of the same items as a map-style dataset; with
+    max_eval_batches, of its first batches only."""
+    trainer = stream_trainer(stream_args(tmp_path, per_device_eval_batch_size=4))
+    whole = trainer.evaluate(TokenStream(10))["eval_loss"]
+    assert whole == trainer.evaluate(TokenDataset(10))["eval_loss"]
+    trainer.args.max_eval_batches = 1
+    first = trainer.evaluate(TokenStream(10))["eval_loss"]
+    trainer.args.max_eval_batches = None
+    assert first == trainer.evaluate(TokenDataset(4))["eval_loss"] != whole
