@@ -53,9 +53,12 @@ class StreamError(RuntimeError):
 
 
 def is_stream(dataset: Any) -> bool:
-    """True for a dataset forge reads as a stream: an iterable dataset without ``__getitem__``
-    by index (torch's ``IterableDataset``, ``datasets.IterableDataset``, a ``ShardReader``)."""
+    """True for a dataset forge reads as a stream: torch's ``IterableDataset``,
+    ``datasets.IterableDataset``, a ``ShardReader``, or what is built on streams
+    (forge/data/stream_parts.py: anything with a ``stream_source()``)."""
     if isinstance(dataset, (IterableDataset, ShardReader)):
+        return True
+    if callable(getattr(dataset, "stream_source", None)):
         return True
     try:
         import datasets
@@ -76,6 +79,13 @@ class StreamSource:
 
     def open(self, shard: int, epoch: int, position: Any) -> ShardCursor:
         raise NotImplementedError
+
+    def state(self) -> Any:
+        """What the source itself carries from shard to shard (a packer's tokens), if any."""
+        return None
+
+    def restore(self, state: Any) -> None:
+        pass
 
 
 class ShardCursor:
@@ -218,6 +228,8 @@ def _data_files(dataset: Any) -> list[Any]:
 
 def stream_source(dataset: Any) -> StreamSource:
     """The :class:`StreamSource` that reads ``dataset``."""
+    if callable(getattr(dataset, "stream_source", None)):  # PackedStream, MixedStream
+        return dataset.stream_source()
     if isinstance(dataset, ShardReader):
         return ReaderSource(dataset)
     if isinstance(dataset, IterableDataset) and not _is_hf_stream(dataset):
@@ -284,6 +296,7 @@ class SlotStream:
             "slot": self.slot,
             "slots": self.slots,
             "split": "shards" if self.stream.by_shards(self.slots) else "items",
+            "source": self.stream.source.state(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -297,6 +310,7 @@ class SlotStream:
         self.position, self.seen = state["position"], int(state["seen"])
         self.buffer, self.draws = list(state["buffer"]), int(state["draws"])
         self.yielded, self.restored = int(state["yielded"]), True
+        self.stream.source.restore(state.get("source"))
         self._items = None
 
     # ------------------------------------------------------------------ iteration
@@ -419,10 +433,13 @@ class ShardedStream(IterableDataset):
         shards = self.source.num_shards
         return shards >= slots and shards % slots == 0
 
-    def __iter__(self) -> SlotStream:
+    def __iter__(self) -> Any:
         info = get_worker_info()
         workers, worker = (info.num_workers, info.id) if info is not None else (1, 0)
-        return SlotStream(self, self.rank * workers + worker, self.world_size * workers)
+        slot, slots = self.rank * workers + worker, self.world_size * workers
+        if callable(getattr(self.dataset, "slot_stream", None)):  # a MixedStream
+            return self.dataset.slot_stream(self, slot, slots)
+        return SlotStream(self, slot, slots)
 
     def __repr__(self) -> str:
         return (
@@ -488,6 +505,9 @@ def slot_states(state: dict[str, Any]) -> list[dict[str, Any]]:
                 found.append(value)
                 return
             for inner in value.values():
+                walk(inner)
+        elif isinstance(value, list):  # a mixture's sources
+            for inner in value:
                 walk(inner)
 
     walk(state)

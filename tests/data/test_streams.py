@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch.utils.data import IterableDataset
 
+from forge.data.stream_parts import MixedStream, PackedStream
 from forge.data.streams import (
     ShardedStream,
     ShardReader,
@@ -142,17 +143,45 @@ def saved(loader) -> dict:
     return torch.load(buffer, weights_only=True)
 
 
+class Offset(Numbers):
+    """``Numbers`` shifted by 1000: tells a mixture's second source from its first."""
+
+    def __iter__(self):
+        for item in super().__iter__():
+            yield {"x": item["x"] + 1000}
+
+
+def texts_reader() -> ShardReader:
+    return ShardReader([f"doc {n}: " + "word " * (n * 7 % 23) for n in range(9)], text_item)
+
+
+def text_item(text: str):
+    yield {"text": text}
+
+
 @pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", ["torch", "stateful torch", "jsonl 3"])
-def test_a_resumed_loader_continues_exactly(tmp_path, kind, workers):
+@pytest.mark.parametrize("kind", ["torch", "stateful torch", "jsonl 3", "packed", "mixed"])
+def test_a_resumed_loader_continues_exactly(tmp_path, kind, workers, small_tokenizer):
     """Straight 14 batches == 6 batches, the state saved and loaded into a new loader, then 8
-    more: across epoch ends, with a shuffle buffer, on rank 1 of 2, with and without workers."""
+    more: across epoch ends, with a shuffle buffer, on rank 1 of 2, with and without workers;
+    for a packed stream (its carried tokens) and a mixture (its sources and draws) too."""
     if kind == "torch":
         dataset = Numbers(23)
     elif kind == "stateful torch":
         dataset = CountingNumbers(23)
+    elif kind == "packed":
+        dataset = PackedStream(texts_reader(), small_tokenizer, block_size=4, text_column="text")
+    elif kind == "mixed":
+        dataset = MixedStream([Numbers(11), jsonl_stream(tmp_path, 3, 5)], [0.7, 0.3])
     else:
         dataset = jsonl_stream(tmp_path, 3, 9)
+    if kind == "packed":
+
+        def take(loader, count):  # blocks, not numbers
+            batches = iter(loader)
+            return [next(batches)["input_ids"].tolist() for _ in range(count)]
+    else:
+        take = globals()["take"]
 
     def loader():
         return build_stream_loader(
@@ -209,3 +238,33 @@ def test_a_datasets_shuffle_is_refused(tmp_path):
 def test_a_stream_that_yields_nothing_ends_instead_of_spinning():
     loader = build_stream_loader(Numbers(0), batch_size=2)
     assert list(loader) == []
+
+
+def test_a_packed_stream_cuts_the_token_stream_into_blocks(small_tokenizer):
+    """In order, the blocks are the documents' tokens (each followed by eos) cut every
+    block_size tokens, the remainder carried over shard ends into the next block."""
+    from forge.data.datasets import tokenize_and_pack
+
+    reader = texts_reader()
+    packed = PackedStream(reader, small_tokenizer, block_size=5, text_column="text")
+    slot = SlotStream(ShardedStream(packed, shuffle=False), 0, 1)
+    blocks = []
+    for block in slot:
+        if slot.epoch > 0:
+            break
+        blocks.append(block["input_ids"])
+    eos = small_tokenizer.eos_token_id
+    expected = torch.from_numpy(tokenize_and_pack(small_tokenizer, reader.shards, eos)).long()
+    assert torch.equal(torch.cat(blocks), expected[: len(blocks) * 5])
+    assert len(expected) - len(blocks) * 5 < 5
+
+
+def test_a_mixture_draws_its_sources_by_their_weights():
+    mixed = MixedStream([Numbers(40), Offset(40)], [0.75, 0.25])
+    loader = build_stream_loader(mixed, batch_size=10, seed=2)
+    drawn = [x for batch in take(loader, 40) for x in batch]
+    first = sum(x < 1000 for x in drawn) / len(drawn)
+    assert 0.7 < first < 0.8
+    assert take(build_stream_loader(mixed, batch_size=10, seed=2), 40) == [
+        drawn[i : i + 10] for i in range(0, 400, 10)
+    ]
