@@ -6,8 +6,9 @@ through a :class:`StreamSource`: a ``datasets.IterableDataset`` (``HFStreamSourc
 ``IterableDataset`` (``TorchStreamSource``) or one's own reader of shards (:class:`ShardReader`).
 Every (rank, loader worker) pair is a *slot*; slot ``s`` of ``S`` reads, in epoch ``e``:
 
-* by shards, where the shard count is a multiple of ``S``: the shards ``order[s::S]`` of the
-  epoch's shard order (a permutation seeded by ``seed + e`` when shuffling);
+* by shards, where the shard count is a multiple of ``S`` (or 8 x ``S`` and more): the shards
+  ``order[s::S]`` of the epoch's shard order (a permutation seeded by ``seed + e`` when
+  shuffling);
 * by items otherwise: every shard in the epoch's order, keeping items ``s, s + S, ...``
   (as ``datasets.distributed.split_dataset_by_node`` and HF's ``IterableDatasetShard`` do).
 
@@ -429,9 +430,11 @@ class ShardedStream(IterableDataset):
         self.start_epoch = 0
 
     def by_shards(self, slots: int) -> bool:
-        """Whether ``slots`` readers split the stream by shards (else by items)."""
+        """Whether ``slots`` readers split the stream by shards (else by items): where the
+        shards divide evenly (as ``split_dataset_by_node``), or are many enough (8 a reader or
+        more) that one shard more or less is a small difference."""
         shards = self.source.num_shards
-        return shards >= slots and shards % slots == 0
+        return shards >= slots and (shards % slots == 0 or shards >= 8 * slots)
 
     def __iter__(self) -> Any:
         info = get_worker_info()
