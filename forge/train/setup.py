@@ -123,6 +123,7 @@ class TrainerSetup:
                 self.train_loader,
                 is_main=self.is_main_process,
                 fix=f"set {args.config_key}.ignore_data_skip: true to start the stream again",
+                on_saved=functools.partial(setattr, self.state, "stream_position"),
             )
         else:
             self.data_position = DataPosition(self.train_loader, is_main=self.is_main_process)

@@ -10,7 +10,7 @@ the steps before it.
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from forge.checkpoint import CheckpointError
@@ -22,7 +22,14 @@ logger = logging.getLogger(__name__)
 class StreamPosition:
     """``DataPosition``'s interface (forge/train/data_position.py) over a ``StreamLoader``."""
 
-    def __init__(self, loader: Any, *, is_main: bool = True, fix: str = "") -> None:
+    def __init__(
+        self,
+        loader: Any,
+        *,
+        is_main: bool = True,
+        fix: str = "",
+        on_saved: Callable[[dict[str, int]], None] | None = None,
+    ) -> None:
         self.loader = loader
         self.epoch = 0  # the loop's epoch: always 0, the stream's passes are in ``passes``
         self.batch = 0
@@ -32,6 +39,7 @@ class StreamPosition:
         self._fix = fix  # how to accept an inexact continuation (ignore_data_skip)
         self._iterator: Iterator[Any] | None = None
         self._saved: dict[str, int] = {}  # the position restored
+        self._on_saved = on_saved  # told each position a checkpoint takes (run records)
 
     # ------------------------------------------------------------------ what the loop reads
     def epoch_batches(self, epoch: int) -> Iterator[Any]:
@@ -93,6 +101,8 @@ class StreamPosition:
         state = self.loader.state_dict()
         position = self.loader.position(state)
         self.passes = float(position["epoch"])
+        if self._on_saved is not None:
+            self._on_saved(dict(position))
         return {"stream": state, "position": position}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
