@@ -159,8 +159,15 @@ def text_item(text: str):
     yield {"text": text}
 
 
-@pytest.mark.parametrize("workers", [0, 2])
-@pytest.mark.parametrize("kind", ["torch", "stateful torch", "jsonl 3", "packed", "mixed"])
+KINDS = ["torch", "stateful torch", "jsonl 3", "packed", "mixed"]
+
+
+@pytest.mark.parametrize(
+    ("kind", "workers"),
+    [(kind, 0) for kind in KINDS]
+    + [(kind, 2) if kind == "jsonl 3" else pytest.param(kind, 2, marks=pytest.mark.slow)
+       for kind in KINDS],
+)  # fmt: skip
 def test_a_resumed_loader_continues_exactly(tmp_path, kind, workers, small_tokenizer):
     """Straight 14 batches == 6 batches, the state saved and loaded into a new loader, then 8
     more: across epoch ends, with a shuffle buffer, on rank 1 of 2, with and without workers;

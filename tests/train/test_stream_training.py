@@ -51,7 +51,7 @@ def stream_trainer(args, items: int = 30, **kwargs):
     return trainer
 
 
-@pytest.mark.parametrize("workers", [0, 2])
+@pytest.mark.parametrize("workers", [0, pytest.param(2, marks=pytest.mark.slow)])
 def test_a_stopped_stream_run_resumes_bit_identical(tmp_path, workers):
     straight = stream_trainer(stream_args(tmp_path / "straight", dataloader_num_workers=workers))
     straight.train()
