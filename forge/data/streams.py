@@ -277,6 +277,7 @@ class SlotStream:
         self.position: Any = None  # inside the current shard
         self.seen = 0  # items of the epoch read before the current one (the item split)
         self.buffer: list[Any] = []
+        self._plain: list[Any] = []  # the buffer's items as plain values (None: not yet)
         self.draws = 0
         self.yielded = 0  # items this slot gave out in the epoch
         self.restored = False
@@ -291,7 +292,7 @@ class SlotStream:
             "shard": self.shard,
             "position": copy.deepcopy(position),
             "seen": self.seen,
-            "buffer": list(self.buffer),
+            "buffer": self._packed_buffer(),
             "draws": self.draws,
             "yielded": self.yielded,
             "slot": self.slot,
@@ -309,7 +310,8 @@ class SlotStream:
             )
         self.epoch, self.shard = int(state["epoch"]), int(state["shard"])
         self.position, self.seen = state["position"], int(state["seen"])
-        self.buffer, self.draws = list(state["buffer"]), int(state["draws"])
+        self.buffer, self.draws = _unpacked(state["buffer"]), int(state["draws"])
+        self._plain = list(state["buffer"])
         self.yielded, self.restored = int(state["yielded"]), True
         self.stream.source.restore(state.get("source"))
         self._items = None
@@ -377,6 +379,7 @@ class SlotStream:
                     continue
                 if len(self.buffer) < size:
                     self.buffer.append(item)
+                    self._plain.append(None)
                     continue
                 yield self._take(item)
             self._cursor, self.position = None, None
@@ -390,11 +393,20 @@ class SlotStream:
         self.yielded += 1
         item = self.buffer[pick]
         if replacement is None:
-            self.buffer[pick] = self.buffer[-1]
+            self.buffer[pick], self._plain[pick] = self.buffer[-1], self._plain[-1]
             self.buffer.pop()
+            self._plain.pop()
         else:
-            self.buffer[pick] = replacement
+            self.buffer[pick], self._plain[pick] = replacement, None
         return item
+
+    def _packed_buffer(self) -> list[Any]:
+        """The buffer as plain values (``_plain``), each item converted once."""
+        plain = self._plain
+        for index, value in enumerate(plain):
+            if value is None:
+                plain[index] = _plain(self.buffer[index])
+        return list(plain)
 
     def _open(self, shard: int) -> ShardCursor:
         stream = self.stream
@@ -406,6 +418,46 @@ class SlotStream:
             ) from exc
         self._cursor = cursor
         return cursor
+
+
+def _plain(value: Any) -> Any:
+    """An item as plain values: each tensor as its dtype, shape and bytes. A worker sends its
+    state through a pipe with every snapshot, and a thousand tensors sent as tensors (one
+    shared-memory handle each) cost a second; as bytes, milliseconds."""
+    if isinstance(value, torch.Tensor):
+        data = value.detach().cpu().contiguous()
+        return {_TENSOR: [str(data.dtype).removeprefix("torch."), list(data.shape), _bytes(data)]}
+    if isinstance(value, dict):
+        return {key: _plain(inner) for key, inner in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_plain(inner) for inner in value)
+    return value
+
+
+def _bytes(data: torch.Tensor) -> bytes:
+    return data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+
+
+def _unpacked(items: list[Any]) -> list[Any]:
+    return [_restored(item) for item in items]
+
+
+def _restored(value: Any) -> Any:
+    if isinstance(value, dict):
+        if _TENSOR in value and len(value) == 1:
+            dtype, shape, data = value[_TENSOR]
+            flat = torch.frombuffer(bytearray(data), dtype=torch.uint8) if data else None
+            kind = getattr(torch, dtype)
+            if flat is None:
+                return torch.empty(shape, dtype=kind)
+            return flat.view(kind).reshape(shape).clone()
+        return {key: _restored(inner) for key, inner in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_restored(inner) for inner in value)
+    return value
+
+
+_TENSOR = "__forge_tensor__"
 
 
 class ShardedStream(IterableDataset):
@@ -533,6 +585,7 @@ def build_stream_loader(
     prefetch_factor: int | None = None,
     multiprocessing_context: str | None = None,
     worker_init_fn: Callable[[int], None] | None = None,
+    snapshot_every: int = 32,
 ) -> StreamLoader:
     """A resumable loader of this rank's slice of the stream ``dataset`` (see the module
     docstring), in batches of ``batch_size`` items."""
@@ -560,7 +613,10 @@ def build_stream_loader(
             collate_fn=collate_fn,
             num_workers=num_workers,
             pin_memory=pin_memory,
-            snapshot_every_n_steps=1,  # every step is a resume point
+            # a worker sends its position (shuffle buffer included) every ``snapshot_every``
+            # batches; a state taken between two is that snapshot plus the batches since,
+            # which a resume fetches again (at most ``snapshot_every - 1``, at any step)
+            snapshot_every_n_steps=snapshot_every if num_workers else 1,
             # iter() draws its workers' base seed from this, not from torch's generator, which
             # a resumed run would then leave elsewhere than the straight run (one iter() each)
             generator=torch.Generator().manual_seed(seed),
