@@ -32,6 +32,7 @@ SECTIONS: dict[str, tuple[str, list[str]]] = {
     "pipeline_speed": ("pipeline_speed.py", ["--quick"]),
     "activation_memory": ("activation_memory.py", ["--quick"]),
     "variable_length": ("variable_length.py", ["--quick"]),
+    "streaming": ("streaming.py", ["--quick"]),
 }
 
 
