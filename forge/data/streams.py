@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import copy
 import hashlib
+import itertools
 import logging
 import warnings
 from collections.abc import Callable, Iterator
@@ -321,7 +322,14 @@ class ShardedStream(IterableDataset):
 def read_stream(dataset: Any, limit: int | None = None) -> list[Any]:
     """One pass over the stream ``dataset`` in its order (its first ``limit`` items): an
     evaluation stream, read once into a list that evaluation then shares over ranks in order."""
-    slot = SlotStream(ShardedStream(dataset, shuffle=False), 0, 1)
+    stream = ShardedStream(dataset, shuffle=False)
+    if callable(getattr(dataset, "slot_stream", None)):  # a MixedStream: endless, no epoch
+        if limit is None:
+            raise ValueError(
+                "an evaluation mixture of streams never ends; set max_eval_batches to bound it"
+            )
+        return list(itertools.islice(iter(stream), limit))
+    slot = SlotStream(stream, 0, 1)
     items: list[Any] = []
     for item in slot:
         if slot.epoch > 0 or (limit is not None and len(items) >= limit):

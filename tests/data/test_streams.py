@@ -275,3 +275,14 @@ def test_a_mixture_draws_its_sources_by_their_weights():
     assert take(build_stream_loader(mixed, batch_size=10, seed=2), 40) == [
         drawn[i : i + 10] for i in range(0, 400, 10)
     ]
+
+
+def test_an_evaluation_stream_is_one_pass_and_an_endless_mixture_needs_a_bound():
+    from forge.data.streams import read_stream
+
+    assert [item["x"] for item in read_stream(Numbers(5))] == [0, 1, 2, 3, 4]
+    assert [item["x"] for item in read_stream(Numbers(5), 2)] == [0, 1]
+    mixed = MixedStream([Numbers(3), Offset(3)])
+    assert len(read_stream(mixed, 7)) == 7
+    with pytest.raises(ValueError, match="max_eval_batches"):
+        read_stream(mixed)
