@@ -34,6 +34,7 @@ SECTIONS: dict[str, tuple[str, list[str]]] = {
     "activation_memory": ("activation_memory.py", ["--quick"]),
     "variable_length": ("variable_length.py", ["--quick"]),
     "sharding_memory": ("sharding_memory.py", ["--quick"]),
+    "streaming": ("streaming.py", ["--quick"]),
 }
 
 

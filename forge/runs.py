@@ -235,14 +235,24 @@ class RunRecord:
         self.update(status=status, **fields)
 
     def add_checkpoint(
-        self, path: Path, step: int, metrics: dict[str, Any], best: dict[str, Any] | None
+        self,
+        path: Path,
+        step: int,
+        metrics: dict[str, Any],
+        best: dict[str, Any] | None,
+        *,
+        data: dict[str, int] | None = None,
     ) -> None:
+        """Record a committed checkpoint; ``data``: a training stream's position in it
+        (``{"epoch", "shards", "items"}`` of rank 0), which ``forge runs`` shows."""
         entry = {
             "step": step,
             "path": os.path.relpath(path, self.run_dir),
             "metrics": metrics,
             "saved": now_iso(),
         }
+        if data:
+            entry["data"] = dict(data)
         history = [c for c in self.data.get("checkpoints", []) if c.get("step") != step]
         for previous in history:  # rotation (save_total_limit) may have removed some
             if not (self.run_dir / previous["path"]).exists():
@@ -250,10 +260,23 @@ class RunRecord:
         history.append(entry)
         self.data["checkpoints"] = sorted(history, key=lambda c: c["step"])
         self.data["step"] = step
+        if data:
+            self.data["stream_position"] = dict(data)
         if best:
             self.data["best"] = best
             link_best_checkpoint(self.run_dir, self.run_dir / best["checkpoint"])
         self.update()
+
+
+def stream_position_text(data: dict[str, Any]) -> str:
+    """A run's stream position, as ``forge runs`` shows it ("" for a map-style dataset)."""
+    position = data.get("stream_position")
+    if not isinstance(position, dict):
+        return ""
+    return (
+        f"epoch {position.get('epoch', '?')}, {position.get('shards', '?')} shard(s), "
+        f"{position.get('items', '?')} item(s)"
+    )
 
 
 def link_best_checkpoint(run_dir: Path, checkpoint: Path) -> None:

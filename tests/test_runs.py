@@ -353,3 +353,17 @@ def test_a_run_a_config_error_stopped_before_its_first_step_is_discarded(tmp_pat
     damaged = make_run(tmp_path / "c", tmp_path)
     (damaged / "run.json").write_text("{")
     assert not discard_unstarted_run(damaged) and damaged.exists()  # unreadable: kept
+
+
+def test_a_streams_position_is_recorded_with_its_checkpoint(tmp_path):
+    from forge.runs import stream_position_text
+
+    run = make_run(tmp_path / "s", tmp_path)
+    record = RunRecord.load(run)
+    path = run / "checkpoints" / "checkpoint-000010"
+    path.mkdir(parents=True)
+    record.add_checkpoint(path, 10, {}, None, data={"epoch": 2, "shards": 3, "items": 40})
+    data = RunRecord.load(run).data
+    assert data["checkpoints"][-1]["data"] == {"epoch": 2, "shards": 3, "items": 40}
+    assert stream_position_text(data) == "epoch 2, 3 shard(s), 40 item(s)"
+    assert stream_position_text({}) == ""

@@ -479,6 +479,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
         checkpoint_count,
         newest_step,
         run_is_live,
+        stream_position_text,
     )
 
     project = _project(args)
@@ -489,7 +490,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
             data = RunRecord.load(run_dir).data
         except RunError as err:
             damaged.append(str(err))
-            rows.append([name, "?", "damaged", "", "", "", ""])
+            rows.append([name, "?", "damaged", "", "", "", "", ""])
             continue
         status = data.get("status", "?")
         if status == "running" and not run_is_live(run_dir):
@@ -507,12 +508,16 @@ def cmd_runs(args: argparse.Namespace) -> int:
                 str(checkpoint_count(run_dir)),
                 best_text,
                 data.get("created", "")[:19],
+                stream_position_text(data),
             ]
         )
     if not rows:
         print(f"no runs under {project.output_dir}", file=sys.stderr)
         return EXIT_OK
-    print(_table(rows, ["RUN", "CONFIG", "STATUS", "STEP", "CKPTS", "BEST", "CREATED"]))
+    header = ["RUN", "CONFIG", "STATUS", "STEP", "CKPTS", "BEST", "CREATED", "STREAM"]
+    if not any(row[-1] for row in rows):  # no run reads a stream: no column for it
+        header, rows = header[:-1], [row[:-1] for row in rows]
+    print(_table(rows, header))
     for message in damaged:
         print(f"error: {message}", file=sys.stderr)
     return EXIT_FAILURE if damaged else EXIT_OK

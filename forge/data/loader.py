@@ -231,7 +231,10 @@ def build_dataloader(
             "worker_init_fn": die_with_parent,
         }
     if not hasattr(dataset, "__len__") or len(dataset) == 0:  # type: ignore[arg-type]
-        raise ValueError("dataset must be a non-empty map-style dataset (with __len__)")
+        raise ValueError(
+            "dataset must be a non-empty map-style dataset (with __len__) or a stream (an "
+            "IterableDataset: forge.data.streams)"
+        )
     if num_workers:  # each batch's random draws follow from the batch (exact resume)
         dataset = WorkerSeededBatches(dataset, seed, rank)
     layout = {"num_replicas": world_size, "rank": rank, "seed": seed, "drop_last": drop_last}

@@ -21,6 +21,7 @@ from forge.data.loader import (
     build_dataloader,
     die_with_parent,
 )
+from forge.data.streams import StreamLoader, build_stream_loader, is_stream, read_stream
 
 __all__ = ["StridedSampler", "build_eval_loader", "build_train_loader", "worker_settings"]
 
@@ -64,14 +65,37 @@ def build_train_loader(
     lengths: Sequence[int] | None = None,
     group_size: int | None = None,
     max_tokens: int | None = None,
-) -> ResumableDataLoader:
+    stream_shuffle_buffer: int = 1000,
+) -> ResumableDataLoader | StreamLoader:
     """This data-parallel rank's resumable loader over ``dataset``; with ``inputs``, the
     columns the model does not take are dropped first. ``lengths`` (each item's, from
     ``item_lengths`` before the columns are dropped) groups the batches by length, with
     ``group_size`` items per group, or into batches of at most ``max_tokens`` padded tokens
-    (``build_dataloader``)."""
+    (``build_dataloader``). A stream (``is_stream``: an iterable dataset) is read endlessly,
+    sharded over ranks and workers, through a shuffle buffer of ``stream_shuffle_buffer`` items
+    (forge/data/streams.py)."""
     if inputs is not None:
         dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
+    if is_stream(dataset):
+        if lengths is not None or max_tokens is not None:
+            raise ValueError(
+                "batches grouped by length (group_by_length, max_tokens_per_batch) need each "
+                "item's length up front, which a stream does not have"
+            )
+        settings = dict(workers or {})
+        if settings.get("num_workers"):
+            settings["worker_init_fn"] = die_with_parent
+        return build_stream_loader(
+            dataset,
+            batch_size=batch_size,
+            collate_fn=collator,
+            shuffle=shuffle,
+            seed=seed,
+            rank=rank,
+            world_size=world_size,
+            shuffle_buffer=stream_shuffle_buffer,
+            **settings,
+        )
     return build_dataloader(
         dataset,
         batch_size=batch_size,
@@ -99,11 +123,17 @@ def build_eval_loader(
     inputs: ModelInputs | None = None,
     description: str = "eval",
     seed: int = 0,
+    max_items: int | None = None,
 ) -> DataLoader:
     """This data-parallel rank's share of ``dataset``, in order: items ``rank, rank +
     world_size, ...``, each item once (``StridedSampler``). Worker processes draw each batch's
     random numbers from ``seed`` and the batch (``WorkerSeededBatches``): every evaluation of a
-    run sees the same batches."""
+    run sees the same batches. A stream is read once, in its order, into a list (its first
+    ``max_items`` items where given: ``max_eval_batches`` bounds it), then shared the same way."""
+    if is_stream(dataset):
+        dataset = read_stream(dataset, max_items)
+        if not dataset:
+            raise ValueError(f"the {description} stream yielded no item")
     if inputs is not None:
         dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
     workers = dict(workers or {})

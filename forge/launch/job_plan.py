@@ -308,7 +308,10 @@ def describe_plan(
         )
     else:
         total = args.max_steps if args.max_steps > 0 else None
-        lines.append("  steps         the training dataset has no length: max_steps decides")
+        lines.append(
+            "  steps         the training dataset has no length (a stream): max_steps decides; "
+            "a resume continues at the position saved (forge runs shows it)"
+        )
     kind, states = optimizer
     if params is None:
         lines.append("  parameters    not counted: the model cannot be built on the meta device")

@@ -300,7 +300,8 @@ def _check(
             cfg.problem(
                 trainer.arg_locs.get("train_dataset", trainer.loc),
                 "null: there is no data to train on",
-                "fill the config's datasets block with a map-style dataset whose items are dicts",
+                "fill the config's datasets block with a dataset (map-style, or a stream: an "
+                "IterableDataset) whose items are dicts",
             )
         )
     if problems or not isinstance(model_node, CallNode):

@@ -104,7 +104,13 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
                     "value": state.best_metric,
                 }
             record.data.update(found_batch_record(args, state))  # auto_find_batch_size's
-            record.add_checkpoint(Path(checkpoint_path), state.global_step, metrics or {}, best)
+            record.add_checkpoint(
+                Path(checkpoint_path),
+                state.global_step,
+                metrics or {},
+                best,
+                data=getattr(state, "stream_position", None),  # a stream's, rank 0's
+            )
 
     return RunRecordCallback()
 

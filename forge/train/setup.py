@@ -48,6 +48,7 @@ from forge.checkpoint.manager import BestRule, CheckpointManager
 from forge.data import trainer_loaders
 from forge.data.columns import ModelInputs
 from forge.data.length_grouping import LengthError, item_lengths
+from forge.data.streams import is_stream
 from forge.train import dist
 from forge.train.args import TrainingArgumentsError
 from forge.train.callbacks import TrainerControl, TrainerState
@@ -60,6 +61,7 @@ from forge.train.packing import packing_refusal, packs_sequences
 from forge.train.plain_models import not_a_dict_batch
 from forge.train.precision import device_problems
 from forge.train.runtime import Intervals, apply_runtime_settings
+from forge.train.stream_position import StreamPosition
 from forge.train.transforms import apply_activation_checkpointing, apply_model_settings
 from forge.wrappers import class_label
 
@@ -93,11 +95,15 @@ class TrainerSetup:
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
         self.train_loader = self.build_train_loader()
-        steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
-        if args.max_steps > 0:
+        streams = getattr(self.train_loader, "is_stream", False)
+        if streams:  # no length: max_steps ends training (build_train_loader checked it is set)
+            self.max_steps, self.num_epochs = args.max_steps, math.ceil(args.num_train_epochs)
+        elif args.max_steps > 0:
+            steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
             self.max_steps = args.max_steps
             self.num_epochs = math.ceil(args.max_steps / steps_per_epoch)
         else:
+            steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
             self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
             self.num_epochs = math.ceil(args.num_train_epochs)
         self._every = Intervals.of(args, self.max_steps)
@@ -112,15 +118,23 @@ class TrainerSetup:
             is_world_process_zero=self.is_main_process,
         )
         self.control = TrainerControl()
-        per_device = None if args.max_tokens_per_batch else self.train_loader.batch_size
-        self.data_position = DataPosition(
-            self.train_loader,
-            is_main=self.is_main_process,
-            step_batch=StepBatch(
-                per_device, args.gradient_accumulation_steps, self.topology.dp_size
-            ),
-            key=args.config_key,
-        )
+        if streams:
+            self.data_position = StreamPosition(
+                self.train_loader,
+                is_main=self.is_main_process,
+                fix=f"set {args.config_key}.ignore_data_skip: true to start the stream again",
+                on_saved=functools.partial(setattr, self.state, "stream_position"),
+            )
+        else:
+            per_device = None if args.max_tokens_per_batch else self.train_loader.batch_size
+            self.data_position = DataPosition(
+                self.train_loader,
+                is_main=self.is_main_process,
+                step_batch=StepBatch(
+                    per_device, args.gradient_accumulation_steps, self.topology.dp_size
+                ),
+                key=args.config_key,
+            )
         self._tally = Tally()
         self._last_eval = (None, {})
         self._stop_vote, self._stop_agreed = StopVote(), 0
@@ -148,10 +162,11 @@ class TrainerSetup:
         ``train()`` uses it: the model's optimizer and schedule unless the trainer was given
         either of its own (then the trainer's, and a warning), the model's callbacks in place of
         those a previous ``train()`` added."""
+        stream = getattr(self.train_loader, "is_stream", False)
         plan = TrainingPlan(
             max_steps=self.max_steps,
             num_epochs=self.num_epochs,
-            batches_per_epoch=len(self.train_loader),
+            batches_per_epoch=0 if stream else len(self.train_loader),  # 0: not known
             gradient_accumulation_steps=self.args.gradient_accumulation_steps,
             topology=self.topology,
         )
@@ -276,6 +291,8 @@ class TrainerSetup:
         args = self.args
         batch = self.strategy.per_rank_batch_size("per_device_train_batch_size")
         option = "max_tokens_per_batch" if args.max_tokens_per_batch else "train_sampling_strategy"
+        if is_stream(self.train_dataset):
+            self._check_stream_arguments()
         try:
             return trainer_loaders.build_train_loader(
                 self.train_dataset,
@@ -291,9 +308,33 @@ class TrainerSetup:
                 lengths=self._train_lengths(),
                 group_size=batch * args.gradient_accumulation_steps * self.topology.dp_size,
                 max_tokens=args.max_tokens_per_batch,
+                stream_shuffle_buffer=args.stream_shuffle_buffer,
             )
         except LengthError as exc:
             raise TrainingArgumentsError([f"{args.config_key}.{option}: {exc}"]) from None
+
+    def _check_stream_arguments(self) -> None:
+        """A training stream has no length: ``max_steps`` says when training ends (as in HF's
+        Trainer), and batches cannot be grouped by the lengths of items not yet read."""
+        args, key = self.args, self.args.config_key
+        problems = []
+        if args.max_steps <= 0:
+            problems.append(
+                f"{key}.max_steps must be set when the training dataset is a stream "
+                f"({type(self.train_dataset).__name__} has no length, so num_train_epochs "
+                "cannot say how many steps an epoch is); set max_steps: N"
+            )
+        if args.train_sampling_strategy == "group_by_length" or args.max_tokens_per_batch:
+            option = (
+                "max_tokens_per_batch" if args.max_tokens_per_batch else "train_sampling_strategy"
+            )
+            problems.append(
+                f"{key}.{option} groups batches by the lengths of all items, which a stream "
+                'does not know in advance; use train_sampling_strategy: "random" (the stream is '
+                "shuffled through stream_shuffle_buffer)"
+            )
+        if problems:
+            raise TrainingArgumentsError(problems)
 
     def _train_lengths(self) -> list[int] | None:
         """Each training item's length where batches are grouped by it (else None)."""
@@ -305,10 +346,13 @@ class TrainerSetup:
     def build_eval_loader(self, dataset: Dataset | None = None, description: str = "eval") -> Any:
         """This rank's share of ``dataset`` (default: the eval dataset), in order: items
         ``rank, rank + world_size, ...``, each item once."""
+        batch = self.strategy.per_rank_batch_size("per_device_eval_batch_size")
+        limit = self.args.max_eval_batches
         return trainer_loaders.build_eval_loader(
             self.eval_dataset if dataset is None else dataset,
             self.data_collator,
-            batch_size=self.strategy.per_rank_batch_size("per_device_eval_batch_size"),
+            batch_size=batch,
+            max_items=None if limit is None else limit * batch * self.topology.dp_size,
             rank=self.topology.dp_rank,
             world_size=self.topology.dp_size,
             workers=self._worker_settings(),
@@ -545,7 +589,19 @@ class TrainerSetup:
                 " and a grad scaler" if self.scaler is not None else "",
                 level=logging.DEBUG if self.device.type == "cpu" else logging.INFO,
             )
-        if args.max_tokens_per_batch:
+        position = self.data_position
+        if isinstance(position, StreamPosition):
+            self._info(
+                "training for %d steps on a stream (%s); batch %d x accumulation %d x "
+                "data-parallel %d = %d items per step",
+                self.max_steps,
+                position.describe(),
+                batch,
+                args.gradient_accumulation_steps,
+                self.topology.dp_size,
+                batch * args.gradient_accumulation_steps * self.topology.dp_size,
+            )
+        elif args.max_tokens_per_batch:
             self._info(
                 "training for %d steps (%d epochs of %d batches per rank); batches of at most "
                 "%d padded tokens x accumulation %d x data-parallel %d per step",

@@ -232,3 +232,21 @@ def test_docs_lightning_module_trains_through_the_adapter(tmp_path):
         (tmp_path / name / "output" / "lightning" / "run_001" / "run.json").read_text()
     )
     assert run["status"] == "completed"
+
+
+@pytest.mark.slow
+def test_the_stream_example_trains_from_its_iterable_dataset(tmp_path):
+    """docs/models-and-data.md's user stream in a classifier scaffold: it passes the sanity pass
+    (which loads a batch from the stream); without max_steps it is refused there, located."""
+    assert run_forge("new", "itds", "--from", "classifier", cwd=tmp_path).returncode == 0
+    project = tmp_path / "itds"
+    with open(project / "data.py", "a") as file:
+        file.write("\n\n" + docs.block("python", "# data.py (added)"))
+    config = readme_block("# templates/configs/stream.yaml")
+    (project / "templates" / "configs" / "stream.yaml").write_text(config)
+    result = run_forge("train", "stream", "-p", str(project), "--dry-run")
+    assert result.returncode == 0, result.stderr
+    refused = run_forge("train", "stream", "-p", str(project), "--dry-run", "-D", "max_steps=-1")
+    assert refused.returncode == 2
+    assert "train.yaml:" in refused.stderr and "max_steps must be set" in refused.stderr
+    assert "Traceback" not in refused.stderr

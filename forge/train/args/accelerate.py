@@ -19,8 +19,8 @@ class AccelTrainingArguments(TrainingArguments):
     say. ``split_batches``: ``per_device_train_batch_size`` (and the eval one) is the batch of
     all processes together, split evenly between them (Accelerate's meaning), instead of each
     process's. ``dispatch_batches`` is Accelerate's option for iterable datasets read on the main
-    process; forge's datasets are map-style and each process reads its own shard, so only
-    null / false apply.
+    process; forge's loaders give every process its own shard (of a map-style dataset or of a
+    stream), so only null / false apply.
     """
 
     mixed_precision: str | None = None
@@ -57,7 +57,7 @@ class AccelTrainingArguments(TrainingArguments):
         if self.dispatch_batches not in (None, False):
             p.append(
                 f"{self._key('dispatch_batches')} must be null or false (got "
-                f"{self.dispatch_batches!r}): forge's datasets are map-style and every process "
-                "reads its own shard"
+                f"{self.dispatch_batches!r}): forge's loaders give every process its own shard, "
+                "of a map-style dataset or of a stream"
             )
         return p

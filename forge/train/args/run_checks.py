@@ -300,6 +300,7 @@ class RunChecks(ValueChecks):
         self._optional_int(
             "max_tokens_per_batch", p, minimum=1, fix="or null for batches of a fixed size"
         )
+        self._int("stream_shuffle_buffer", p, minimum=0, fix="0 reads a stream in its order")
         if self.max_tokens_per_batch is not None and self.train_sampling_strategy == "sequential":
             p.append(
                 f"{self._key('max_tokens_per_batch')} forms batches of items of similar length, "

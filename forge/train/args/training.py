@@ -170,6 +170,9 @@ class TrainingArguments(StepChecks, RunChecks):
     # when set, it forms the training batches and per_device_train_batch_size does not apply
     # to them (every config carries one: HF's default 8, which base.yaml renders)
     max_tokens_per_batch: int | None = None
+    # forge's own: a training stream (an iterable dataset) is shuffled through a seeded buffer
+    # of this many items per loader worker, saved with the checkpoint (0 or 1: no shuffling)
+    stream_shuffle_buffer: int = 1000
     # ---- distributed
     ddp_find_unused_parameters: bool | None = None
     ddp_bucket_cap_mb: int | None = None

@@ -1,0 +1,136 @@
+"""A run on a stream killed with SIGKILL mid-epoch and continued with `forge resume` ends with
+the weights and optimizer state of the same run trained straight: a sharded jsonl corpus read
+through `datasets` and a user IterableDataset with no sharding of its own, shuffled, on 1 and
+2 processes, with 0 and 2 loader workers (slow: real processes)."""
+
+from __future__ import annotations
+
+import signal
+import textwrap
+from pathlib import Path
+
+import pytest
+from safetensors.torch import load_file
+
+from tests.helpers import run_forge
+from tests.integration.test_train_resume import start_forge, wait_for
+from tests.train.common import assert_same_tensors, component_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.slow]
+
+DATA = '''
+
+import json
+from pathlib import Path
+
+
+class StreamClassification(torch.utils.data.IterableDataset):
+    """SyntheticClassification's items as a stream: no length, no shards, no state."""
+
+    def __init__(self, **kwargs):
+        self.data = SyntheticClassification(**kwargs)
+
+    def __iter__(self):
+        for index in range(len(self.data)):
+            yield self.data[index]
+
+
+def jsonl_stream(directory, shards=5, **kwargs):
+    """The same items written as `shards` jsonl files, read back as a datasets stream."""
+    import datasets
+
+    data = SyntheticClassification(**kwargs)
+    folder = Path(directory)
+    folder.mkdir(parents=True, exist_ok=True)
+    files = []
+    for shard in range(shards):
+        path = folder / f"part-{shard:03d}.jsonl"
+        rows = range(shard, len(data), shards)
+        path.write_text("".join(
+            json.dumps({"features": data[i]["features"].tolist(), "labels": int(data[i]["labels"])})
+            + "\\n" for i in rows
+        ))
+        files.append(str(path))
+    return datasets.load_dataset("json", data_files=files, split="train", streaming=True)
+
+
+def collate(items):
+    return {
+        "features": torch.stack([torch.as_tensor(i["features"], dtype=torch.float32) for i in items]),
+        "labels": torch.tensor([int(i["labels"]) for i in items]),
+    }
+'''
+
+CONFIG = """\
+-- extends 'configs/train.yaml'
+-- block datasets
+-- if source == "jsonl"
+train_dataset: &train_dataset !singleton:./data.py:jsonl_stream
+    directory: {{ shard_dir }}
+-- else
+train_dataset: &train_dataset !singleton:./data.py:StreamClassification
+-- endif
+    num_samples: 200
+    num_features: 16
+    num_classes: 4
+eval_dataset: &eval_dataset null
+-- endblock
+-- block collator
+data_collator: &data_collator !partial:./data.py:collate
+-- endblock
+-- block trainer_args
+    == super()
+    max_steps: 24
+    per_device_train_batch_size: 8
+    save_steps: 6
+    logging_steps: 6
+    eval_strategy: "no"
+    metric_for_best_model: null
+    report_to: none
+    stream_shuffle_buffer: 16
+    dataloader_num_workers: {{ workers }}
+-- endblock
+"""
+
+
+@pytest.fixture(scope="module")
+def project(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("streams")
+    created = run_forge("new", "streams", "--from", "classifier", cwd=root)
+    assert created.returncode == 0, created.stderr
+    project = root / "streams"
+    with open(project / "data.py", "a") as file:
+        file.write(textwrap.dedent(DATA))
+    (project / "templates" / "configs" / "stream.yaml").write_text(CONFIG)
+    return project
+
+
+@pytest.mark.parametrize(
+    ("source", "nproc", "workers"),
+    [("jsonl", "1", "0"), ("jsonl", "2", "2"), ("plain", "1", "2"), ("plain", "2", "0")],
+)
+def test_a_stream_run_killed_with_sigkill_resumes_bit_identical(
+    project, tmp_path, source, nproc, workers
+):
+    extra = [
+        "stream", "-p", str(project), "-D", f"source={source}", "-D", f"workers={workers}",
+        "-D", f"shard_dir={tmp_path / 'shards'}", "--nproc", nproc,
+    ]  # fmt: skip
+    straight = run_forge("train", *extra, timeout=600)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    proc = start_forge("train", *extra, cwd=project)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000012", proc)
+    proc.send_signal(signal.SIGKILL)  # the launcher dies; ranks and loader workers with it
+    proc.wait(timeout=300)
+    assert not (run_dir / "checkpoints" / "checkpoint-000024").exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir), timeout=600)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "resumed in epoch" in resumed.stderr
+    ends = [
+        Path(straight.stdout.splitlines()[0]) / "checkpoints" / "checkpoint-000024",
+        run_dir / "checkpoints" / "checkpoint-000024",
+    ]
+    weights = [load_file(end / "model.safetensors") for end in ends]
+    assert_same_tensors(*weights, "weights")
+    assert_same_tensors(*(component_state(end, "optimizer") for end in ends), "optimizer")
