@@ -237,11 +237,26 @@ class RunRecord:
     def add_checkpoint(
         self, path: Path, step: int, metrics: dict[str, Any], best: dict[str, Any] | None
     ) -> None:
+        self._record_checkpoint(path, step, metrics, best)
+        self.update()
+
+    def _record_checkpoint(
+        self,
+        path: Path,
+        step: int,
+        metrics: dict[str, Any],
+        best: dict[str, Any] | None,
+        *,
+        saved: str | None = None,
+        link: bool = True,
+    ) -> None:
+        """Add checkpoint ``path`` of ``step`` to the history (in memory); ``best`` becomes
+        the run's best, and ``link`` points ``RUN/best`` at it."""
         entry = {
             "step": step,
             "path": os.path.relpath(path, self.run_dir),
             "metrics": metrics,
-            "saved": now_iso(),
+            "saved": saved or now_iso(),
         }
         history = [c for c in self.data.get("checkpoints", []) if c.get("step") != step]
         for previous in history:  # rotation (save_total_limit) may have removed some
@@ -249,11 +264,65 @@ class RunRecord:
                 previous["deleted"] = True
         history.append(entry)
         self.data["checkpoints"] = sorted(history, key=lambda c: c["step"])
-        self.data["step"] = step
+        self.data["step"] = max(step, int(self.data.get("step") or 0))
         if best:
             self.data["best"] = best
-            link_best_checkpoint(self.run_dir, self.run_dir / best["checkpoint"])
-        self.update()
+            if link:
+                link_best_checkpoint(self.run_dir, self.run_dir / best["checkpoint"])
+
+
+def current_record(run_dir: Path, *, repair: bool = True) -> RunRecord:
+    """``run.json`` caught up with the run's committed checkpoints.
+
+    A checkpoint's manifest is committed before run.json records it, so a run killed between
+    the two has a record that lags its checkpoints: its step, history and best come here from
+    the manifests of the checkpoints it does not record (each names the run's best as of its
+    commit). With ``repair``, a run no process is training gets the caught-up run.json and
+    ``RUN/best`` written back; a live run's own next update records them.
+    """
+    record = RunRecord.load(run_dir)
+    step = int(record.data.get("step") or 0)
+    recorded = {entry["step"] for entry in record.data.get("checkpoints", [])}
+    newer = [
+        (path, manifest)
+        for path, manifest in committed_manifests(run_dir)
+        if manifest.step > step and manifest.step not in recorded
+    ]
+    if not newer:
+        return record
+    write = repair and not run_is_live(run_dir)
+    for path, manifest in newer:
+        best = manifest_best(Path(run_dir), path, manifest.extra.get("best"))
+        record._record_checkpoint(
+            path, manifest.step, dict(manifest.metrics), best, saved=manifest.created, link=write
+        )
+    if write:
+        record.update()
+    return record
+
+
+def committed_manifests(run_dir: Path) -> list[tuple[Path, Any]]:
+    """(path, manifest) of every checkpoint of the run whose commit completed (its manifest
+    and files are in place; hashes are not read), oldest first."""
+    from forge.checkpoint.layout import find_checkpoints
+
+    found = find_checkpoints(Path(run_dir) / "checkpoints", verify_hashes=False)
+    return [(info.path, info.manifest) for info in found if info.valid and info.manifest]
+
+
+def manifest_best(run_dir: Path, checkpoint: Path, best: Any) -> dict[str, Any] | None:
+    """run.json's ``best`` from a manifest's (which names a sibling of ``checkpoint``), or None
+    where the manifest records none or its best is gone."""
+    if not isinstance(best, dict) or not isinstance(best.get("checkpoint"), str):
+        return None
+    path = Path(checkpoint).parent / Path(best["checkpoint"]).name
+    if not path.is_dir():
+        return None
+    return {
+        "checkpoint": os.path.relpath(path, run_dir),
+        "metric": best.get("metric"),
+        "value": best.get("value"),
+    }
 
 
 def link_best_checkpoint(run_dir: Path, checkpoint: Path) -> None:
@@ -272,11 +341,12 @@ def link_best_checkpoint(run_dir: Path, checkpoint: Path) -> None:
 
 
 def best_checkpoint(run_dir: Path) -> Path:
-    """The run's best checkpoint (``run.json``'s ``best``, which ``RUN/best`` links to).
+    """The run's best checkpoint (``run.json``'s ``best``, which ``RUN/best`` links to, caught
+    up with the committed checkpoints: :func:`current_record`).
 
     Raises RunError saying why when the run has none.
     """
-    record = RunRecord.load(run_dir)
+    record = current_record(run_dir)
     best = record.data.get("best") or {}
     if not best.get("checkpoint"):
         raise RunError(
@@ -697,12 +767,8 @@ def checkpoint_count(run_dir: Path) -> int:
 
 
 def committed_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint of the run whose commit completed (its manifest and
-    files are in place; hashes are not read), oldest first."""
-    from forge.checkpoint.layout import find_checkpoints
-
-    found = find_checkpoints(Path(run_dir) / "checkpoints", verify_hashes=False)
-    return [(info.step, info.path) for info in found if info.valid]
+    """(step, path) of every checkpoint of the run whose commit completed, oldest first."""
+    return [(manifest.step, path) for path, manifest in committed_manifests(run_dir)]
 
 
 def newest_step(run_dir: Path, data: dict[str, Any]) -> int:

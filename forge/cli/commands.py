@@ -507,9 +507,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     from forge.runs import (
         RunError,
-        RunRecord,
         all_run_dirs,
         checkpoint_count,
+        current_record,
         newest_step,
         run_is_live,
     )
@@ -519,7 +519,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     for run_dir in all_run_dirs(project.output_dir):
         name = str(run_dir.relative_to(project.output_dir))
         try:
-            data = RunRecord.load(run_dir).data
+            data = current_record(run_dir).data  # caught up with its committed checkpoints
         except RunError as err:
             damaged.append(str(err))
             rows.append([name, "?", "damaged", "", "", "", ""])

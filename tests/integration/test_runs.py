@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -216,3 +217,37 @@ def test_sigterm_is_acknowledged_at_once_and_a_complete_run_has_nothing_to_resum
     assert {
         p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")
     } == before
+
+
+def test_a_kill_between_a_commit_and_run_json_is_invisible(trained):
+    """run.json put back to what it held just before checkpoint-000040's commit (the window
+    of a SIGKILL after the rename, before the record's update): the tables, --best and the
+    `best` link follow the committed manifests."""
+    from forge.runs import best_checkpoint
+
+    project, run_dir, _ = trained
+    ckpts = run_dir / "checkpoints"
+    newest = json.loads((ckpts / "checkpoint-000040" / "manifest.json").read_text())
+    best = newest["best"]  # the run's best as of that commit
+    assert best["metric"] == "eval_loss" and best["value"] == min(
+        json.loads((ckpts / name / "manifest.json").read_text())["metrics"]["eval_loss"]
+        for name in ("checkpoint-000020", "checkpoint-000040")
+    )
+    record = json.loads((run_dir / "run.json").read_text())
+    earlier = [c for c in record["checkpoints"] if c["step"] < 40]
+    stale = {"checkpoint": "checkpoints/checkpoint-000030", "metric": "eval_loss", "value": 9.5}
+    record.update(status="running", step=30, checkpoints=earlier, best=stale)
+    (run_dir / "run.json").write_text(json.dumps(record))
+    shutil.rmtree(run_dir / "best")  # the fixture's copy made the link a directory
+    (run_dir / "best").symlink_to("checkpoints/checkpoint-000030")
+
+    runs = run_forge("runs", "-p", str(project))
+    assert runs.returncode == 0, runs.stderr
+    header, row = (line.split() for line in runs.stdout.splitlines()[:2])
+    assert row[header.index("STEP")] == "40"
+    assert row[header.index("BEST")] == f"eval_loss={best['value']:.4g}"
+    assert best_checkpoint(run_dir) == (ckpts / best["checkpoint"]).resolve()
+    assert (run_dir / "best").resolve() == (ckpts / best["checkpoint"]).resolve()
+    repaired = json.loads((run_dir / "run.json").read_text())  # no process trains it
+    assert repaired["step"] == 40 and repaired["best"]["value"] == best["value"]
+    assert repaired["checkpoints"][-1]["metrics"] == newest["metrics"]
