@@ -13,7 +13,6 @@ import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
-
 #: the words of a choice that YAML turns into each boolean when they are not quoted
 _BOOLEAN_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
 
