@@ -251,3 +251,10 @@ def test_a_kill_between_a_commit_and_run_json_is_invisible(trained):
     repaired = json.loads((run_dir / "run.json").read_text())  # no process trains it
     assert repaired["step"] == 40 and repaired["best"]["value"] == best["value"]
     assert repaired["checkpoints"][-1]["metrics"] == newest["metrics"]
+
+
+def test_checkpoints_of_a_run_dir_find_its_project_without_p(trained_once, tmp_path):
+    project, run_dir, _ = trained_once
+    result = run_forge("checkpoints", "--run-dir", str(run_dir), cwd=tmp_path)  # no project here
+    assert result.returncode == 0, result.stderr
+    assert "train/run_001/checkpoints/checkpoint-000040" in result.stdout
