@@ -341,7 +341,7 @@ def _check(
             dataset, collator = keep_model_inputs(dataset, collator, inputs, quiet=True)
     size = getattr(args, "per_device_train_batch_size", SAMPLE_ITEMS)
     batch, problem = _sample_batch(
-        cfg, dataset, collator, dataset_node, trainer, model_class, items=size
+        cfg, dataset, collator, dataset_node, trainer, model_class, items=size, removed=dropped
     )
     if problem is not None or batch is None:
         return [problem] if problem else []
@@ -517,9 +517,11 @@ def _sample_batch(
     trainer: CallNode,
     model_class: Any = None,
     items: Any = SAMPLE_ITEMS,
+    removed: list[str] = (),
 ) -> tuple[Any, Problem | None]:
     """The first items of ``dataset`` collated as the trainer's loader would (no more than the
-    configured batch size: a collator may rely on it)."""
+    configured batch size: a collator may rely on it); ``removed``: the columns
+    ``remove_unused_columns`` takes out before the collator."""
     from torch.utils.data import default_collate
 
     where = dataset_node.loc if isinstance(dataset_node, Node) else trainer.loc
@@ -534,12 +536,24 @@ def _sample_batch(
     try:
         batch = (collator or default_collate)(items)
     except Exception as err:  # the user's data or collator
+        from forge.data.columns import RemovedColumnError, forward_name, removed_column_note
+
         name = "data_collator" if collator is not None else "torch's default collation"
+        forward = forward_name(model_class) if model_class else "the model's forward"
+        note = removed_column_note(err, removed, forward)  # a datasets.Dataset's column
+        if isinstance(err, RemovedColumnError) or note:
+            said = str(err) if note is None else f"KeyError: {err}: {note}"
+            return None, cfg.problem(
+                where, f"{name} failed on the first {count} items of train_dataset: {said}", None
+            )
+        seen = items[0]
+        if removed and isinstance(seen, Mapping):  # what the collator got
+            seen = {key: value for key, value in seen.items() if key not in removed}
         return None, cfg.problem(
             where,
             f"{name} failed on the first {count} items of train_dataset: "
             f"{type(err).__name__}: {err}",
-            f"the items look like: {_describe_item(items[0])}",
+            f"the items it was given look like: {_describe_item(seen)}",
         )
     if not isinstance(batch, Mapping):
         from forge.train.plain_models import not_a_dict_batch
