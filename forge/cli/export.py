@@ -33,7 +33,7 @@ from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
 from forge.checkpoint.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX_NAME
 from forge.checkpoint.layout import MANIFEST_NAME
 from forge.cli.exits import RuntimeFailure, UsageError
-from forge.wrappers import class_label
+from forge.wrappers import class_label, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -153,7 +153,7 @@ def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: s
             save_model_weights(load_adapter_model(source), directory, max_shard_size=max_shard_size)
             what = ""
         else:  # a module of the user's own: built by its run's config, exported as a state dict
-            model = _plain_base_model(source, base, problem)
+            model = unwrap_model(_plain_base_model(source, base, problem))  # a LossAdapter's
             _save_state_dict(model.state_dict(), directory, max_shard_size)
             what = f" (a {class_label(model)}, no transformers model: its state dict)"
         keep = [name for name in keep if name not in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
