@@ -387,6 +387,11 @@ def test_merge_lora_of_a_loss_adapted_module_writes_the_modules_own_names(
     with torch.no_grad():
         expected, got = oracle(input_ids=ids)["logits"], merged.eval()(input_ids=ids)["logits"]
     torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # the adapter's config names its base (peft would write null for a module built in memory)
+    export_model(ckpt, tmp_path / "adapter")
+    for directory in (ckpt, tmp_path / "adapter"):
+        config = json.loads((directory / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(adapted_lora_run / "base_model")
 
 
 def test_predict_and_generate_use_a_plain_modules_lora_checkpoint(plain_lora_run, tmp_path):

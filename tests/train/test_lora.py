@@ -360,3 +360,30 @@ def test_an_async_save_writes_the_same_adapter_checkpoints(trained, base_dir, tm
         theirs = load_file(checkpoint_dir(out, step) / "adapter_model.safetensors")
         assert mine.keys() == theirs.keys()
         assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_merge_lora_ema_merges_the_adapters_moving_average(base_dir, tmp_path):
+    """The best checkpoint of a run that evaluates its average is chosen by the average:
+    `forge export --merge-lora --ema` writes the base with that average merged in."""
+    from forge.train.ema import read_ema_state
+
+    lora_trainer(tmp_path / "run", base_dir, ema_decay=0.9, max_steps=4, save_steps=4).train()
+    ckpt = checkpoint_dir(tmp_path / "run", 4)
+    average = read_ema_state(ckpt)
+    export_model(ckpt, tmp_path / "ema", merge_lora=True, ema=True)
+    export_model(ckpt, tmp_path / "trained", merge_lora=True)
+    oracle = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), ckpt)
+    with torch.no_grad():
+        for name, param in oracle.named_parameters():
+            if name in average:
+                param.copy_(average[name])
+    expected = oracle.merge_and_unload().state_dict()
+    got = load_file(tmp_path / "ema" / "model.safetensors")
+    assert all(torch.equal(got[name], expected[name]) for name in got)
+    trained = load_file(tmp_path / "trained" / "model.safetensors")
+    assert any(not torch.equal(got[name], trained[name]) for name in got)
+    with pytest.raises(UsageError, match="add --merge-lora to export the base with the average"):
+        export_model(ckpt, tmp_path / "adapter", ema=True)
+    export_model(ckpt, tmp_path / "adapter")  # its config names the base it belongs to
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
