@@ -387,3 +387,16 @@ def test_merge_lora_ema_merges_the_adapters_moving_average(base_dir, tmp_path):
     export_model(ckpt, tmp_path / "adapter")  # its config names the base it belongs to
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
     assert config["base_model_name_or_path"] == str(base_dir.resolve())
+
+
+def test_a_relative_base_model_is_the_projects_and_the_run_records_it_whole(tmp_path, monkeypatch):
+    from forge.config import load_project, render_config
+    from tests.helpers import TINY_LM
+
+    monkeypatch.chdir(tmp_path)  # started elsewhere: the path is still the project's
+    project = load_project(TINY_LM)
+    text = render_config(project, "lora.yaml", {"base_model": "output/train/run_001"}).text
+    expected = json.dumps(str(TINY_LM / "output" / "train" / "run_001"))
+    assert f"path: {expected}" in text and f"- {expected}" in text
+    absolute = render_config(project, "lora.yaml", {"base_model": str(tmp_path)}).text
+    assert f"path: {json.dumps(str(tmp_path))}" in absolute
