@@ -802,6 +802,8 @@ def nothing_to_resume(run_dir: Path, checkpoint: Path, cfg: Any, *, changed: boo
     data = RunRecord.load(run_dir).data
     max_steps = configured_max_steps(cfg)
     finished = data.get("status") == "completed" and not changed
+    if finished and damaged_after(run_dir, checkpoint):
+        return None  # its final weights are damaged: resuming from ``checkpoint`` rebuilds them
     step = parse_checkpoint_step(checkpoint)
     if finished or step is None:
         step = int(data.get("step") or 0)
@@ -812,6 +814,56 @@ def nothing_to_resume(run_dir: Path, checkpoint: Path, cfg: Any, *, changed: boo
         f"{Path(run_dir).name} is complete (step {step}{of}); nothing to do. "
         "To train longer: forge resume --set trainer.args.max_steps=N"
     )
+
+
+def damaged_after(run_dir: Path, checkpoint: Path) -> list[Path]:
+    """The run's checkpoints of a later step than ``checkpoint``, which discovery took for
+    the newest valid one: damaged ones (their commit completed, and a file changed since)."""
+    from forge.checkpoint.layout import find_checkpoints, parse_checkpoint_step
+
+    step = parse_checkpoint_step(checkpoint)
+    if step is None or Path(checkpoint).parent != Path(run_dir) / "checkpoints":
+        return []
+    found = find_checkpoints(Path(run_dir) / "checkpoints", verify_hashes=False)
+    return [info.path for info in found if info.step > step]
+
+
+def damaged_final_weights(
+    run_dir: Path, checkpoint: Path, project_root: Path | None = None, *, resuming: bool = False
+) -> str | None:
+    """For a completed run whose newest checkpoint (its final weights) is damaged, so that
+    ``checkpoint``, the newest valid one, is an earlier one: what happened and how to rebuild
+    them (``resuming``: that this resume does); else None. ``project_root``: the run's
+    project (default: the one that holds it)."""
+    try:
+        data = RunRecord.load(run_dir).data
+    except RunError:
+        return None
+    completed = data.get("status") == "completed"
+    project_root = project_root or _project_holding(Path(run_dir), data)
+    damaged = damaged_after(run_dir, checkpoint) if completed else []
+    if not damaged:
+        return None
+    earlier = Path(checkpoint).name
+    rebuild = (
+        f"resuming from {earlier} rebuilds them"
+        if resuming
+        else f"`{resume_command(run_dir, project_root)}` rebuilds them, training again from "
+        f"{earlier}"
+    )
+    return (
+        f"{Path(run_dir).name} completed, but its final weights ({damaged[-1].name}) are "
+        f"damaged (`forge checkpoints --verify` names the file); {rebuild}"
+    )
+
+
+def _project_holding(run_dir: Path, data: dict[str, Any]) -> Path:
+    """The project whose output holds ``run_dir`` (a moved project's, too), else the one
+    run.json records."""
+    for directory in run_dir.resolve().parents:
+        if (directory / "meta.yaml").is_file():
+            return directory
+    return Path(data.get("project") or ".")
 
 
 def failed_to_start(run_dir: Path, *, since: str) -> bool:

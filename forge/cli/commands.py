@@ -429,6 +429,7 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
     from forge.runs import (
         PROJECT_RUNS,
         RunRecord,
+        damaged_final_weights,
         failed_to_start,
         nothing_to_resume,
         now_iso,
@@ -453,6 +454,9 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
     if done:
         logger.info("%s", done)
         return EXIT_OK
+    damaged = damaged_final_weights(run_dir, checkpoint.path, project.root, resuming=True)
+    if damaged is not None:
+        logger.warning("%s", damaged)
     # as `forge train` does: the config (maybe changed by --set, or by hand) must still fit
     variables = build_variables(run_dir, project, RunRecord.load(run_dir).data.get("config", ""))
     recorded = int(RunRecord.load(run_dir).data.get("world_size") or 1)

@@ -64,9 +64,13 @@ def export_model(
     trainable weights, each in its saved dtype; a checkpoint without one is refused.
     """
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.runs import PROJECT_RUNS
+    from forge.runs import PROJECT_RUNS, damaged_final_weights
 
     source = resolve_checkpoint(checkpoint, models=True, runs=PROJECT_RUNS).path
+    if Path(checkpoint).resolve() != source.resolve():  # a run's (or project's) newest
+        damaged = damaged_final_weights(source.parent.parent, source)
+        if damaged is not None:
+            raise RuntimeFailure(f"{damaged}; or export {source} for the earlier weights")
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
         raise UsageError(

@@ -258,3 +258,43 @@ def test_checkpoints_of_a_run_dir_find_its_project_without_p(trained_once, tmp_p
     result = run_forge("checkpoints", "--run-dir", str(run_dir), cwd=tmp_path)  # no project here
     assert result.returncode == 0, result.stderr
     assert "train/run_001/checkpoints/checkpoint-000040" in result.stdout
+
+
+def _damage_final_weights(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    weights = run_dir / "checkpoints" / "checkpoint-000040" / "model.safetensors"
+    final = load_file(weights)
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    return weights, final
+
+
+def test_export_of_a_completed_run_with_damaged_final_weights_says_how_to_rebuild(trained):
+    project, run_dir, _ = trained
+    _damage_final_weights(run_dir)
+    result = run_forge("export", str(run_dir), str(run_dir.parent / "out"))
+    assert result.returncode == 1, result.stderr
+    assert "its final weights (checkpoint-000040) are damaged" in result.stderr
+    assert f"forge resume -p {project} --run-dir {run_dir}` rebuilds them" in result.stderr
+    assert "training again from checkpoint-000030" in result.stderr
+    assert not (run_dir.parent / "out").exists()
+    given = run_dir / "checkpoints" / "checkpoint-000030"  # named: the earlier weights export
+    assert run_forge("export", str(given), str(run_dir.parent / "out")).returncode == 0
+
+
+@pytest.mark.slow  # trains the last 10 steps again
+def test_resume_of_a_completed_run_with_damaged_final_weights_rebuilds_them(trained):
+    from safetensors.torch import load_file
+
+    project, run_dir, _ = trained
+    weights, final = _damage_final_weights(run_dir)
+    resumed = run_forge("resume", "-p", str(project))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "is complete" not in resumed.stderr
+    assert "final weights (checkpoint-000040) are damaged" in resumed.stderr
+    assert "resuming from checkpoint-000030 rebuilds them" in resumed.stderr
+    assert run_forge("checkpoints", "-p", str(project), "--verify").returncode == 0
+    rebuilt = load_file(weights)
+    assert rebuilt.keys() == final.keys()
