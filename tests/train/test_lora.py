@@ -311,6 +311,18 @@ def test_a_base_that_is_no_model_directory_is_refused(tmp_path):
         load_base_model(None)
 
 
+def test_a_base_that_is_a_module_of_ones_own_names_the_route_for_it(tmp_path):
+    from forge.checkpoint import CheckpointWriter
+
+    with CheckpointWriter(tmp_path, 4) as writer:  # a checkpoint of a module: no config.json
+        writer.save_safetensors("model.safetensors", {"head.weight": torch.zeros(2, 2)})
+    with pytest.raises(LoraUsageError) as info:
+        load_base_model(writer.final_path)
+    assert "keep the config's own model block" in str(info.value)
+    assert "== lora.peft_config()" in str(info.value)
+    assert "'LoRA on a module of your own'" in str(info.value)
+
+
 def test_a_base_directory_is_the_one_that_loads(base_dir):
     model = load_base_model(base_dir)
     assert isinstance(model, LlamaForCausalLM)
