@@ -234,7 +234,17 @@ class NoLoss(StandIn):
 
 class Reads(StandIn):
     def training_step(self, batch, batch_idx):
-        return self.trainer.strategy
+        return self.trainer.fit_loop
+
+
+class AsksOptimizers(StandIn):
+    def training_step(self, batch, batch_idx):
+        return self.trainer.strategy._lightning_optimizers  # LightningModule.optimizers()
+
+
+class AsksSchedulers(StandIn):
+    def training_step(self, batch, batch_idx):
+        return self.trainer.lr_scheduler_configs  # LightningModule.lr_schedulers()
 
 
 class LogsMax(StandIn):
@@ -254,7 +264,9 @@ class LogsAList(StandIn):
     ("module", "message"),
     [
         (NoLoss, "NoLoss.training_step returned None; Lightning skips such a batch"),
-        (Reads, "Reads reads self.trainer.strategy, which forge's LightningAdapter does not give"),
+        (Reads, "Reads reads self.trainer.fit_loop, which forge's LightningAdapter does not give"),
+        (AsksOptimizers, "AsksOptimizers calls self.optimizers(), which forge's"),
+        (AsksSchedulers, "AsksSchedulers calls self.lr_schedulers(), which forge's"),
         (LogsMax, "self.log('peak', ...) with reduce_fx='max': forge averages logged values"),
         (LogsAList, "self.log('parts', ...) with a list: forge logs numbers"),
     ],
