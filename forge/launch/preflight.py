@@ -126,10 +126,13 @@ def _sanity_problem(cfg: Config, trainer: CallNode, failure: Any, batches: int) 
         f"the sanity pass (what training runs, run once before it starts) failed while "
         f"{failure.doing}: {text}"
     )
-    hint = (
-        "fix it before training; trainer.args.num_sanity_val_steps: 0 skips the evaluation "
-        "batches, sanity_check: false the whole pass"
-    )
+    hint = None  # a failure before the evaluation batches is the run's first step's too
+    if getattr(failure, "evaluating", False):
+        hint = (
+            "fix it before training (its first evaluation meets it too); "
+            "trainer.args.num_sanity_val_steps: 0 skips the evaluation batches, "
+            "sanity_check: false the whole pass"
+        )
     return cfg.problem(loc or trainer.loc, message, hint)
 
 

@@ -92,6 +92,25 @@ class TrainerSetup:
         self._check_packing()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
+        self.setup_optimization()
+        self.state = TrainerState(
+            max_steps=self.max_steps,
+            num_train_epochs=self.num_epochs,
+            is_world_process_zero=self.is_main_process,
+        )
+        self.control = TrainerControl()
+        self.data_position = DataPosition(self.train_loader, is_main=self.is_main_process)
+        self._tally = Tally()
+        self._last_eval = (None, {})
+        self._stop_vote, self._stop_agreed = StopVote(), 0
+        self._step_open, self._start_step = False, 0
+        self._run_tally, self._loss_before = None, (0.0, 0)  # the run's loss (_run_loss)
+        self.build_checkpoint_manager()
+
+    def setup_optimization(self) -> None:
+        """The training loader, the run's length in steps and epochs, and the optimizer and
+        learning-rate schedule over them (the model's own, e.g. ``configure_optimizers``)."""
+        args = self.args
         self.train_loader = self.build_train_loader()
         steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
         if args.max_steps > 0:
@@ -106,19 +125,6 @@ class TrainerSetup:
         self.lr_scheduler = build_scheduler(
             self.model_parts.lr_scheduler, self.optimizer, args, self.max_steps
         )
-        self.state = TrainerState(
-            max_steps=self.max_steps,
-            num_train_epochs=self.num_epochs,
-            is_world_process_zero=self.is_main_process,
-        )
-        self.control = TrainerControl()
-        self.data_position = DataPosition(self.train_loader, is_main=self.is_main_process)
-        self._tally = Tally()
-        self._last_eval = (None, {})
-        self._stop_vote, self._stop_agreed = StopVote(), 0
-        self._step_open, self._start_step = False, 0
-        self._run_tally, self._loss_before = None, (0.0, 0)  # the run's loss (_run_loss)
-        self.build_checkpoint_manager()
 
     def _check_packing(self) -> None:
         """A collator known to pack sequences (forge/train/packing.py) with a model or trainer

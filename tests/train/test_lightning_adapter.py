@@ -343,10 +343,15 @@ def test_what_configure_optimizers_returns_is_read_as_lightning_reads_it_or_refu
         def configure_optimizers(self):
             return returned(list(self.parameters()))
 
-    with pytest.raises(
-        LightningAdapterError, match=message.replace("(", r"\(").replace(")", r"\)")
-    ):
+    from forge.train.sanity import SanityFailure, run_sanity_pass
+
+    pattern = message.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(LightningAdapterError, match=pattern):
         adapter_trainer(tmp_path, Configured, max_steps=2).train()
+    # the sanity pass (forge train's dry run) finds it before a run directory exists
+    with pytest.raises(SanityFailure, match=pattern) as found:
+        run_sanity_pass(adapter_trainer(tmp_path / "dry", Configured, max_steps=2), 0)
+    assert found.value.part == "model" and "building the optimizer" in found.value.doing
 
 
 def test_the_forms_configure_optimizers_may_take(tmp_path):
