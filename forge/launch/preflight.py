@@ -16,11 +16,13 @@ training argument they name, instead of by every worker after torchrun starts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from forge.config import Config, ConfigError, Problem
@@ -149,7 +151,6 @@ def _plan_job(
     """The trainer class's ``plan_job(model, args, world_size)`` (the pipeline trainer's
     split), with the model built on the meta device: its plan, or its problems located at
     the training argument each names."""
-    import torch
 
     from forge.train.args import TrainingArgumentsError
 
@@ -160,7 +161,7 @@ def _plan_job(
         return [], []
     try:
         args = Materializer(resolver.resolve, variables, cfg.describe_loc).value(args_node)
-        with torch.device("meta"):
+        with on_meta_device():
             model = Materializer(resolver.resolve, variables, cfg.describe_loc).value(model_node)
     except Exception as err:  # the workers build them and report what fails
         logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
@@ -198,7 +199,7 @@ def _adapter_problems(
             given = model_node.kwargs.get("path", model_node.args[0] if model_node.args else None)
             model = base_skeleton(materialize(given) if given is not None else None)
         else:
-            with torch.device("meta"):
+            with on_meta_device():
                 model = materialize(model_node)
                 model = model() if not isinstance(model, torch.nn.Module) else model
     except Exception as err:  # the trainer builds them and reports what fails
@@ -220,6 +221,18 @@ def _adapter_problems(
             problems.append(cfg.problem(loc, text if key.startswith("trainer.") else message, None))
         return problems
     return []
+
+
+@contextlib.contextmanager
+def on_meta_device() -> Iterator[None]:
+    """Modules built inside have no storage (their structure is all a check reads); a builder
+    that loads weights into them, which is a no-op there, warns of it once per tensor in torch:
+    not the user's to see in a dry run."""
+    import torch
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "for .*: copying from a non-meta parameter")
+        yield
 
 
 def _unnamed_targets_problem(cfg: Config, peft_node: CallNode, model: Any) -> Problem:
@@ -393,7 +406,7 @@ def _packing_problem(
     model: Any = _forward_owner(model_node, resolver)
     materializer = Materializer(resolver.resolve, variables, cfg.describe_loc)
     try:
-        with torch.device("meta"):
+        with on_meta_device():
             instance = materializer.value(model_node)
             model = instance() if not isinstance(instance, torch.nn.Module) else instance
     except Exception as err:  # the class alone then; the sanity pass runs the real model
@@ -619,7 +632,7 @@ def _meta_forward(
     import torch
 
     try:
-        with torch.device("meta"):
+        with on_meta_device():
             model = Materializer(resolver.resolve, variables, cfg.describe_loc).value(model_node)
             if not isinstance(model, torch.nn.Module):
                 model = model()
