@@ -189,6 +189,6 @@ def test_a_builder_that_loads_weights_on_the_meta_device_is_not_warned_of_per_te
         with on_meta_device():
             model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
             model.load_state_dict(weights)
-        warnings.warn("after the build", UserWarning)  # others still reach the user
+        warnings.warn("after the build", UserWarning, stacklevel=1)  # others still reach the user
     assert model[0].weight.device == torch.device("meta")
     assert [str(w.message) for w in caught] == ["after the build"]
