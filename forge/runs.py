@@ -264,7 +264,7 @@ class RunRecord:
                 previous["deleted"] = True
         history.append(entry)
         self.data["checkpoints"] = sorted(history, key=lambda c: c["step"])
-        self.data["step"] = max(step, int(self.data.get("step") or 0))
+        self.data["step"] = step
         if best:
             self.data["best"] = best
             if link:
