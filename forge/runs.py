@@ -245,11 +245,27 @@ class RunRecord:
     ) -> None:
         """Record a committed checkpoint; ``data``: a training stream's position in it
         (``{"epoch", "shards", "items"}`` of rank 0), which ``forge runs`` shows."""
+        self._record_checkpoint(path, step, metrics, best, data=data)
+        self.update()
+
+    def _record_checkpoint(
+        self,
+        path: Path,
+        step: int,
+        metrics: dict[str, Any],
+        best: dict[str, Any] | None,
+        *,
+        saved: str | None = None,
+        link: bool = True,
+        data: dict[str, int] | None = None,
+    ) -> None:
+        """Add checkpoint ``path`` of ``step`` to the history (in memory); ``best`` becomes
+        the run's best, and ``link`` points ``RUN/best`` at it."""
         entry = {
             "step": step,
             "path": os.path.relpath(path, self.run_dir),
             "metrics": metrics,
-            "saved": now_iso(),
+            "saved": saved or now_iso(),
         }
         if data:
             entry["data"] = dict(data)
@@ -264,8 +280,62 @@ class RunRecord:
             self.data["stream_position"] = dict(data)
         if best:
             self.data["best"] = best
-            link_best_checkpoint(self.run_dir, self.run_dir / best["checkpoint"])
-        self.update()
+            if link:
+                link_best_checkpoint(self.run_dir, self.run_dir / best["checkpoint"])
+
+
+def current_record(run_dir: Path, *, repair: bool = True) -> RunRecord:
+    """``run.json`` caught up with the run's committed checkpoints.
+
+    A checkpoint's manifest is committed before run.json records it, so a run killed between
+    the two has a record that lags its checkpoints: its step, history and best come here from
+    the manifests of the checkpoints it does not record (each names the run's best as of its
+    commit). With ``repair``, a run no process is training gets the caught-up run.json and
+    ``RUN/best`` written back; a live run's own next update records them.
+    """
+    record = RunRecord.load(run_dir)
+    step = int(record.data.get("step") or 0)
+    recorded = {entry["step"] for entry in record.data.get("checkpoints", [])}
+    newer = [
+        (path, manifest)
+        for path, manifest in committed_manifests(run_dir)
+        if manifest.step > step and manifest.step not in recorded
+    ]
+    if not newer:
+        return record
+    write = repair and not run_is_live(run_dir)
+    for path, manifest in newer:
+        best = manifest_best(Path(run_dir), path, manifest.extra.get("best"))
+        record._record_checkpoint(
+            path, manifest.step, dict(manifest.metrics), best, saved=manifest.created, link=write
+        )
+    if write:
+        record.update()
+    return record
+
+
+def committed_manifests(run_dir: Path) -> list[tuple[Path, Any]]:
+    """(path, manifest) of every checkpoint of the run whose commit completed (its manifest
+    and files are in place; hashes are not read), oldest first."""
+    from forge.checkpoint.layout import find_checkpoints
+
+    found = find_checkpoints(Path(run_dir) / "checkpoints", verify_hashes=False)
+    return [(info.path, info.manifest) for info in found if info.valid and info.manifest]
+
+
+def manifest_best(run_dir: Path, checkpoint: Path, best: Any) -> dict[str, Any] | None:
+    """run.json's ``best`` from a manifest's (which names a sibling of ``checkpoint``), or None
+    where the manifest records none or its best is gone."""
+    if not isinstance(best, dict) or not isinstance(best.get("checkpoint"), str):
+        return None
+    path = Path(checkpoint).parent / Path(best["checkpoint"]).name
+    if not path.is_dir():
+        return None
+    return {
+        "checkpoint": os.path.relpath(path, run_dir),
+        "metric": best.get("metric"),
+        "value": best.get("value"),
+    }
 
 
 def stream_position_text(data: dict[str, Any]) -> str:
@@ -295,11 +365,12 @@ def link_best_checkpoint(run_dir: Path, checkpoint: Path) -> None:
 
 
 def best_checkpoint(run_dir: Path) -> Path:
-    """The run's best checkpoint (``run.json``'s ``best``, which ``RUN/best`` links to).
+    """The run's best checkpoint (``run.json``'s ``best``, which ``RUN/best`` links to, caught
+    up with the committed checkpoints: :func:`current_record`).
 
     Raises RunError saying why when the run has none.
     """
-    record = RunRecord.load(run_dir)
+    record = current_record(run_dir)
     best = record.data.get("best") or {}
     if not best.get("checkpoint"):
         raise RunError(
@@ -720,12 +791,8 @@ def checkpoint_count(run_dir: Path) -> int:
 
 
 def committed_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
-    """(step, path) of every checkpoint of the run whose commit completed (its manifest and
-    files are in place; hashes are not read), oldest first."""
-    from forge.checkpoint.layout import find_checkpoints
-
-    found = find_checkpoints(Path(run_dir) / "checkpoints", verify_hashes=False)
-    return [(info.step, info.path) for info in found if info.valid]
+    """(step, path) of every checkpoint of the run whose commit completed, oldest first."""
+    return [(manifest.step, path) for path, manifest in committed_manifests(run_dir)]
 
 
 def newest_step(run_dir: Path, data: dict[str, Any]) -> int:
@@ -759,6 +826,8 @@ def nothing_to_resume(run_dir: Path, checkpoint: Path, cfg: Any, *, changed: boo
     data = RunRecord.load(run_dir).data
     max_steps = configured_max_steps(cfg)
     finished = data.get("status") == "completed" and not changed
+    if finished and damaged_after(run_dir, checkpoint):
+        return None  # its final weights are damaged: resuming from ``checkpoint`` rebuilds them
     step = parse_checkpoint_step(checkpoint)
     if finished or step is None:
         step = int(data.get("step") or 0)
@@ -769,6 +838,56 @@ def nothing_to_resume(run_dir: Path, checkpoint: Path, cfg: Any, *, changed: boo
         f"{Path(run_dir).name} is complete (step {step}{of}); nothing to do. "
         "To train longer: forge resume --set trainer.args.max_steps=N"
     )
+
+
+def damaged_after(run_dir: Path, checkpoint: Path) -> list[Path]:
+    """The run's checkpoints of a later step than ``checkpoint``, which discovery took for
+    the newest valid one: damaged ones (their commit completed, and a file changed since)."""
+    from forge.checkpoint.layout import find_checkpoints, parse_checkpoint_step
+
+    step = parse_checkpoint_step(checkpoint)
+    if step is None or Path(checkpoint).parent != Path(run_dir) / "checkpoints":
+        return []
+    found = find_checkpoints(Path(run_dir) / "checkpoints", verify_hashes=False)
+    return [info.path for info in found if info.step > step]
+
+
+def damaged_final_weights(
+    run_dir: Path, checkpoint: Path, project_root: Path | None = None, *, resuming: bool = False
+) -> str | None:
+    """For a completed run whose newest checkpoint (its final weights) is damaged, so that
+    ``checkpoint``, the newest valid one, is an earlier one: what happened and how to rebuild
+    them (``resuming``: that this resume does); else None. ``project_root``: the run's
+    project (default: the one that holds it)."""
+    try:
+        data = RunRecord.load(run_dir).data
+    except RunError:
+        return None
+    completed = data.get("status") == "completed"
+    project_root = project_root or _project_holding(Path(run_dir), data)
+    damaged = damaged_after(run_dir, checkpoint) if completed else []
+    if not damaged:
+        return None
+    earlier = Path(checkpoint).name
+    rebuild = (
+        f"resuming from {earlier} rebuilds them"
+        if resuming
+        else f"`{resume_command(run_dir, project_root)}` rebuilds them, training again from "
+        f"{earlier}"
+    )
+    return (
+        f"{Path(run_dir).name} completed, but its final weights ({damaged[-1].name}) are "
+        f"damaged (`forge checkpoints --verify` names the file); {rebuild}"
+    )
+
+
+def _project_holding(run_dir: Path, data: dict[str, Any]) -> Path:
+    """The project whose output holds ``run_dir`` (a moved project's, too), else the one
+    run.json records."""
+    for directory in run_dir.resolve().parents:
+        if (directory / "meta.yaml").is_file():
+            return directory
+    return Path(data.get("project") or ".")
 
 
 def failed_to_start(run_dir: Path, *, since: str) -> bool:

@@ -134,6 +134,14 @@ def adapter_config_dict(model: nn.Module) -> dict[str, Any]:
     return data
 
 
+def named_base(config: dict[str, Any], base: dict[str, Any] | None) -> dict[str, Any]:
+    """An adapter config that names its base: the directory forge recorded (a model built in
+    memory has no name of its own, and peft would write null)."""
+    if not config.get("base_model_name_or_path") and base and base.get("path"):
+        config = {**config, "base_model_name_or_path": str(base["path"])}
+    return config
+
+
 class AdapterWeights:
     """A peft model's adapter as the model-weights component of a checkpoint: only the
     adapter's tensors (and ``modules_to_save``), in peft's layout, never the frozen base.
@@ -164,7 +172,7 @@ class AdapterWeights:
             **{MODEL_RECORD: describe_model(model.get_base_model()), BASE_RECORD: self.base}
         )
         writer.save_safetensors(ADAPTER_WEIGHTS, state, metadata={"format": "pt"})
-        writer.save_json(ADAPTER_CONFIG, adapter_config_dict(model))
+        writer.save_json(ADAPTER_CONFIG, named_base(adapter_config_dict(model), self.base))
         if self.tokenizer is not None:
             self.tokenizer.save_pretrained(writer.path)
 
@@ -176,29 +184,56 @@ class AdapterWeights:
 # using a LoRA checkpoint
 
 
-def load_adapter_model(checkpoint: Path, auto_class: Any = None, *, merge: bool = True) -> Any:
+def load_adapter_model(
+    checkpoint: Path, auto_class: Any = None, *, merge: bool = True, average: dict | None = None
+) -> Any:
     """The model of an adapter directory: its base (built from the base directory's config and
     filled by forge's weights reader) with the adapter, merged into plain transformers weights
-    when ``merge`` (no peft needed to use it), else as a ``PeftModel``."""
+    when ``merge`` (no peft needed to use it), else as a ``PeftModel``. ``average``: the
+    checkpoint's moving average of the adapter (by the trained model's parameter names), used
+    in place of the adapter's weights."""
     from peft import PeftModel
 
     base_dir = adapter_base(checkpoint)
     base = load_pretrained(base_dir, auto_class or auto_class_of(base_dir))
     with no_hf_progress_bars(), quiet_peft():
         model = PeftModel.from_pretrained(base, checkpoint)
+    if average is not None:
+        put_adapter_average(model, average, checkpoint)
     model.eval()
     return model.merge_and_unload() if merge else model
 
 
-def merge_adapter(base: nn.Module, checkpoint: Path) -> nn.Module:
+def merge_adapter(base: nn.Module, checkpoint: Path, average: dict | None = None) -> nn.Module:
     """``base`` (any module, holding the base weights) with an adapter directory's adapter
-    merged into its weights (``merge_and_unload``): the module itself, no peft wrapper, in
-    eval mode. For a base that is no transformers model, built by its run's config."""
+    (or its moving ``average``) merged into its weights (``merge_and_unload``): the module
+    itself, no peft wrapper, in eval mode. For a base that is no transformers model, built by
+    its run's config."""
     from peft import PeftModel
 
     with no_hf_progress_bars(), quiet_peft():
         model = PeftModel.from_pretrained(base, checkpoint)
+    if average is not None:
+        put_adapter_average(model, average, checkpoint)
     return model.merge_and_unload().eval()
+
+
+def put_adapter_average(model: nn.Module, average: dict[str, Any], checkpoint: Path) -> None:
+    """The moving average of a LoRA run's trainable parameters in place of the loaded
+    adapter's: the average is keyed by the names the trained ``PeftModel`` gave them, which a
+    ``PeftModel`` loaded from the checkpoint has too."""
+    import torch
+
+    params = dict(model.named_parameters())
+    unknown = [name for name in average if name not in params]
+    if unknown:
+        raise CheckpointError(
+            f"{checkpoint}: its moving average of the weights covers parameters its adapter "
+            f"does not have ({', '.join(unknown[:3])}); it was written for another model"
+        )
+    with torch.no_grad():
+        for name, tensor in average.items():
+            params[name].copy_(tensor.to(params[name].dtype))
 
 
 @contextlib.contextmanager

@@ -135,6 +135,7 @@ class CheckpointManager:
         finally:
             self.recording = {}
         snapshot.epoch, snapshot.metrics = epoch, dict(metrics)
+        snapshot.extra = self._best_entry(recorded)
         if not self.async_save:
             self.commit(snapshot)
             self._committed(snapshot, final, recorded)
@@ -189,6 +190,22 @@ class CheckpointManager:
         if self.improves(value):
             recorded.update(best_metric=float(value), best_checkpoint=str(checkpoint))
         return recorded
+
+    def _best_entry(self, recorded: dict[str, Any]) -> dict[str, Any]:
+        """The manifest's ``best``: the run's best checkpoint once this one is committed (a
+        sibling's name, the metric and its value), so that what reads a run can tell its best
+        from the committed checkpoints alone, whatever the run's own record lags behind."""
+        best = recorded.get("best_checkpoint", self.record.best_checkpoint)
+        value = recorded.get("best_metric", self.record.best_metric)
+        if not self.best.metric or best is None or value is None:
+            return {}
+        entry = {
+            "checkpoint": Path(best).name,
+            "metric": self.best.metric,
+            "value": value,
+            "greater_is_better": self.best.greater_is_better,
+        }
+        return {"best": entry}
 
     def _committed(
         self, snapshot: CheckpointSnapshot, final: Path, recorded: dict[str, Any]

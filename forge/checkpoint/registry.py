@@ -204,8 +204,8 @@ class CheckpointSnapshot:
 
     ``owned``: (component, host copy of its state) for every component this rank writes, in
     registration order; ``saved``: every component the checkpoint holds (rank 0 lists them in
-    the manifest). ``epoch`` and ``metrics`` go into the manifest. ``write`` reads nothing of
-    the live components' state, so training may go on while it runs.
+    the manifest). ``epoch``, ``metrics`` and ``extra`` go into the manifest. ``write`` reads
+    nothing of the live components' state, so training may go on while it runs.
     """
 
     step: int
@@ -214,6 +214,7 @@ class CheckpointSnapshot:
     owned: list[tuple[Component, Any]]
     epoch: float | None = None
     metrics: dict[str, Any] = field(default_factory=dict)
+    extra: dict[str, Any] = field(default_factory=dict)  # further manifest keys (its best)
 
     def write(self, writer: Any) -> None:
         """Second phase, inside the writer's context: this rank's files from the snapshot.
@@ -251,7 +252,7 @@ class CheckpointSnapshot:
                     for c in self.saved
                 },
             )
-        writer.set_meta(epoch=self.epoch, metrics=self.metrics)
+        writer.set_meta(epoch=self.epoch, metrics=self.metrics, **self.extra)
 
     def _write_weights(self, writer: Any, component: Component, state: Any) -> list[str]:
         """Write a weights component; returns its files when rank 0 wrote all of them."""

@@ -230,7 +230,7 @@ class CheckpointWriter:
         # no thread may still write into a directory that is aborted or committed
         write_error = self._finish_writes()
         if exc is not None and not isinstance(exc, Exception):
-            self._abort()  # KeyboardInterrupt, SystemExit: no meeting, the job is ending
+            self._abort(say=True)  # KeyboardInterrupt, SystemExit: no meeting, the job ends
             return False
         failure = exc if exc is not None else write_error
         if isinstance(write_error, DiskFullError) and not isinstance(exc, DiskFullError):
@@ -342,10 +342,13 @@ class CheckpointWriter:
                 kept[name] = (size, digest)
         return kept
 
-    def _abort(self) -> None:
+    def _abort(self, *, say: bool = False) -> None:
+        """Remove the partial checkpoint; ``say`` so where no error will (a job that is
+        ending): a failed save's error names the checkpoint it did not save."""
         if self.is_main and self.path.exists():
             shutil.rmtree(self.path, ignore_errors=True)
-            logger.warning("checkpoint %s was not saved", self.final_path.name)
+            if say:
+                logger.warning("checkpoint %s was not saved", self.final_path.name)
 
     def _commit(self) -> None:
         if self._weights_index:

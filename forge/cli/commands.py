@@ -8,6 +8,7 @@ Heavy modules are imported inside the commands that need them, so ``forge ls`` o
 from __future__ import annotations
 
 import argparse
+import contextlib
 import logging
 import os
 import shlex
@@ -30,8 +31,13 @@ logger = logging.getLogger("forge")
 
 
 def _project(args: argparse.Namespace) -> Project:
+    """-p's project; else the one holding --run-dir's run, or the working directory."""
     if getattr(args, "project", None):
         return load_project(Path(args.project))
+    run_dir = getattr(args, "run_dir", None)
+    if isinstance(run_dir, str) and (Path(run_dir) / "run.json").is_file():
+        with contextlib.suppress(ConfigError):  # a run moved out of its project: the cwd's
+            return find_project(Path(run_dir))  # a run lies in its project's output/
     return find_project(Path.cwd())
 
 
@@ -474,9 +480,9 @@ def cmd_worker(args: argparse.Namespace) -> int:
 def cmd_runs(args: argparse.Namespace) -> int:
     from forge.runs import (
         RunError,
-        RunRecord,
         all_run_dirs,
         checkpoint_count,
+        current_record,
         newest_step,
         run_is_live,
         stream_position_text,
@@ -487,7 +493,7 @@ def cmd_runs(args: argparse.Namespace) -> int:
     for run_dir in all_run_dirs(project.output_dir):
         name = str(run_dir.relative_to(project.output_dir))
         try:
-            data = RunRecord.load(run_dir).data
+            data = current_record(run_dir).data  # caught up with its committed checkpoints
         except RunError as err:
             damaged.append(str(err))
             rows.append([name, "?", "damaged", "", "", "", "", ""])

@@ -33,7 +33,7 @@ from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
 from forge.checkpoint.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX_NAME
 from forge.checkpoint.layout import MANIFEST_NAME
 from forge.cli.exits import RuntimeFailure, UsageError
-from forge.wrappers import class_label
+from forge.wrappers import class_label, unwrap_model
 
 logger = logging.getLogger(__name__)
 
@@ -64,9 +64,13 @@ def export_model(
     trainable weights, each in its saved dtype; a checkpoint without one is refused.
     """
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.runs import PROJECT_RUNS
+    from forge.runs import PROJECT_RUNS, damaged_final_weights
 
     source = resolve_checkpoint(checkpoint, models=True, runs=PROJECT_RUNS).path
+    if Path(checkpoint).resolve() != source.resolve():  # a run's (or project's) newest
+        damaged = damaged_final_weights(source.parent.parent, source)
+        if damaged is not None:
+            raise RuntimeFailure(f"{damaged}; or export {source} for the earlier weights")
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
         raise UsageError(
@@ -75,15 +79,17 @@ def export_model(
         )
     average = _read_average(source) if ema else None
     if (source / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint, or an adapter export
-        if ema:
+        if ema and not merge_lora:
             raise UsageError(
-                f"--ema: {source} is a LoRA checkpoint; exporting the moving average of its "
-                "adapter is not supported yet: export the adapter without --ema"
+                f"--ema: {source} is a LoRA checkpoint, whose moving average covers the adapter: "
+                "add --merge-lora to export the base with the average merged in, or leave out "
+                "--ema to export the adapter's own weights"
             )
         if submodule is not None:
             raise UsageError(f"--submodule: {source} holds a LoRA adapter, not a model's weights")
         _stage_and_replace(
-            output, lambda staging: _write_adapter(source, staging, merge_lora, max_shard_size)
+            output,
+            lambda staging: _write_adapter(source, staging, merge_lora, max_shard_size, average),
         )
         return source
     if merge_lora:
@@ -134,10 +140,22 @@ def _stage_and_replace(output: Path, write: Any) -> None:
         raise
 
 
-def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: str | int) -> None:
-    """A LoRA checkpoint's adapter (peft's files) or, with ``merge``, its merged model; the
-    tokenizer files either way, never the training state."""
-    from forge.checkpoint.adapter import adapter_base, load_adapter_model
+def _write_adapter(
+    source: Path,
+    directory: Path,
+    merge: bool,
+    max_shard_size: str | int,
+    average: dict[str, Any] | None = None,
+) -> None:
+    """A LoRA checkpoint's adapter (peft's files, the config naming its base) or, with
+    ``merge``, its merged model (``average``: the adapter's moving average merged in place of
+    its weights); the tokenizer files either way, never the training state."""
+    from forge.checkpoint.adapter import (
+        adapter_base,
+        base_record_of,
+        load_adapter_model,
+        named_base,
+    )
     from forge.checkpoint.io import save_model_weights
     from forge.checkpoint.weights import hf_directory_problem
 
@@ -150,23 +168,31 @@ def _write_adapter(source: Path, directory: Path, merge: bool, max_shard_size: s
         base = adapter_base(source, verify=False)  # its hash is checked where it is read
         problem = hf_directory_problem(base)
         if problem is None:
-            save_model_weights(load_adapter_model(source), directory, max_shard_size=max_shard_size)
+            merged = load_adapter_model(source, average=average)
+            save_model_weights(merged, directory, max_shard_size=max_shard_size)
             what = ""
         else:  # a module of the user's own: built by its run's config, exported as a state dict
-            model = _plain_base_model(source, base, problem)
+            model = unwrap_model(
+                _plain_base_model(source, base, problem, average)
+            )  # a LossAdapter's
             _save_state_dict(model.state_dict(), directory, max_shard_size)
             what = f" (a {class_label(model)}, no transformers model: its state dict)"
         keep = [name for name in keep if name not in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
-        logger.info("exported the base of %s with its LoRA adapter merged%s", source, what)
+        adapter = "the moving average of its LoRA adapter" if average else "its LoRA adapter"
+        logger.info("exported the base of %s with %s merged%s", source, adapter, what)
     else:
         logger.info(
             "exported the LoRA adapter of %s (load it with PeftModel.from_pretrained)", source
         )
     for name in keep:
         shutil.copy2(source / name, directory / name)
+    if not merge:  # a checkpoint written before its config named the base
+        config = json.loads((source / ADAPTER_CONFIG).read_text())
+        named = named_base(config, base_record_of(source))
+        (directory / ADAPTER_CONFIG).write_text(json.dumps(named, indent=2, sort_keys=True))
 
 
-def _plain_base_model(source: Path, base: Path, problem: str) -> Any:
+def _plain_base_model(source: Path, base: Path, problem: str, average: Any = None) -> Any:
     """A LoRA checkpoint's base that is no Hugging Face model directory, with the adapter
     merged: the module its run's config builds, given the base's weights. Refused, saying why,
     for an adapter outside its run (nothing else can build the module)."""
@@ -182,7 +208,7 @@ def _plain_base_model(source: Path, base: Path, problem: str) -> Any:
             "without --merge-lora and merge it with PeftModel.from_pretrained(model, OUT)"
             ".merge_and_unload() on the model holding the base's weights"
         ) from None
-    return build_checkpoint_model(source)
+    return build_checkpoint_model(source, average=average)
 
 
 class _Plan:

@@ -187,21 +187,23 @@ def _at_checkpoint_step(trainer: Any, checkpoint: Path) -> None:
     trainer.state.epoch = float(manifest.epoch or 0.0)
 
 
-def build_checkpoint_model(checkpoint: Path, allow: list[str] = ()) -> Any:
+def build_checkpoint_model(
+    checkpoint: Path, allow: list[str] = (), *, average: dict | None = None
+) -> Any:
     """The model of the run that wrote ``checkpoint``, built as its training built it (the
     trainer's ``model`` in the run's ``config.yaml``: the module, or what its builder
     returns), holding the checkpoint's weights by name, in eval mode.
 
     A LoRA checkpoint's model is the run's base (the weights of the base directory its manifest
     records, their hash checked) with the checkpoint's adapter merged in: the module as built,
-    no peft needed to use it."""
+    no peft needed to use it (``average``: the adapter's moving average merged in its place)."""
     from forge.checkpoint import load_model_weights
     from forge.checkpoint.adapter import adapter_base, is_adapter_directory, merge_adapter
 
     model = _build_run_model(checkpoint, allow)
     if is_adapter_directory(checkpoint):
         load_model_weights(model, adapter_base(checkpoint), strict=True)
-        return merge_adapter(model, checkpoint)
+        return merge_adapter(model, checkpoint, average)
     load_model_weights(model, checkpoint, strict=True)
     return model.eval()
 

@@ -7,6 +7,7 @@ import logging
 import re
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from forge.suggest import did_you_mean, offer, suggestion
@@ -98,8 +99,37 @@ def check_call(
         return []
     findings = _check_binding(node, target, signature, [] if warnings is None else warnings)
     if not findings:
-        findings = _check_values(node, target, signature)
+        findings = _check_values(node, target, signature) + _missing_local_path(node, target)
     return findings
+
+
+# a name the Hugging Face Hub could hold: "gpt2", "org/name"
+_HUB_NAME = re.compile(r"^[\w-][\w.-]*(/[\w-][\w.-]*)?$")
+
+
+def _missing_local_path(node: CallNode, target: Any) -> list[Finding]:
+    """A ``from_pretrained`` given a path that looks local (absolute, ``./``, ``~``, several
+    parts) and does not exist: named now, where transformers would ask the Hub for it and
+    report a failed connection after its retries."""
+    if getattr(target, "__name__", None) != "from_pretrained":
+        return []
+    key: int | str = 0 if node.args else "pretrained_model_name_or_path"
+    value = node.args[0] if node.args else node.kwargs.get(key)
+    if not isinstance(value, str) or not value or _HUB_NAME.match(value):
+        return []
+    path = Path(value).expanduser()
+    if path.exists():
+        return []
+    where = "" if path.is_absolute() else f" (relative to the working directory {Path.cwd()})"
+    return [
+        (
+            node.arg_locs.get(key, node.loc),
+            f"{callable_label(target)}(): {value!r} looks like a local path, and there is "
+            f"nothing there{where}",
+            "give the directory that holds the files; a path in the project can be written "
+            "{{ joinpath(project_dir, 'DIR') }}, which holds wherever forge is started",
+        )
+    ]
 
 
 def _check_binding(

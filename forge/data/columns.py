@@ -64,6 +64,25 @@ def _no_match(inputs: ModelInputs, ignored: list[str]) -> ValueError:
     )
 
 
+def removed_column_note(error: BaseException, removed: Sequence[str], forward: str) -> str | None:
+    """What to say of a collator's ``KeyError`` for a column ``remove_unused_columns`` removed
+    before the collator saw the items, or None for another error."""
+    if not isinstance(error, KeyError) or not error.args or error.args[0] not in removed:
+        return None
+    return (
+        f"remove_unused_columns removed the column {error.args[0]!r} before the collator ran "
+        f"({forward} does not take it); a collator that reads it needs "
+        "trainer.args.remove_unused_columns: false"
+    )
+
+
+class RemovedColumnError(KeyError):
+    """A collator read a column ``remove_unused_columns`` had removed."""
+
+    def __str__(self) -> str:  # KeyError's would quote the whole message
+        return str(self.args[0])
+
+
 class RemoveColumnsCollator:
     """Drops the keys ``columns`` does not name from each item, then calls ``collator``
     (torch's default collation when None). Logs the dropped keys once, unless ``quiet`` (a
@@ -93,7 +112,15 @@ class RemoveColumnsCollator:
         if items and isinstance(items[0], Mapping):
             if not self._logged:
                 self._log(items[0])
+            removed = sorted(set(items[0]) - self.columns)
             items = [{k: v for k, v in item.items() if k in self.columns} for item in items]
+            try:
+                return self.collator(items)
+            except KeyError as err:
+                note = removed_column_note(err, removed, self.model_name)
+                if note is None:
+                    raise
+                raise RemovedColumnError(f"KeyError: {err}: {note}") from err
         return self.collator(items)
 
     def _log(self, item: Mapping[str, Any]) -> None:

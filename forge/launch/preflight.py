@@ -16,11 +16,13 @@ training argument they name, instead of by every worker after torchrun starts.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import logging
 import re
-from collections.abc import Mapping
+import warnings
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 from forge.config import Config, ConfigError, Problem
@@ -126,10 +128,13 @@ def _sanity_problem(cfg: Config, trainer: CallNode, failure: Any, batches: int) 
         f"the sanity pass (what training runs, run once before it starts) failed while "
         f"{failure.doing}: {text}"
     )
-    hint = (
-        "fix it before training; trainer.args.num_sanity_val_steps: 0 skips the evaluation "
-        "batches, sanity_check: false the whole pass"
-    )
+    hint = None  # a failure before the evaluation batches is the run's first step's too
+    if getattr(failure, "evaluating", False):
+        hint = (
+            "fix it before training (its first evaluation meets it too); "
+            "trainer.args.num_sanity_val_steps: 0 skips the evaluation batches, "
+            "sanity_check: false the whole pass"
+        )
     return cfg.problem(loc or trainer.loc, message, hint)
 
 
@@ -146,7 +151,6 @@ def _plan_job(
     """The trainer class's ``plan_job(model, args, world_size)`` (the pipeline trainer's
     split), with the model built on the meta device: its plan, or its problems located at
     the training argument each names."""
-    import torch
 
     from forge.train.args import TrainingArgumentsError
 
@@ -157,7 +161,7 @@ def _plan_job(
         return [], []
     try:
         args = Materializer(resolver.resolve, variables, cfg.describe_loc).value(args_node)
-        with torch.device("meta"):
+        with on_meta_device():
             model = Materializer(resolver.resolve, variables, cfg.describe_loc).value(model_node)
     except Exception as err:  # the workers build them and report what fails
         logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
@@ -195,7 +199,7 @@ def _adapter_problems(
             given = model_node.kwargs.get("path", model_node.args[0] if model_node.args else None)
             model = base_skeleton(materialize(given) if given is not None else None)
         else:
-            with torch.device("meta"):
+            with on_meta_device():
                 model = materialize(model_node)
                 model = model() if not isinstance(model, torch.nn.Module) else model
     except Exception as err:  # the trainer builds them and reports what fails
@@ -217,6 +221,18 @@ def _adapter_problems(
             problems.append(cfg.problem(loc, text if key.startswith("trainer.") else message, None))
         return problems
     return []
+
+
+@contextlib.contextmanager
+def on_meta_device() -> Iterator[None]:
+    """Modules built inside have no storage (their structure is all a check reads); a builder
+    that loads weights into them, which is a no-op there, warns of it once per tensor in torch:
+    not the user's to see in a dry run."""
+    import torch
+
+    with torch.device("meta"), warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "for .*: copying from a non-meta parameter")
+        yield
 
 
 def _unnamed_targets_problem(cfg: Config, peft_node: CallNode, model: Any) -> Problem:
@@ -342,7 +358,7 @@ def _check(
             dataset, collator = keep_model_inputs(dataset, collator, inputs, quiet=True)
     size = getattr(args, "per_device_train_batch_size", SAMPLE_ITEMS)
     batch, problem = _sample_batch(
-        cfg, dataset, collator, dataset_node, trainer, model_class, items=size
+        cfg, dataset, collator, dataset_node, trainer, model_class, items=size, removed=dropped
     )
     if problem is not None or batch is None:
         return [problem] if problem else []
@@ -391,7 +407,7 @@ def _packing_problem(
     model: Any = _forward_owner(model_node, resolver)
     materializer = Materializer(resolver.resolve, variables, cfg.describe_loc)
     try:
-        with torch.device("meta"):
+        with on_meta_device():
             instance = materializer.value(model_node)
             model = instance() if not isinstance(instance, torch.nn.Module) else instance
     except Exception as err:  # the class alone then; the sanity pass runs the real model
@@ -518,9 +534,11 @@ def _sample_batch(
     trainer: CallNode,
     model_class: Any = None,
     items: Any = SAMPLE_ITEMS,
+    removed: list[str] = (),
 ) -> tuple[Any, Problem | None]:
     """The first items of ``dataset`` collated as the trainer's loader would (no more than the
-    configured batch size: a collator may rely on it)."""
+    configured batch size: a collator may rely on it); ``removed``: the columns
+    ``remove_unused_columns`` takes out before the collator."""
     from torch.utils.data import default_collate
 
     where = dataset_node.loc if isinstance(dataset_node, Node) else trainer.loc
@@ -535,12 +553,24 @@ def _sample_batch(
     try:
         batch = (collator or default_collate)(items)
     except Exception as err:  # the user's data or collator
+        from forge.data.columns import RemovedColumnError, forward_name, removed_column_note
+
         name = "data_collator" if collator is not None else "torch's default collation"
+        forward = forward_name(model_class) if model_class else "the model's forward"
+        note = removed_column_note(err, removed, forward)  # a datasets.Dataset's column
+        if isinstance(err, RemovedColumnError) or note:
+            said = str(err) if note is None else f"KeyError: {err}: {note}"
+            return None, cfg.problem(
+                where, f"{name} failed on the first {count} items of train_dataset: {said}", None
+            )
+        seen = items[0]
+        if removed and isinstance(seen, Mapping):  # what the collator got
+            seen = {key: value for key, value in seen.items() if key not in removed}
         return None, cfg.problem(
             where,
             f"{name} failed on the first {count} items of train_dataset: "
             f"{type(err).__name__}: {err}",
-            f"the items look like: {_describe_item(items[0])}",
+            f"the items it was given look like: {_describe_item(seen)}",
         )
     if not isinstance(batch, Mapping):
         from forge.train.plain_models import not_a_dict_batch
@@ -603,7 +633,7 @@ def _meta_forward(
     import torch
 
     try:
-        with torch.device("meta"):
+        with on_meta_device():
             model = Materializer(resolver.resolve, variables, cfg.describe_loc).value(model_node)
             if not isinstance(model, torch.nn.Module):
                 model = model()

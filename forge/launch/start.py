@@ -28,6 +28,7 @@ from forge.runs import (
     claim_run,
     config_output_dir,
     create_run,
+    damaged_final_weights,
     discard_unstarted_run,
     failed_to_start,
     nothing_to_resume,
@@ -127,6 +128,10 @@ def plan_resume(
     done = nothing_to_resume(
         run_dir, checkpoint.path, cfg, changed=bool(overrides or from_checkpoint)
     )
+    if not done:
+        damaged = damaged_final_weights(run_dir, checkpoint.path, project.root, resuming=True)
+        if damaged is not None:
+            logger.warning("%s", damaged)
     return ResumePlan(run_dir, checkpoint, cfg, overrides, done)
 
 

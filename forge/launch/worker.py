@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.error_kinds import is_usage_error
 from forge.launch.multinode import peer_loss
-from forge.runs import PROJECT_RUNS, RunRecord, hold_training_lock, now_iso, resume_command
+from forge.runs import (
+    PROJECT_RUNS,
+    RunRecord,
+    current_record,
+    hold_training_lock,
+    now_iso,
+    resume_command,
+)
 from forge.train.topology import Topology
 
 if TYPE_CHECKING:
@@ -223,7 +230,8 @@ def train_run(
     run_dir = Path(run_dir)
     topology = Topology.from_env()
     rank, world_size = topology.rank, topology.world_size
-    record = RunRecord.load(run_dir)
+    # caught up with checkpoints committed after its last update (a kill in between)
+    record = current_record(run_dir, repair=False)
     if resume_from is not None and not isinstance(resume_from, Checkpoint):
         resume_from = checked_by_launcher(resume_from)
     restart = restart_count()

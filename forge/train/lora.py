@@ -124,8 +124,12 @@ def load_base_model(
     problem = hf_directory_problem(directory)
     if problem is not None:
         raise LoraUsageError(
-            f"base_model {directory} is not a Hugging Face model directory ({problem}); LoRA "
-            "fine-tunes a transformers model: give a checkpoint of one, or its forge export"
+            f"base_model {directory} is not a Hugging Face model directory ({problem}): "
+            "base_model reads a transformers model (a checkpoint of one, or its forge export). "
+            "To fine-tune a module of your own, keep the config's own model block (the module, "
+            "built as your training builds it) and add only the adapter to its trainer block "
+            "(== lora.peft_config(), or a peft_config: of your own with its target_modules); "
+            "see docs/trainers.md, 'LoRA on a module of your own'"
         )
     if quantized:
         model = _load_quantized(directory, load_in_4bit)

@@ -3,8 +3,10 @@
 
 On a trainer built from the config (in the launching process, before any run directory exists),
 it runs the model-transform stage (adapters with their tokenizer, activation checkpointing,
-compile, the strategy's wrap as one process has it), the first training micro-batch of the
-configured loader at the configured batch size through the trainer's own forward and backward
+compile, the strategy's wrap as one process has it), builds the optimizer and its schedule
+(a model's own too, e.g. a LightningModule's ``configure_optimizers``), the first training
+micro-batch of the configured loader at the configured batch size through the trainer's own
+forward and backward
 (no optimizer step; for a packed batch, the proof that its sequences stay apart:
 forge/train/packing.py), and ``num_sanity_val_steps`` evaluation batches through the whole
 evaluation path: the evaluation loader and collator, the forward, ``preprocess_logits_for_metrics``,
@@ -59,6 +61,9 @@ class SanityFailure(Exception):
 
     def __init__(self, part: str, doing: str, error: BaseException) -> None:
         self.part, self.doing, self.error = part, doing, error
+        #: failed in the evaluation batches, which num_sanity_val_steps: 0 leaves out (a failure
+        #: before them is one the run's first step meets anyway)
+        self.evaluating = False
         super().__init__(f"{doing}: {type(error).__name__}: {error}")
 
 
@@ -91,6 +96,8 @@ def run_sanity_pass(trainer: Any, eval_batches: int) -> None:
             trainer.wrapped_model = trainer.transform_model()
         with _part("train_dataset", "loading the first training batch"):
             batch = next(iter(trainer.build_train_loader()))
+        with _part("model", "building the optimizer and its schedule"):
+            trainer.setup_optimization()  # a model's own: configure_optimizers
         with _part("model", "checking that the packed sequences of a batch stay apart"):
             check_packed_batch(trainer, batch)
         phase["items"] = "evaluation"
@@ -99,7 +106,11 @@ def run_sanity_pass(trainer: Any, eval_batches: int) -> None:
             trainer.forward_backward([batch])
         evaluates = trainer.eval_dataset is not None and trainer.args.eval_strategy != "no"
         if eval_batches and evaluates:
-            _evaluate(trainer, eval_batches)
+            try:
+                _evaluate(trainer, eval_batches)
+            except SanityFailure as failure:
+                failure.evaluating = True
+                raise
         trainer.release_wrappers()
 
 

@@ -94,31 +94,14 @@ class TrainerSetup:
         self._check_packing()
         if self.topology.distributed:
             set_seed(args.seed + self.topology.rank)  # same weights, each rank its own dropout
-        self.train_loader = self.build_train_loader()
-        streams = getattr(self.train_loader, "is_stream", False)
-        if streams:  # no length: max_steps ends training (build_train_loader checked it is set)
-            self.max_steps, self.num_epochs = args.max_steps, math.ceil(args.num_train_epochs)
-        elif args.max_steps > 0:
-            steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
-            self.max_steps = args.max_steps
-            self.num_epochs = math.ceil(args.max_steps / steps_per_epoch)
-        else:
-            steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
-            self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
-            self.num_epochs = math.ceil(args.num_train_epochs)
-        self._every = Intervals.of(args, self.max_steps)
-        self.model_parts = self.adopt_model_parts()
-        self.setup_optimizer()
-        self.lr_scheduler = build_scheduler(
-            self.model_parts.lr_scheduler, self.optimizer, args, self.max_steps
-        )
+        self.setup_optimization()
         self.state = TrainerState(
             max_steps=self.max_steps,
             num_train_epochs=self.num_epochs,
             is_world_process_zero=self.is_main_process,
         )
         self.control = TrainerControl()
-        if streams:
+        if getattr(self.train_loader, "is_stream", False):
             self.data_position = StreamPosition(
                 self.train_loader,
                 is_main=self.is_main_process,
@@ -141,6 +124,29 @@ class TrainerSetup:
         self._step_open, self._start_step = False, 0
         self._run_tally, self._loss_before = None, (0.0, 0)  # the run's loss (_run_loss)
         self.build_checkpoint_manager()
+
+    def setup_optimization(self) -> None:
+        """The training loader, the run's length in steps and epochs, and the optimizer and
+        learning-rate schedule over them (the model's own, e.g. ``configure_optimizers``)."""
+        args = self.args
+        self.train_loader = self.build_train_loader()
+        streams = getattr(self.train_loader, "is_stream", False)
+        if streams:  # no length: max_steps ends training (build_train_loader checked it is set)
+            self.max_steps, self.num_epochs = args.max_steps, math.ceil(args.num_train_epochs)
+        elif args.max_steps > 0:
+            steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
+            self.max_steps = args.max_steps
+            self.num_epochs = math.ceil(args.max_steps / steps_per_epoch)
+        else:
+            steps_per_epoch = math.ceil(len(self.train_loader) / args.gradient_accumulation_steps)
+            self.max_steps = math.ceil(args.num_train_epochs * steps_per_epoch)
+            self.num_epochs = math.ceil(args.num_train_epochs)
+        self._every = Intervals.of(args, self.max_steps)
+        self.model_parts = self.adopt_model_parts()
+        self.setup_optimizer()
+        self.lr_scheduler = build_scheduler(
+            self.model_parts.lr_scheduler, self.optimizer, args, self.max_steps
+        )
 
     def _check_packing(self) -> None:
         """A collator known to pack sequences (forge/train/packing.py) with a model or trainer

@@ -190,7 +190,7 @@ def _assert_earlier_intact(
 @pytest.mark.parametrize("form", sorted(ERROR_FORMS))
 @pytest.mark.parametrize("path", list(WRITE_PATHS))
 def test_every_write_that_meets_a_full_disk_gives_one_clear_error(
-    ckpt_dir, monkeypatch, path, form
+    ckpt_dir, monkeypatch, caplog, path, form
 ) -> None:
     install, hf = WRITE_PATHS[path]
     model = tiny_llama(0) if hf else TinyNet()
@@ -217,6 +217,7 @@ def test_every_write_that_meets_a_full_disk_gives_one_clear_error(
     assert f"{format_bytes(FREE)} is free on the filesystem of {ckpt_dir}" in message
     assert "Free disk space" in message and "save_total_limit" in message
     assert "partial checkpoint was removed" in message
+    assert "was not saved" not in caplog.text  # the error says it, once
 
     reloaded = _assert_earlier_intact(
         earlier, ckpt_dir, (lambda: tiny_llama(1)) if hf else (lambda: TinyNet())

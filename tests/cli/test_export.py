@@ -298,6 +298,17 @@ LORA_CONFIG = """\
 """
 
 
+# the same, the module given through a LossAdapter (its names are the module's own)
+ADAPTED_LORA_CONFIG = """\
+-- extends 'configs/lora.yaml'
+-- block model
+model: &model !partial:forge.train:LossAdapter
+    module: !partial:./model.py:TinyLM
+        vocab_size: !call:forge.data.vocab:vocab_size [*tokenizer]
+-- endblock
+"""
+
+
 @pytest.fixture(scope="module")
 def plain_lora_run(tmp_path_factory):
     from tests.plain_project import train_in_process, write_project
@@ -305,6 +316,16 @@ def plain_lora_run(tmp_path_factory):
     root = write_project(tmp_path_factory.mktemp("plain") / "plain")
     (root / "templates" / "configs" / "lora.yaml").write_text(LORA_CONFIG)
     return train_in_process(root, "lora")
+
+
+@pytest.fixture(scope="module")
+def adapted_lora_run(tmp_path_factory):
+    from tests.plain_project import train_in_process, write_project
+
+    root = write_project(tmp_path_factory.mktemp("adapted") / "plain")
+    (root / "templates" / "configs" / "lora.yaml").write_text(LORA_CONFIG)
+    (root / "templates" / "configs" / "adapted.yaml").write_text(ADAPTED_LORA_CONFIG)
+    return train_in_process(root, "adapted")
 
 
 def base_with_adapter(run_dir, ckpt):
@@ -343,6 +364,34 @@ def test_merge_lora_of_a_plain_module_writes_the_merged_state_dict(plain_lora_ru
     with pytest.raises(UsageError, match="is no Hugging Face model directory .* not inside a"):
         export_model(alone, tmp_path / "refused", merge_lora=True)
     assert not (tmp_path / "refused").exists()
+
+
+def test_merge_lora_of_a_loss_adapted_module_writes_the_modules_own_names(
+    adapted_lora_run, tmp_path
+):
+    ckpt = adapted_lora_run / "checkpoints" / "checkpoint-000004"
+    out = tmp_path / "merged"
+    export_model(ckpt, out, merge_lora=True)
+    from peft import PeftModel
+
+    from forge.train import LossAdapter
+
+    base = load_file(adapted_lora_run / "base_model" / "model.safetensors")
+    model = tiny_lm_class(adapted_lora_run)(vocab_size=base["head.bias"].numel())
+    model.load_state_dict(base, strict=True)
+    oracle = PeftModel.from_pretrained(LossAdapter(model), ckpt).eval()  # as it trained
+    merged = strict_load(  # the user's module, not the LossAdapter around it
+        tiny_lm_class(adapted_lora_run)(vocab_size=base["head.bias"].numel()), out
+    )
+    ids = torch.randint(0, 300, (2, 12))
+    with torch.no_grad():
+        expected, got = oracle(input_ids=ids)["logits"], merged.eval()(input_ids=ids)["logits"]
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5)
+    # the adapter's config names its base (peft would write null for a module built in memory)
+    export_model(ckpt, tmp_path / "adapter")
+    for directory in (ckpt, tmp_path / "adapter"):
+        config = json.loads((directory / "adapter_config.json").read_text())
+        assert config["base_model_name_or_path"] == str(adapted_lora_run / "base_model")
 
 
 def test_predict_and_generate_use_a_plain_modules_lora_checkpoint(plain_lora_run, tmp_path):

@@ -235,3 +235,23 @@ def test_a_plain_pytorch_model_and_tuple_dataset_train_through_the_adapters(tmp_
         [sys.executable, "-c", check, str(project), str(checkpoint)], capture_output=True, text=True
     )
     assert loaded.stdout.strip() == "ok", loaded.stderr
+
+
+def test_a_collator_reading_a_column_remove_unused_columns_drops(classifier):
+    edit(
+        classifier / "data.py",
+        '"labels": self.labels[index]}',
+        '"labels": self.labels[index], "id": index}',
+    )
+    (classifier / "collate.py").write_text(
+        "import torch\n\n\ndef collate(items):\n"
+        "    ids = [item['id'] for item in items]\n"
+        "    return {k: torch.stack([i[k] for i in items]) for k in ('features', 'labels')}\n"
+    )
+    config = classifier / "templates" / "configs" / "train.yaml"
+    block = "data_collator: &data_collator !partial:./collate.py:collate []"
+    config.write_text(config.read_text() + f"\n-- block collator\n{block}\n-- endblock\n")
+    stderr = train_fails_before_any_run(classifier, dry_run_only=True)
+    assert "remove_unused_columns removed the column 'id' before the collator ran" in stderr
+    assert "MLPClassifier.forward does not take it" in stderr
+    assert "trainer.args.remove_unused_columns: false" in stderr

@@ -266,3 +266,23 @@ def test_closed_signature_typo_is_still_flagged(config_project):
     problem = only(problems)
     assert problem.key_path == "lin.biass"
     assert "unexpected keyword argument 'biass'; did you mean 'bias'?" in problem.message
+
+
+def test_a_local_path_that_does_not_exist_is_named_before_the_hub_is_asked(
+    config_project, tmp_path
+):
+    """transformers would take it for a Hub name and fail after a minute of retries."""
+    there = tmp_path / "tok"
+    there.mkdir()
+    _, problems = problems_of(
+        config_project,
+        f"""\
+        tokenizer: !singleton:transformers:AutoTokenizer.from_pretrained ["{tmp_path}/tokz"]
+        same: !singleton:transformers:AutoTokenizer.from_pretrained ["{there}"]
+        hub: !singleton:transformers:AutoTokenizer.from_pretrained ["org/name"]
+        """,
+    )
+    problem = only(problems)
+    assert (problem.line, problem.key_path) == (1, "tokenizer.0")
+    assert f"'{tmp_path}/tokz' looks like a local path, and there is nothing there" in str(problem)
+    assert "joinpath(project_dir" in str(problem)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import random
 import re
+import shutil
 import signal
 import time
 from pathlib import Path
@@ -216,3 +217,84 @@ def test_sigterm_is_acknowledged_at_once_and_a_complete_run_has_nothing_to_resum
     assert {
         p: p.stat().st_mtime_ns for p in run_dir.rglob("*") if not p.name.startswith(".lock")
     } == before
+
+
+def test_a_kill_between_a_commit_and_run_json_is_invisible(trained):
+    """run.json put back to what it held just before checkpoint-000040's commit (the window
+    of a SIGKILL after the rename, before the record's update): the tables, --best and the
+    `best` link follow the committed manifests."""
+    from forge.runs import best_checkpoint
+
+    project, run_dir, _ = trained
+    ckpts = run_dir / "checkpoints"
+    newest = json.loads((ckpts / "checkpoint-000040" / "manifest.json").read_text())
+    best = newest["best"]  # the run's best as of that commit
+    assert best["metric"] == "eval_loss" and best["value"] == min(
+        json.loads((ckpts / name / "manifest.json").read_text())["metrics"]["eval_loss"]
+        for name in ("checkpoint-000020", "checkpoint-000040")
+    )
+    record = json.loads((run_dir / "run.json").read_text())
+    earlier = [c for c in record["checkpoints"] if c["step"] < 40]
+    stale = {"checkpoint": "checkpoints/checkpoint-000030", "metric": "eval_loss", "value": 9.5}
+    record.update(status="running", step=30, checkpoints=earlier, best=stale)
+    (run_dir / "run.json").write_text(json.dumps(record))
+    shutil.rmtree(run_dir / "best")  # the fixture's copy made the link a directory
+    (run_dir / "best").symlink_to("checkpoints/checkpoint-000030")
+
+    runs = run_forge("runs", "-p", str(project))
+    assert runs.returncode == 0, runs.stderr
+    header, row = (line.split() for line in runs.stdout.splitlines()[:2])
+    assert row[header.index("STEP")] == "40"
+    assert row[header.index("BEST")] == f"eval_loss={best['value']:.4g}"
+    assert best_checkpoint(run_dir) == (ckpts / best["checkpoint"]).resolve()
+    assert (run_dir / "best").resolve() == (ckpts / best["checkpoint"]).resolve()
+    repaired = json.loads((run_dir / "run.json").read_text())  # no process trains it
+    assert repaired["step"] == 40 and repaired["best"]["value"] == best["value"]
+    assert repaired["checkpoints"][-1]["metrics"] == newest["metrics"]
+
+
+def test_checkpoints_of_a_run_dir_find_its_project_without_p(trained_once, tmp_path):
+    project, run_dir, _ = trained_once
+    result = run_forge("checkpoints", "--run-dir", str(run_dir), cwd=tmp_path)  # no project here
+    assert result.returncode == 0, result.stderr
+    assert "train/run_001/checkpoints/checkpoint-000040" in result.stdout
+
+
+def _damage_final_weights(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    from safetensors.torch import load_file
+
+    weights = run_dir / "checkpoints" / "checkpoint-000040" / "model.safetensors"
+    final = load_file(weights)
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF
+    weights.write_bytes(bytes(data))
+    return weights, final
+
+
+def test_export_of_a_completed_run_with_damaged_final_weights_says_how_to_rebuild(trained):
+    project, run_dir, _ = trained
+    _damage_final_weights(run_dir)
+    result = run_forge("export", str(run_dir), str(run_dir.parent / "out"))
+    assert result.returncode == 1, result.stderr
+    assert "its final weights (checkpoint-000040) are damaged" in result.stderr
+    assert f"forge resume -p {project} --run-dir {run_dir}` rebuilds them" in result.stderr
+    assert "training again from checkpoint-000030" in result.stderr
+    assert not (run_dir.parent / "out").exists()
+    given = run_dir / "checkpoints" / "checkpoint-000030"  # named: the earlier weights export
+    assert run_forge("export", str(given), str(run_dir.parent / "out")).returncode == 0
+
+
+@pytest.mark.slow  # trains the last 10 steps again
+def test_resume_of_a_completed_run_with_damaged_final_weights_rebuilds_them(trained):
+    from safetensors.torch import load_file
+
+    project, run_dir, _ = trained
+    weights, final = _damage_final_weights(run_dir)
+    resumed = run_forge("resume", "-p", str(project))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "is complete" not in resumed.stderr
+    assert "final weights (checkpoint-000040) are damaged" in resumed.stderr
+    assert "resuming from checkpoint-000030 rebuilds them" in resumed.stderr
+    assert run_forge("checkpoints", "-p", str(project), "--verify").returncode == 0
+    rebuilt = load_file(weights)
+    assert rebuilt.keys() == final.keys()

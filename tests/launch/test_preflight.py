@@ -171,3 +171,24 @@ def test_lora_targets_a_plain_module_needs_are_asked_for_where_the_config_sets_t
     else:
         assert "trainers/lora.yaml:" in err  # the line that writes target_modules
         assert "-D lora_target_modules='[embed, head]'" in err
+
+
+def test_a_builder_that_loads_weights_on_the_meta_device_is_not_warned_of_per_tensor():
+    """The dry run builds models on the meta device, where a builder's load_state_dict is a
+    no-op that torch warns of once per tensor."""
+    import warnings
+
+    import torch
+    from torch import nn
+
+    from forge.launch.preflight import on_meta_device
+
+    weights = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2)).state_dict()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with on_meta_device():
+            model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+            model.load_state_dict(weights)
+        warnings.warn("after the build", UserWarning, stacklevel=1)  # others still reach the user
+    assert model[0].weight.device == torch.device("meta")
+    assert [str(w.message) for w in caught] == ["after the build"]

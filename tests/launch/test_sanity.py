@@ -80,6 +80,7 @@ def test_a_metric_that_fails_is_found_before_the_run_exists(project):
     assert result.returncode == 2, result.stderr
     assert "sanity pass" in result.stderr and "computing the metrics" in result.stderr
     assert "ZeroDivisionError" in result.stderr and "metrics.yaml:4" in result.stderr
+    assert "num_sanity_val_steps: 0 skips the evaluation batches" in result.stderr
     assert result.stdout == "" and no_runs(project, "metrics")
     dry = run_forge("train", "metrics", "-p", str(project), "--dry-run", *SMALL)
     assert dry.returncode == 2 and "computing the metrics" in dry.stderr
@@ -97,6 +98,7 @@ def test_a_misspelled_checkpointing_block_is_found_by_the_dry_run(project):
     result = run_forge("train", "checkpointing", "-p", str(project), "--dry-run", *SMALL)
     assert result.returncode == 2, result.stderr
     assert "'Blok'" in result.stderr and "checkpointing.yaml" in result.stderr
+    assert "sanity_check" not in result.stderr  # training's first step meets it too: no skip
 
 
 def test_a_collator_for_batches_of_one_is_given_one_item(project):

@@ -159,12 +159,19 @@ def test_every_problem_is_listed_with_its_key_value_and_fix():
         ({"use_cpu": True, "device": "cuda"}, "use_cpu is true but device is 'cuda'"),
         ({"include_for_metrics": ["logits"]}, "include_for_metrics must be a list of"),
         ({"eval_strategy": "epoch", "load_best_model_at_end": True}, "must equal eval_strategy"),
+        ({"save_strategy": True}, 'quote the word, e.g. save_strategy: "steps"'),
     ],
 )
 def test_values_hf_would_reject_or_forge_cannot_honour(values, fragment):
     with pytest.raises(TrainingArgumentsError) as info:
         TrainingArguments(**values)
     assert any(fragment in p for p in info.value.problems), info.value.problems
+
+
+def test_an_unquoted_no_that_yaml_read_as_false_is_the_word_meant():
+    """`--set trainer.args.eval_strategy=no` reaches the arguments as False (YAML 1.1)."""
+    args = TrainingArguments(output_dir="out", eval_strategy=False, save_strategy=False)
+    assert (args.eval_strategy, args.save_strategy) == ("no", "no")
 
 
 def test_accepted_hf_settings():

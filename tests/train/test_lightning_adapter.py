@@ -234,7 +234,17 @@ class NoLoss(StandIn):
 
 class Reads(StandIn):
     def training_step(self, batch, batch_idx):
-        return self.trainer.strategy
+        return self.trainer.fit_loop
+
+
+class AsksOptimizers(StandIn):
+    def training_step(self, batch, batch_idx):
+        return self.trainer.strategy._lightning_optimizers  # LightningModule.optimizers()
+
+
+class AsksSchedulers(StandIn):
+    def training_step(self, batch, batch_idx):
+        return self.trainer.lr_scheduler_configs  # LightningModule.lr_schedulers()
 
 
 class LogsMax(StandIn):
@@ -254,7 +264,9 @@ class LogsAList(StandIn):
     ("module", "message"),
     [
         (NoLoss, "NoLoss.training_step returned None; Lightning skips such a batch"),
-        (Reads, "Reads reads self.trainer.strategy, which forge's LightningAdapter does not give"),
+        (Reads, "Reads reads self.trainer.fit_loop, which forge's LightningAdapter does not give"),
+        (AsksOptimizers, "AsksOptimizers calls self.optimizers(), which forge's"),
+        (AsksSchedulers, "AsksSchedulers calls self.lr_schedulers(), which forge's"),
         (LogsMax, "self.log('peak', ...) with reduce_fx='max': forge averages logged values"),
         (LogsAList, "self.log('parts', ...) with a list: forge logs numbers"),
     ],
@@ -331,10 +343,15 @@ def test_what_configure_optimizers_returns_is_read_as_lightning_reads_it_or_refu
         def configure_optimizers(self):
             return returned(list(self.parameters()))
 
-    with pytest.raises(
-        LightningAdapterError, match=message.replace("(", r"\(").replace(")", r"\)")
-    ):
+    from forge.train.sanity import SanityFailure, run_sanity_pass
+
+    pattern = message.replace("(", r"\(").replace(")", r"\)")
+    with pytest.raises(LightningAdapterError, match=pattern):
         adapter_trainer(tmp_path, Configured, max_steps=2).train()
+    # the sanity pass (forge train's dry run) finds it before a run directory exists
+    with pytest.raises(SanityFailure, match=pattern) as found:
+        run_sanity_pass(adapter_trainer(tmp_path / "dry", Configured, max_steps=2), 0)
+    assert found.value.part == "model" and "building the optimizer" in found.value.doing
 
 
 def test_the_forms_configure_optimizers_may_take(tmp_path):

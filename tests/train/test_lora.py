@@ -311,6 +311,18 @@ def test_a_base_that_is_no_model_directory_is_refused(tmp_path):
         load_base_model(None)
 
 
+def test_a_base_that_is_a_module_of_ones_own_names_the_route_for_it(tmp_path):
+    from forge.checkpoint import CheckpointWriter
+
+    with CheckpointWriter(tmp_path, 4) as writer:  # a checkpoint of a module: no config.json
+        writer.save_safetensors("model.safetensors", {"head.weight": torch.zeros(2, 2)})
+    with pytest.raises(LoraUsageError) as info:
+        load_base_model(writer.final_path)
+    assert "keep the config's own model block" in str(info.value)
+    assert "== lora.peft_config()" in str(info.value)
+    assert "'LoRA on a module of your own'" in str(info.value)
+
+
 def test_a_base_directory_is_the_one_that_loads(base_dir):
     model = load_base_model(base_dir)
     assert isinstance(model, LlamaForCausalLM)
@@ -360,3 +372,43 @@ def test_an_async_save_writes_the_same_adapter_checkpoints(trained, base_dir, tm
         theirs = load_file(checkpoint_dir(out, step) / "adapter_model.safetensors")
         assert mine.keys() == theirs.keys()
         assert all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_merge_lora_ema_merges_the_adapters_moving_average(base_dir, tmp_path):
+    """The best checkpoint of a run that evaluates its average is chosen by the average:
+    `forge export --merge-lora --ema` writes the base with that average merged in."""
+    from forge.train.ema import read_ema_state
+
+    lora_trainer(tmp_path / "run", base_dir, ema_decay=0.9, max_steps=4, save_steps=4).train()
+    ckpt = checkpoint_dir(tmp_path / "run", 4)
+    average = read_ema_state(ckpt)
+    export_model(ckpt, tmp_path / "ema", merge_lora=True, ema=True)
+    export_model(ckpt, tmp_path / "trained", merge_lora=True)
+    oracle = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir), ckpt)
+    with torch.no_grad():
+        for name, param in oracle.named_parameters():
+            if name in average:
+                param.copy_(average[name])
+    expected = oracle.merge_and_unload().state_dict()
+    got = load_file(tmp_path / "ema" / "model.safetensors")
+    assert all(torch.equal(got[name], expected[name]) for name in got)
+    trained = load_file(tmp_path / "trained" / "model.safetensors")
+    assert any(not torch.equal(got[name], trained[name]) for name in got)
+    with pytest.raises(UsageError, match="add --merge-lora to export the base with the average"):
+        export_model(ckpt, tmp_path / "adapter", ema=True)
+    export_model(ckpt, tmp_path / "adapter")  # its config names the base it belongs to
+    config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == str(base_dir.resolve())
+
+
+def test_a_relative_base_model_is_the_projects_and_the_run_records_it_whole(tmp_path, monkeypatch):
+    from forge.config import load_project, render_config
+    from tests.helpers import TINY_LM
+
+    monkeypatch.chdir(tmp_path)  # started elsewhere: the path is still the project's
+    project = load_project(TINY_LM)
+    text = render_config(project, "lora.yaml", {"base_model": "output/train/run_001"}).text
+    expected = json.dumps(str(TINY_LM / "output" / "train" / "run_001"))
+    assert f"path: {expected}" in text and f"- {expected}" in text
+    absolute = render_config(project, "lora.yaml", {"base_model": str(tmp_path)}).text
+    assert f"path: {json.dumps(str(tmp_path))}" in absolute

@@ -13,6 +13,9 @@ import math
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
+#: the words of a choice that YAML turns into each boolean when they are not quoted
+_BOOLEAN_WORDS = {False: ("no", "off", "false"), True: ("yes", "on", "true")}
+
 
 class ValueChecks:
     """The per-value checks the argument classes' ``_check_*`` methods are written with."""
@@ -53,6 +56,16 @@ class ValueChecks:
 
     def _choice(self, name: str, choices: tuple[str, ...], p: list[str], fix: str = "") -> None:
         value = getattr(self, name)
+        if isinstance(value, bool) and value not in choices:
+            # YAML 1.1 reads an unquoted no/yes/off/on as a boolean: take the word meant
+            meant = [word for word in _BOOLEAN_WORDS[value] if word in choices]
+            if meant:
+                setattr(self, name, meant[0])
+                return
+            fix = (
+                "(YAML reads an unquoted yes/no/on/off as a boolean: quote the word, e.g. "
+                f'{name}: "{choices[0]}")'
+            )
         if value not in choices:
             p.append(
                 f"{self._key(name)} must be one of {quoted(choices)} (got {value!r})"

@@ -152,6 +152,23 @@ def check_module(module: nn.Module, ignore_hooks: Iterable[str] = ()) -> None:
             )
 
 
+_OPTIMIZERS = (
+    "the trainer steps the optimizer configure_optimizers returns itself (automatic "
+    "optimization), and logs its learning rate as learning_rate; training_step returns the "
+    "loss and touches no optimizer"
+)
+#: what a LightningModule method reads of its trainer -> (the call the user wrote, the reason)
+_ASKED_THROUGH = {
+    "strategy": ("self.optimizers()", _OPTIMIZERS),
+    "optimizers": ("self.optimizers(use_pl_optimizer=False)", _OPTIMIZERS),
+    "lr_scheduler_configs": (
+        "self.lr_schedulers()",
+        "the trainer steps the schedulers configure_optimizers returns when Lightning's would "
+        "(their interval and frequency), and logs the learning rate as learning_rate",
+    ),
+}
+
+
 class StandInTrainer:
     """What a LightningModule's ``self.trainer`` (and ``self.current_epoch``,
     ``self.global_step``, ``self.global_rank`` ...) reads under forge: the run's counters, its
@@ -238,6 +255,12 @@ class StandInTrainer:
     def __getattr__(self, name: str) -> Any:
         if name.startswith("_"):
             raise AttributeError(name)
+        if name in _ASKED_THROUGH:  # LightningModule methods read these of their trainer
+            called, gives = _ASKED_THROUGH[name]
+            raise LightningAdapterError(
+                f"{self._owner} calls {called}, which forge's LightningAdapter does not give: "
+                f"{gives}"
+            )
         raise LightningAdapterError(
             f"{self._owner} reads self.trainer.{name}, which forge's LightningAdapter does not "
             "give: its stand-in trainer has current_epoch, global_step, global_rank, "
