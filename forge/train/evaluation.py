@@ -29,6 +29,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from forge.train import generation
 from forge.train.args import TrainingArgumentsError
 from forge.train.loop_state import Batch
 from forge.train.loss import batch_size_of, is_causal_lm, returned_loss
@@ -57,6 +58,25 @@ class Evaluation:
         self._eval_loaders: dict[int, tuple[Any, Any]] = {}  # id -> (dataset, its loader)
         self._warned_outputs = False
         self._output_means: OutputMeans | None = None  # during an evaluation's batches
+        # generation (predict_with_generate): generate's keywords, the generation config
+        self._gen_kwargs = generation.generation_kwargs(self.args, {})
+        self.generation_config = generation.load_generation_config(self.args)
+        if self.args.predict_with_generate and not self.strategy.gives_eval_outputs:
+            raise TrainingArgumentsError(
+                [
+                    f"{self.args.config_key}.predict_with_generate is true, but the "
+                    f"{self.trainer_kind} trainer's evaluation gives no outputs to generate "
+                    "from (it reports the loss only); evaluate with the plain or Accelerate "
+                    "trainer, or set it to false"
+                ]
+            )
+        if self.model is not None:
+            self.prepare_generation(self.model)
+
+    def prepare_generation(self, model: nn.Module) -> None:
+        """Give a model that was just built ``generation_config``, and check it generates
+        where evaluation will (forge/train/generation.py)."""
+        generation.prepare_model(model, self.args, self.generation_config)
 
     # ------------------------------------------------------------------ HF's entry points
     def evaluate(
@@ -64,6 +84,7 @@ class Evaluation:
         eval_dataset: Dataset | None = None,
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
+        **gen_kwargs: Any,
     ) -> dict[str, float]:
         """Loss and ``compute_metrics`` metrics over ``eval_dataset`` (default: the trainer's),
         each prefixed ``{metric_key_prefix}_``, with HF's speed metrics, reported to the
@@ -72,7 +93,10 @@ class Evaluation:
         The loss is the mean over samples (over label tokens for token-level labels), reduced
         over ranks; a causal LM also gets ``eval_perplexity``. A dict of datasets is evaluated
         one by one, each one's metrics prefixed ``eval_NAME_`` (as HF's Trainer does).
+        ``gen_kwargs`` are ``generate``'s keywords with ``predict_with_generate`` (as HF's
+        Seq2SeqTrainer takes them).
         """
+        self._gen_kwargs = generation.generation_kwargs(self.args, gen_kwargs)
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
             raise ValueError("trainer.eval_dataset is not set; there is nothing to evaluate")
@@ -109,10 +133,15 @@ class Evaluation:
         test_dataset: Dataset,
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "test",
+        **gen_kwargs: Any,
     ) -> Any:
         """Predictions (and, where the dataset has labels, labels and metrics) over
-        ``test_dataset``: a ``transformers.trainer_utils.PredictionOutput``."""
+        ``test_dataset``: a ``transformers.trainer_utils.PredictionOutput``; with
+        ``predict_with_generate`` the predictions are generated ids (``gen_kwargs`` as in
+        ``evaluate``)."""
         from transformers.trainer_utils import PredictionOutput
+
+        self._gen_kwargs = generation.generation_kwargs(self.args, gen_kwargs)
 
         with self.strategy.process_group():
             self._prepare_eval_model()
@@ -211,9 +240,13 @@ class Evaluation:
                         accumulator.to_host()
             self._output_means = None  # what follows repeats a batch
             if batches:  # a sharded model's forward is collective: keep every rank in step
-                for _ in range(rounds - len(batches)):
+                for _ in range(rounds - len(batches)):  # generating too, if the others do
                     self.prediction_step(
-                        self.evaluation_model(), batch, True, ignore_keys, label_names
+                        self.evaluation_model(),
+                        batch,
+                        prediction_loss_only,
+                        ignore_keys,
+                        label_names,
                     )
         model.train(was_training)
         world = self.topology.dp_size
@@ -270,9 +303,14 @@ class Evaluation:
         prediction_loss_only: bool,
         ignore_keys: list[str],
         label_names: list[str],
+        **gen_kwargs: Any,
     ) -> tuple[torch.Tensor | None, Any, Any]:
-        """One evaluation batch: (mean loss or None, logits or None, labels or None)."""
+        """One evaluation batch: (mean loss or None, logits or None, labels or None); with
+        ``predict_with_generate``, the generated ids in place of the logits (``gen_kwargs``, else
+        those ``evaluate``/``predict`` resolved)."""
         labels = labels_of(batch, label_names)
+        if self.args.predict_with_generate and not prediction_loss_only:
+            return generation.generation_step(self, model, batch, labels, gen_kwargs)
         loss, outputs = self.strategy.forward_eval(
             batch, lambda: self._forward_eval(model, batch, labels)
         )
@@ -338,6 +376,7 @@ class Evaluation:
         if self.model is None:
             set_seed(args.seed)
             self.model = self._call_model_init()
+            self.prepare_generation(self.model)
         name_causal_lm_loss(self.model)
         dtype = (
             torch.bfloat16
