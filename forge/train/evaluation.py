@@ -12,8 +12,12 @@ predictions, labels, inputs and losses are gathered across ranks in dataset orde
 ``compute_metrics`` (forge/train/predictions.py has the pieces). The model's scalar outputs
 besides the loss (a ponder cost, what a LightningModule logs) are averaged as the loss is and
 reported as ``eval_NAME``, beside what ``compute_metrics`` returns. Evaluation forks the random
-generators, so it never changes the training trajectory; the weights it runs with may be
-chosen by a callback (``evaluation_weights``: a moving average of the weights).
+generators, so nothing it runs (a forward, a sampling ``generate``, ``compute_metrics``) changes
+the training trajectory, except what HF's Trainer and Lightning's evaluations also take from it:
+each pass over an evaluation loader starts a ``DataLoader`` iterator, which draws its base seed
+from torch's global generator, so a port trained with dropout keeps the original's losses
+through and after its evaluations. The weights it runs with may be chosen by a callback
+(``evaluation_weights``: a moving average of the weights).
 """
 
 from __future__ import annotations
@@ -203,8 +207,11 @@ class Evaluation:
         batches = list(itertools.islice(range(len(loader)), args.max_eval_batches))
         rounds = self.strategy.eval_forwards(len(batches))
         self._output_means = output_means = OutputMeans()  # _forward_eval adds to it
+        # iterated outside the fork, as HF's and Lightning's loops iterate theirs: a DataLoader's
+        # iterator draws its base seed from the global generator, and training goes on from there
+        loader_batches = iter(loader)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for step, batch in zip(batches, loader, strict=False):
+            for step, batch in zip(batches, loader_batches, strict=False):
                 batch = self._to_device(batch)
                 size = batch_size_of(batch)
                 loss, logits, labels = self.prediction_step(
