@@ -22,6 +22,7 @@ through and after its evaluations. The weights it runs with may be chosen by a c
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -50,6 +51,7 @@ from forge.train.predictions import (
     output_logits,
 )
 from forge.train.runtime import name_causal_lm_loss
+from forge.train.user_code import call_user_code
 
 logger = logging.getLogger(__name__)
 
@@ -174,7 +176,8 @@ class Evaluation:
         number of samples), as HF's ``Trainer.evaluation_loop``."""
         from transformers.trainer_utils import EvalLoopOutput, EvalPrediction
 
-        args, model, compute_metrics = self.args, self.model, self.compute_metrics
+        args, model = self.args, self.model
+        compute_metrics, preprocess = self._located_metrics(metric_key_prefix)
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
         if not self.strategy.gives_eval_outputs:
@@ -224,8 +227,8 @@ class Evaluation:
                     losses.add(float(loss), weight)
                 if prediction_loss_only:
                     continue
-                if logits is not None and self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, labels)
+                if logits is not None and preprocess is not None:
+                    logits = preprocess(logits, labels)
                 include = args.include_for_metrics
                 batch_losses = loss.repeat(size) if loss is not None and "loss" in include else None
                 batch_inputs = batch.get(main_input) if "inputs" in include else None
@@ -347,6 +350,20 @@ class Evaluation:
         return loss, outputs
 
     # ------------------------------------------------------------------ helpers
+    def _located_metrics(self, prefix: str) -> tuple[Any, Any]:
+        """``compute_metrics`` and ``preprocess_logits_for_metrics``, each failure of theirs a
+        ``UserCodeFailure`` naming the part and the evaluation (as the sanity pass names it)."""
+        when = f"the evaluation at step {self.state.global_step}" if self._in_train else prefix
+        found = []
+        for part, doing in (
+            ("compute_metrics", f"computing the metrics of {when}"),
+            ("preprocess_logits_for_metrics", f"preprocessing the logits of {when}"),
+        ):
+            function = getattr(self, part)
+            located = functools.partial(call_user_code, part, doing, function)
+            found.append(None if function is None else located)
+        return found[0], found[1]
+
     def _evaluation_weights(self) -> Any:
         """The weights evaluation runs with, as the callbacks choose them (a moving average
         swapped in for the evaluation and out again after it); the model's own otherwise."""
