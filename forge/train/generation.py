@@ -124,9 +124,11 @@ def generation_step(
     with trainer.strategy.autocast():
         generated = generator.generate(**inputs, **kwargs)
     config = generator.generation_config
-    if config._from_model_config:  # as HF: the config is the model's own from now on
+    if getattr(config, "_from_model_config", False):  # as HF: the model's own from now on
         config._from_model_config = False
-    config.update(**config._get_default_generation_params(), defaults_only=True)
+    defaults = getattr(config, "_get_default_generation_params", None)
+    if callable(defaults):  # transformers 5: the lengths generate fell back to, made explicit
+        config.update(**defaults(), defaults_only=True)
     length = _padded_length(config, generated.shape[-1])
     pad_id = _pad_token_id(trainer, generator) if length else None
     if length:
