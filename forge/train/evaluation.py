@@ -76,6 +76,14 @@ class Evaluation:
                     "trainer, or set it to false"
                 ]
             )
+        if self.args.predict_with_generate and self.strategy.collective_forward:
+            raise TrainingArgumentsError(
+                [
+                    f"{self.args.config_key}.predict_with_generate does not run under fsdp yet "
+                    "(a sharded model's generate); generate in evaluation under DDP (drop "
+                    "fsdp), or set it to false"
+                ]
+            )
         if self.model is not None:
             self.prepare_generation(self.model)
 
