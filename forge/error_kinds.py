@@ -23,7 +23,14 @@ USAGE_ERRORS = frozenset(
     }
 )
 # a usage error may subclass one of these (CheckpointUsageError is a CheckpointError): usage wins
-RUNTIME_ERRORS = frozenset({"RuntimeFailure", "RunError", "CheckpointError"})
+RUNTIME_ERRORS = frozenset(
+    {
+        "RuntimeFailure",
+        "RunError",
+        "CheckpointError",
+        "UserCodeFailure",  # forge.train.user_code: compute_metrics failed in training
+    }
+)
 
 
 def is_usage_error(err: BaseException) -> bool:

@@ -669,7 +669,7 @@ def cmd_predict(args: argparse.Namespace) -> int:
     from forge.cli.predict import predict_file
     from forge.runs import PROJECT_RUNS
 
-    if args.batch_size < 1 or args.max_new_tokens < 1:
+    if args.batch_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         raise UsageError("--batch-size and --max-new-tokens must be positive integers")
     checkpoint = resolve_checkpoint(
         args.checkpoint, best=args.best, models=True, runs=PROJECT_RUNS

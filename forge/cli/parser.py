@@ -443,9 +443,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--max-new-tokens",
         type=int,
-        default=50,
+        default=None,
         metavar="N",
-        help="causal LMs, encoder-decoders: tokens to add",
+        help="causal LMs, encoder-decoders: tokens to add (default: 50, or the run's "
+        "generation_max_length where its evaluation generated: predict_with_generate)",
     )
     p.add_argument(
         "--temperature",

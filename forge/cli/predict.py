@@ -30,6 +30,7 @@ from forge.cli.inputs import (
     read_rows,
     row_tensors,
 )
+from forge.cli.run_generation import DEFAULT_NEW_TOKENS, run_generation_keywords
 from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
@@ -260,7 +261,7 @@ def predict_file(
     *,
     text_field: str = "text",
     batch_size: int = 32,
-    max_new_tokens: int = 50,
+    max_new_tokens: int | None = None,
     temperature: float = 0.0,
     seed: int = 0,
     allow: list[str] = (),
@@ -273,6 +274,11 @@ def predict_file(
     Lines of text need the checkpoint's tokenizer; lines of model inputs (``{"input_ids":
     [...]}``, ``{"x": [...]}``) are given to the model as they are, one at a time, and a
     generating model's prediction is then the token ids it adds (forge.cli.inputs).
+
+    A generating model adds ``max_new_tokens`` tokens (50 when None); where the checkpoint's run
+    evaluated by generating (``predict_with_generate``), it generates as that evaluation did:
+    ``generation_num_beams`` beams, and ``generation_max_length`` unless ``max_new_tokens`` is
+    given (forge/cli/run_generation.py).
 
     A model that is not a Hugging Face directory's is built from its run's config and fed one
     input at a time (``input_ids``, and ``attention_mask`` when its forward takes one), so its
@@ -306,11 +312,13 @@ def predict_file(
             'e.g. {"input_ids": [1, 2, 3]}',
         )
     if problem is None:
+        lengths = run_generation_keywords(checkpoint, max_new_tokens)
         results = _predict_with_directory(
-            checkpoint, described, kind, rows, text_field, batch_size, max_new_tokens,
+            checkpoint, described, kind, rows, text_field, batch_size, lengths,
             temperature, seed,
         )  # fmt: skip
     else:
+        max_new_tokens = DEFAULT_NEW_TOKENS if max_new_tokens is None else max_new_tokens
         model = model_through_run(checkpoint, problem, allow)
         torch.manual_seed(seed)
         if rows.text:
@@ -342,7 +350,7 @@ def _predict_with_directory(
     rows: InputRows,
     field: str,
     batch_size: int,
-    max_new_tokens: int,
+    lengths: dict[str, int],
     temperature: float,
     seed: int,
 ) -> list[dict[str, Any]]:
@@ -359,13 +367,13 @@ def _predict_with_directory(
     torch.manual_seed(seed)
     if not rows.text:
         return [
-            _directory_input_prediction(model, kind, rows, index, max_new_tokens, temperature)
+            _directory_input_prediction(model, kind, rows, index, lengths, temperature)
             for index in range(len(rows.rows))
         ]
     tokenizer = AutoTokenizer.from_pretrained(checkpoint)
     if kind == "classifier":
         return _classify(model, tokenizer, rows.rows, field, batch_size)
-    return _continue(model, tokenizer, rows.rows, field, batch_size, max_new_tokens, temperature)
+    return _continue(model, tokenizer, rows.rows, field, batch_size, lengths, temperature)
 
 
 def auto_class(kind: str) -> Any:
@@ -395,7 +403,7 @@ def checkpoint_model_label(checkpoint: Path) -> str:
 
 
 def _directory_input_prediction(
-    model: Any, kind: str, rows: InputRows, index: int, max_new_tokens: int, temperature: float
+    model: Any, kind: str, rows: InputRows, index: int, lengths: dict[str, int], temperature: float
 ) -> dict[str, Any]:
     """One line of model inputs through a transformers model: its class (a classifier), or
     the token ids it generates (a causal LM: after the input; an encoder-decoder: the decoder's,
@@ -415,7 +423,7 @@ def _directory_input_prediction(
             model.generate,
             {
                 **tensors,
-                "max_new_tokens": max_new_tokens,
+                **lengths,
                 "do_sample": sample,
                 "temperature": temperature if sample else None,
                 "top_k": 50 if sample else None,
@@ -702,7 +710,7 @@ def _continue(
     rows: list,
     field: str,
     batch_size: int,
-    max_new_tokens: int,
+    lengths: dict[str, int],
     temperature: float,
 ) -> list[dict[str, Any]]:
     """Each text's continuation by a causal LM, or what an encoder-decoder writes for it (the
@@ -723,7 +731,7 @@ def _continue(
         with torch.no_grad():
             output = model.generate(
                 **encoded,
-                max_new_tokens=max_new_tokens,
+                **lengths,
                 do_sample=sample,
                 temperature=temperature if sample else None,
                 top_k=None if not sample else 50,

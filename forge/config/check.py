@@ -15,6 +15,7 @@ from forge.text import short_list
 
 from .callables import Resolver, SpecError
 from .graph import CallNode, ContainerNode, Loc, Node, walk
+from .hf_config_keys import config_keywords, is_transformers_config
 
 logger = logging.getLogger(__name__)
 
@@ -142,7 +143,11 @@ def _check_binding(
     keywords = list(known.names) if known else []
     findings: list[Finding] = []
     accepted: dict[str, object] = {}
+    closed = config_keywords(target) if is_transformers_config(target) else None
     for key in node.kwargs:
+        if closed is not None and key not in closed:
+            findings.append(_unknown_config_key(node, label, key, closed))
+            continue
         if binds_any or key in keywords:
             accepted[key] = None
             continue
@@ -208,6 +213,16 @@ def _literal(value: Any) -> tuple[bool, Any]:
             return True, [item for _, item in items]
         return False, None
     return True, value
+
+
+def _unknown_config_key(node: CallNode, label: str, key: str, names: frozenset[str]) -> Finding:
+    """A key a transformers model config does not take: the class would keep it as an
+    attribute no model reads and build its default instead."""
+    message = (
+        f"{label}() has no setting {key!r} (a transformers config would keep it as an "
+        f"attribute that no model reads and build its default){suggestion(key, names, n=1)}"
+    )
+    return (node.arg_locs.get(key, node.loc), message, "correct the name or remove the key")
 
 
 def _near_miss(node: CallNode, label: str, key: str, keywords: list[str]) -> list[Finding]:

@@ -190,6 +190,42 @@ def pruned_message(record: RunRecord, pruned: dict[str, Any]) -> str:
     )
 
 
+def locate_user_code_failure(
+    err: BaseException, cfg: Any, project: Project, record: RunRecord, allow: list[str] = ()
+) -> None:
+    """A trainer part that failed while training (``trainer.compute_metrics`` at an evaluation:
+    forge.train.user_code) is given the config line that sets it, as the sanity pass gives it:
+    the template's line where the templates still render the run's config, else the line of
+    the run's ``config.yaml``."""
+    part = getattr(err, "part", None)
+    if cfg is None or part is None or not hasattr(err, "where"):
+        return
+    try:  # the templates' lines, where they still render what the run trained
+        from forge.config import load_config
+
+        data = record.data
+        fresh = load_config(
+            project, data["config"], data.get("variables"), data.get("overrides") or [], allow
+        )
+        if fresh.text == cfg.text:
+            cfg = fresh
+    except Exception as exc:  # edited or gone since: the run's own config.yaml says it
+        logger.debug("the run's templates do not render its config (%s)", exc)
+    err.where = part_location(cfg, part)
+
+
+def part_location(cfg: Any, part: str) -> str | None:
+    """Where the config sets the trainer's ``part`` (its node, else the trainer's key)."""
+    from forge.config.graph import CallNode, Node
+
+    trainer = cfg.targets.get(TRAINER_TARGET)
+    if not isinstance(trainer, CallNode):
+        return None
+    node = trainer.kwargs.get(part)
+    loc = node.loc if isinstance(node, Node) else trainer.arg_locs.get(part)
+    return (cfg.location_text(loc) or None) if loc is not None else None
+
+
 def run_worker(
     run_dir: Path,
     project: Project,
@@ -238,7 +274,7 @@ def train_run(
     if restart:
         resume_from = Restart(run_dir, resume_from)
     lock = hold_training_lock(run_dir) if rank == 0 else None
-    trainer = callback = None
+    trainer = callback = cfg = None
     previous = record.data.get("status")  # what a resume that fails to start leaves in place
     try:
         cfg = load_run_config(run_dir, project, allow)
@@ -270,6 +306,7 @@ def train_run(
             logger.info("%s", stopped_message(stop, run_dir, project))
         raise
     except BaseException as err:
+        locate_user_code_failure(err, cfg, project, record, allow)
         lost = peer_loss(err) if world_size > 1 else None
         if rank == 0:
             record = RunRecord.load(run_dir)

@@ -12,12 +12,17 @@ predictions, labels, inputs and losses are gathered across ranks in dataset orde
 ``compute_metrics`` (forge/train/predictions.py has the pieces). The model's scalar outputs
 besides the loss (a ponder cost, what a LightningModule logs) are averaged as the loss is and
 reported as ``eval_NAME``, beside what ``compute_metrics`` returns. Evaluation forks the random
-generators, so it never changes the training trajectory; the weights it runs with may be
-chosen by a callback (``evaluation_weights``: a moving average of the weights).
+generators, so nothing it runs (a forward, a sampling ``generate``, ``compute_metrics``) changes
+the training trajectory, except what HF's Trainer and Lightning's evaluations also take from it:
+each pass over an evaluation loader starts a ``DataLoader`` iterator, which draws its base seed
+from torch's global generator, so a port trained with dropout keeps the original's losses
+through and after its evaluations. The weights it runs with may be chosen by a callback
+(``evaluation_weights``: a moving average of the weights).
 """
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import math
@@ -29,6 +34,7 @@ import torch
 from torch import nn
 from torch.utils.data import Dataset
 
+from forge.train import generation
 from forge.train.args import TrainingArgumentsError
 from forge.train.loop_state import Batch
 from forge.train.loss import batch_size_of, is_causal_lm, returned_loss
@@ -45,6 +51,7 @@ from forge.train.predictions import (
     output_logits,
 )
 from forge.train.runtime import name_causal_lm_loss
+from forge.train.user_code import call_user_code
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +64,33 @@ class Evaluation:
         self._eval_loaders: dict[int, tuple[Any, Any]] = {}  # id -> (dataset, its loader)
         self._warned_outputs = False
         self._output_means: OutputMeans | None = None  # during an evaluation's batches
+        # generation (predict_with_generate): generate's keywords, the generation config
+        self._gen_kwargs = generation.generation_kwargs(self.args, {})
+        self.generation_config = generation.load_generation_config(self.args)
+        if self.args.predict_with_generate and not self.strategy.gives_eval_outputs:
+            raise TrainingArgumentsError(
+                [
+                    f"{self.args.config_key}.predict_with_generate is true, but the "
+                    f"{self.trainer_kind} trainer's evaluation gives no outputs to generate "
+                    "from (it reports the loss only); evaluate with the plain or Accelerate "
+                    "trainer, or set it to false"
+                ]
+            )
+        if self.args.predict_with_generate and self.strategy.collective_forward:
+            raise TrainingArgumentsError(
+                [
+                    f"{self.args.config_key}.predict_with_generate does not run under fsdp yet "
+                    "(a sharded model's generate); generate in evaluation under DDP (drop "
+                    "fsdp), or set it to false"
+                ]
+            )
+        if self.model is not None:
+            self.prepare_generation(self.model)
+
+    def prepare_generation(self, model: nn.Module) -> None:
+        """Give a model that was just built ``generation_config``, and check it generates
+        where evaluation will (forge/train/generation.py)."""
+        generation.prepare_model(model, self.args, self.generation_config)
 
     # ------------------------------------------------------------------ HF's entry points
     def evaluate(
@@ -64,6 +98,7 @@ class Evaluation:
         eval_dataset: Dataset | None = None,
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "eval",
+        **gen_kwargs: Any,
     ) -> dict[str, float]:
         """Loss and ``compute_metrics`` metrics over ``eval_dataset`` (default: the trainer's),
         each prefixed ``{metric_key_prefix}_``, with HF's speed metrics, reported to the
@@ -72,7 +107,10 @@ class Evaluation:
         The loss is the mean over samples (over label tokens for token-level labels), reduced
         over ranks; a causal LM also gets ``eval_perplexity``. A dict of datasets is evaluated
         one by one, each one's metrics prefixed ``eval_NAME_`` (as HF's Trainer does).
+        ``gen_kwargs`` are ``generate``'s keywords with ``predict_with_generate`` (as HF's
+        Seq2SeqTrainer takes them).
         """
+        self._gen_kwargs = generation.generation_kwargs(self.args, gen_kwargs)
         dataset = self.eval_dataset if eval_dataset is None else eval_dataset
         if dataset is None:
             raise ValueError("trainer.eval_dataset is not set; there is nothing to evaluate")
@@ -109,10 +147,15 @@ class Evaluation:
         test_dataset: Dataset,
         ignore_keys: list[str] | None = None,
         metric_key_prefix: str = "test",
+        **gen_kwargs: Any,
     ) -> Any:
         """Predictions (and, where the dataset has labels, labels and metrics) over
-        ``test_dataset``: a ``transformers.trainer_utils.PredictionOutput``."""
+        ``test_dataset``: a ``transformers.trainer_utils.PredictionOutput``; with
+        ``predict_with_generate`` the predictions are generated ids (``gen_kwargs`` as in
+        ``evaluate``)."""
         from transformers.trainer_utils import PredictionOutput
+
+        self._gen_kwargs = generation.generation_kwargs(self.args, gen_kwargs)
 
         with self.strategy.process_group():
             self._prepare_eval_model()
@@ -141,7 +184,8 @@ class Evaluation:
         number of samples), as HF's ``Trainer.evaluation_loop``."""
         from transformers.trainer_utils import EvalLoopOutput, EvalPrediction
 
-        args, model, compute_metrics = self.args, self.model, self.compute_metrics
+        args, model = self.args, self.model
+        compute_metrics, preprocess = self._located_metrics(metric_key_prefix)
         if prediction_loss_only is None:
             prediction_loss_only = args.prediction_loss_only
         if not self.strategy.gives_eval_outputs:
@@ -174,8 +218,11 @@ class Evaluation:
         batches = list(itertools.islice(range(len(loader)), args.max_eval_batches))
         rounds = self.strategy.eval_forwards(len(batches))
         self._output_means = output_means = OutputMeans()  # _forward_eval adds to it
+        # iterated outside the fork, as HF's and Lightning's loops iterate theirs: a DataLoader's
+        # iterator draws its base seed from the global generator, and training goes on from there
+        loader_batches = iter(loader)
         with torch.no_grad(), torch.random.fork_rng(devices=devices):
-            for step, batch in zip(batches, loader, strict=False):
+            for step, batch in zip(batches, loader_batches, strict=False):
                 batch = self._to_device(batch)
                 size = batch_size_of(batch)
                 loss, logits, labels = self.prediction_step(
@@ -188,8 +235,8 @@ class Evaluation:
                     losses.add(float(loss), weight)
                 if prediction_loss_only:
                     continue
-                if logits is not None and self.preprocess_logits_for_metrics is not None:
-                    logits = self.preprocess_logits_for_metrics(logits, labels)
+                if logits is not None and preprocess is not None:
+                    logits = preprocess(logits, labels)
                 include = args.include_for_metrics
                 batch_losses = loss.repeat(size) if loss is not None and "loss" in include else None
                 batch_inputs = batch.get(main_input) if "inputs" in include else None
@@ -211,9 +258,13 @@ class Evaluation:
                         accumulator.to_host()
             self._output_means = None  # what follows repeats a batch
             if batches:  # a sharded model's forward is collective: keep every rank in step
-                for _ in range(rounds - len(batches)):
+                for _ in range(rounds - len(batches)):  # generating too, if the others do
                     self.prediction_step(
-                        self.evaluation_model(), batch, True, ignore_keys, label_names
+                        self.evaluation_model(),
+                        batch,
+                        prediction_loss_only,
+                        ignore_keys,
+                        label_names,
                     )
         model.train(was_training)
         world = self.topology.dp_size
@@ -270,9 +321,14 @@ class Evaluation:
         prediction_loss_only: bool,
         ignore_keys: list[str],
         label_names: list[str],
+        **gen_kwargs: Any,
     ) -> tuple[torch.Tensor | None, Any, Any]:
-        """One evaluation batch: (mean loss or None, logits or None, labels or None)."""
+        """One evaluation batch: (mean loss or None, logits or None, labels or None); with
+        ``predict_with_generate``, the generated ids in place of the logits (``gen_kwargs``, else
+        those ``evaluate``/``predict`` resolved)."""
         labels = labels_of(batch, label_names)
+        if self.args.predict_with_generate and not prediction_loss_only:
+            return generation.generation_step(self, model, batch, labels, gen_kwargs)
         loss, outputs = self.strategy.forward_eval(
             batch, lambda: self._forward_eval(model, batch, labels)
         )
@@ -302,6 +358,20 @@ class Evaluation:
         return loss, outputs
 
     # ------------------------------------------------------------------ helpers
+    def _located_metrics(self, prefix: str) -> tuple[Any, Any]:
+        """``compute_metrics`` and ``preprocess_logits_for_metrics``, each failure of theirs a
+        ``UserCodeFailure`` naming the part and the evaluation (as the sanity pass names it)."""
+        when = f"the evaluation at step {self.state.global_step}" if self._in_train else prefix
+        found = []
+        for part, doing in (
+            ("compute_metrics", f"computing the metrics of {when}"),
+            ("preprocess_logits_for_metrics", f"preprocessing the logits of {when}"),
+        ):
+            function = getattr(self, part)
+            located = functools.partial(call_user_code, part, doing, function)
+            found.append(None if function is None else located)
+        return found[0], found[1]
+
     def _evaluation_weights(self) -> Any:
         """The weights evaluation runs with, as the callbacks choose them (a moving average
         swapped in for the evaluation and out again after it); the model's own otherwise."""
@@ -338,6 +408,7 @@ class Evaluation:
         if self.model is None:
             set_seed(args.seed)
             self.model = self._call_model_init()
+            self.prepare_generation(self.model)
         name_causal_lm_loss(self.model)
         dtype = (
             torch.bfloat16

@@ -233,8 +233,11 @@ class TrainerSetup:
 
     def build_model(self) -> nn.Module:
         """This rank's model: ``model_init()``, called just after seeding, or the module the
-        trainer was given (a pipeline stage builds only its own part)."""
-        return self.strategy.build_model(self.model, self._call_model_init)
+        trainer was given (a pipeline stage builds only its own part), with its generation
+        settings (``generation_config``)."""
+        model = self.strategy.build_model(self.model, self._call_model_init)
+        self.prepare_generation(model)
+        return model
 
     def _call_model_init(self) -> nn.Module:
         model = self.model_init()

@@ -52,6 +52,11 @@ def project(tmp_path_factory) -> Path:
         "-- extends 'configs/train.yaml'\n-- block trainer\n    == super()\n"
         "    compute_metrics: !partial:./parts.py:broken []\n-- endblock\n"
     )
+    (configs / "latemetrics.yaml").write_text(
+        "-- extends 'configs/train.yaml'\n-- block trainer\n    == super()\n"
+        "    compute_metrics: !partial:./parts.py:broken []\n-- endblock\n"
+        "-- block trainer_args\n    == super()\n    num_sanity_val_steps: 0\n-- endblock\n"
+    )
     (configs / "evalcollate.yaml").write_text(
         "-- extends 'configs/train.yaml'\n-- block collator\n"
         "data_collator: &data_collator !singleton:./parts.py:TrainOnly []\n-- endblock\n"
@@ -84,6 +89,21 @@ def test_a_metric_that_fails_is_found_before_the_run_exists(project):
     assert result.stdout == "" and no_runs(project, "metrics")
     dry = run_forge("train", "metrics", "-p", str(project), "--dry-run", *SMALL)
     assert dry.returncode == 2 and "computing the metrics" in dry.stderr
+
+
+@pytest.mark.slow
+def test_a_metric_that_fails_at_the_first_evaluation_in_training_is_located(project):
+    """Past the sanity pass (its evaluation batches skipped), the failure at step 3's evaluation
+    is named as the pass names it: the template line that sets trainer.compute_metrics."""
+    result = run_forge("train", "latemetrics", "-p", str(project), *SMALL)
+    assert result.returncode == 1, result.stderr
+    line = next(x for x in result.stderr.splitlines() if x.startswith("error:"))
+    assert line.startswith("error: ") and "templates/configs/latemetrics.yaml:4: " in line, line
+    assert (
+        "trainer.compute_metrics failed while computing the metrics of the evaluation at step 3: "
+        "ZeroDivisionError: division by zero (raised at "
+    ) in line
+    assert "parts.py:3, in broken)" in line and "Traceback" not in result.stderr
 
 
 def test_an_evaluation_collator_that_fails_is_found_before_the_run_exists(project):

@@ -14,9 +14,10 @@ from forge.train.args import NOT_APPLICABLE, OPTIMIZERS, OTHER_HF_OPTIMIZERS, SC
 
 
 def hf_fields() -> dict[str, object]:
-    """Every init field of the installed transformers.TrainingArguments, with its default."""
+    """Every init field of the installed transformers.Seq2SeqTrainingArguments (its
+    TrainingArguments' and the generation ones), with its default."""
     out = {}
-    for f in dataclasses.fields(transformers.TrainingArguments):
+    for f in dataclasses.fields(transformers.Seq2SeqTrainingArguments):
         if not f.init:
             continue
         if f.default is not dataclasses.MISSING:

@@ -19,6 +19,7 @@ from transformers import (
 )
 
 from forge.train import Trainer, TrainerCallback, TrainingArguments, TrainingArgumentsError
+from forge.train.user_code import UserCodeFailure
 from tests.train.common import checkpoint_dir, make_args, make_trainer
 
 WORDS = ["good", "great", "fine", "bad", "awful", "dull", "the", "movie", "was", "and"]
@@ -231,6 +232,30 @@ def test_a_best_metric_no_evaluation_produces_is_an_error_at_the_first_evaluatio
     from forge.checkpoint import read_manifest
 
     assert read_manifest(tmp_path / "checkpoints" / "checkpoint-000002").metrics == {}
+
+
+def test_a_compute_metrics_that_fails_in_training_is_named_with_its_evaluation(tmp_path):
+    """As the sanity pass names it: the part, the evaluation, and the line of the user's code
+    that raised (the launcher adds the config line: tests/launch/test_sanity.py)."""
+
+    def broken(prediction):
+        return {"accuracy": 1 / 0}
+
+    trainer = forge_classifier_trainer(
+        tmp_path, classifier(), eval_size=8, max_steps=4, eval_strategy="steps", eval_steps=2,
+        save_strategy="no",
+    )  # fmt: skip
+    trainer.compute_metrics = broken
+    with pytest.raises(UserCodeFailure) as info:
+        trainer.train()
+    line = broken.__code__.co_firstlineno + 1
+    assert str(info.value) == (
+        "trainer.compute_metrics failed while computing the metrics of the evaluation at step 2: "
+        f"ZeroDivisionError: division by zero (raised at {__file__}:{line}, in broken)"
+    )
+    assert isinstance(info.value.__cause__, ZeroDivisionError)
+    with pytest.raises(UserCodeFailure, match="while computing the metrics of eval: Zero"):
+        trainer.evaluate()
 
 
 def test_best_model_by_accuracy_and_save_strategy_best(tmp_path):

@@ -155,6 +155,29 @@ def test_lightning_and_forge_train_a_lightning_module_alike(
         assert forge_evals[step]["eval_val_loss"] == pytest.approx(metrics["val_loss"], abs=MEANS)
 
 
+class DroppingCNN(Classifier):
+    """A small convolutional net with dropout: its masks come from the global generator."""
+
+    def __init__(self) -> None:
+        super().__init__("step", 1)
+        self.body = nn.Sequential(
+            nn.Unflatten(1, (1, 4)), nn.Conv1d(1, 4, 3, padding=1), nn.ReLU(), nn.Dropout(0.3),
+            nn.Flatten(), nn.Linear(16, 3),
+        )  # fmt: skip
+
+
+def test_a_module_with_dropout_keeps_lightnings_losses_after_its_validations(tmp_path):
+    """Each validation starts an iterator over the validation loader, which draws its base
+    seed from the global generator, in Lightning's loop as in forge's: the dropout masks after
+    the validations at steps 5 and 10 are Lightning's."""
+    module, steps, rows = train_with_lightning(DroppingCNN, 13)
+    assert sorted(step + 1 for step, m in rows if "val_acc" in m) == [5, 10]
+    trainer = adapter_trainer(tmp_path, DroppingCNN, max_steps=13)
+    trainer.train()
+    assert [r["loss"] for r in logged(tmp_path) if "loss" in r] == steps.losses
+    assert_same_tensors(dict(module.state_dict()), dict(trainer.model.module.state_dict()))
+
+
 def test_a_lightning_module_resumes_bit_for_bit_through_the_adapter(tmp_path):
     builder = functools.partial(Classifier, "epoch", 1)
     settings = dict(max_steps=9, save_strategy="steps", save_steps=4)

@@ -156,6 +156,11 @@ NOT_APPLICABLE: dict[str, tuple[tuple[Any, ...], str]] = {
     "debug": (("", None), "HF's debug options are for its TPU and underflow tools"),
     "skip_memory_metrics": ((True,), "forge does not report memory metrics"),
     "dataloader_in_order": ((True,), "exact resume needs batches in order"),
+    "sortish_sampler": (
+        (False,),
+        "HF's Seq2SeqTrainer reads it nowhere either; train_sampling_strategy: group_by_length "
+        "(or max_tokens_per_batch) batches items of similar length",
+    ),
 }
 
 

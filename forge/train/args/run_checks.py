@@ -119,6 +119,22 @@ class RunChecks(ValueChecks):
         else:
             self.include_for_metrics = list(include)
 
+    def _check_generation(self, p: list[str]) -> None:
+        """HF's ``Seq2SeqTrainingArguments``: the generation settings of evaluation."""
+        self._bool("predict_with_generate", p)
+        self._optional_int("generation_max_length", p, minimum=1, fix="or null for the model's")
+        self._optional_int("generation_num_beams", p, minimum=1, fix="or null for the model's")
+        value = self.generation_config
+        is_config = callable(getattr(value, "to_dict", None)) and hasattr(value, "max_length")
+        if not (value is None or isinstance(value, (str, dict)) or is_config):
+            p.append(
+                f"{self._key('generation_config')} must be a directory or generation_config.json "
+                "file, a mapping of generation settings, a transformers GenerationConfig or null "
+                f"(got {value!r})"
+            )
+        elif isinstance(value, str) and not value:
+            p.append(f"{self._key('generation_config')} must not be empty; use null for none")
+
     def _check_saving(self, p: list[str]) -> None:
         self._choice("save_strategy", SAVE_STRATEGIES, p)
         self._choice("checkpoint_hash", CHECKPOINT_HASHES, p)

@@ -50,6 +50,9 @@ class TrainingArguments(StepChecks, RunChecks):
     Evaluation needs the trainer's ``eval_dataset``.
     ``tf32`` (null: torch's default) and ``full_determinism`` are applied while ``train()``
     runs (forge/train/precision.py).
+    ``predict_with_generate`` (with ``generation_max_length``, ``generation_num_beams``,
+    ``generation_config``) makes evaluation and prediction generate, as HF's
+    ``Seq2SeqTrainer`` (forge/train/generation.py).
     ``ema_decay`` (null or 0: off) keeps a moving average of the trainable parameters, with
     ``ema_warmup_steps`` and ``ema_update_every``; ``eval_with_ema`` evaluates with it
     (forge/train/ema.py has the formula).
@@ -127,6 +130,12 @@ class TrainingArguments(StepChecks, RunChecks):
     eval_accumulation_steps: int | None = None
     include_for_metrics: list[str] = field(default_factory=list)
     batch_eval_metrics: bool = False
+    # ---- generation in evaluation (HF's Seq2SeqTrainingArguments; forge/train/generation.py)
+    sortish_sampler: bool = False  # read by nothing in HF either (NOT_APPLICABLE)
+    predict_with_generate: bool = False
+    generation_max_length: int | None = None
+    generation_num_beams: int | None = None
+    generation_config: Any = None  # a directory, a generation_config.json, a mapping, or one
     # ---- checkpoints
     save_only_model: bool = False
     save_strategy: str = "steps"
@@ -273,6 +282,7 @@ class TrainingArguments(StepChecks, RunChecks):
         self._check_precision(p)
         self._check_logging(p)
         self._check_evaluation(p)
+        self._check_generation(p)
         self._check_saving(p)
         self._check_best_model(p)
         self._check_runtime(p)

@@ -52,6 +52,8 @@ class ParallelStrategy:
     unsupported_arguments: ClassVar[dict[str, str]] = {}
     #: whether ``forward_eval`` gives the model's outputs (predictions for compute_metrics)
     gives_eval_outputs: ClassVar[bool] = True
+    #: whether a forward is collective (every rank must run as many): generation runs in step
+    collective_forward: ClassVar[bool] = False
     #: whether the strategy computes the loss itself (the trainer's compute_loss is not called)
     computes_loss: ClassVar[bool] = False
 

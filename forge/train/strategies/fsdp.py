@@ -142,6 +142,8 @@ class FullyShard(ParallelStrategy):
     """The model sharded in place over every rank (``fsdp_settings``); the training step calls
     it (compiled or not) as it is."""
 
+    collective_forward = True
+
     def __init__(
         self, args: TrainingArguments, topology: Any, device: torch.device, settings: FsdpSettings
     ) -> None:
