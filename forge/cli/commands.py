@@ -231,6 +231,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch.cluster import ONE_NODE, check_host
     from forge.launch.endpoint import Here
     from forge.launch.preflight import check_training_contract
+    from forge.launch.scheduler import (
+        check_requeue,
+        job_fields,
+        requeue_after_stop,
+        requeued_run,
+        stopped_codes,
+        use_stop_signal,
+    )
     from forge.launch.torchrun import launch_training, resolve_max_restarts, resolve_nproc
     from forge.launch.worker import build_variables
     from forge.runs import claim_run, config_output_dir, create_run, discard_unstarted_run
@@ -240,6 +248,7 @@ def cmd_train(args: argparse.Namespace) -> int:
     name, cfg = _load(args, project)
     nproc = resolve_nproc(args.nproc)
     max_restarts = resolve_max_restarts(args.max_restarts)
+    use_stop_signal(args.stop_signal)
     if "trainer" not in cfg.targets:
         raise UsageError(f"config '{name}' has no 'trainer' target; nothing to train")
     topology = Topology.from_env()
@@ -297,9 +306,16 @@ def cmd_train(args: argparse.Namespace) -> int:
             logger.warning("%s", sentence)
     if nodes.multinode:
         check_host(nodes)  # before anything starts: a host that never resolves is named here
+    if nodes.creates_run:
+        check_requeue(args.requeue)
     if not nodes.creates_run:
         here = Here("train", name)
         return _join(args, project, nproc, nodes, torchrun_args, max_restarts, here, cfg.text)
+    requeued = None if topology.distributed else requeued_run(project.output_dir, name, cfg.text)
+    if requeued is not None:  # SLURM requeued this job: it continues the run it started
+        logger.info("SLURM requeued this job: continuing %s", requeued)
+        args.set, args.from_checkpoint, args.torchrun_args = None, None, torchrun_args
+        return _resume_run(args, project, requeued, max_restarts, nodes)
 
     def make_run() -> Path:
         return create_run(
@@ -310,6 +326,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             overrides=args.set or [],
             variables=_defines(args),
             nproc=topology.world_size if topology.distributed else nproc * nodes.nnodes,
+            fields=job_fields(),
         )
 
     if topology.distributed:  # every rank of a job another launcher started runs this
@@ -336,7 +353,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         raise
     if code == EXIT_USAGE and discard_unstarted_run(run_dir):
         logger.info("removed %s: the run never started", run_dir)
-    return code
+    elif code in stopped_codes() and discard_unstarted_run(run_dir):
+        logger.info("removed %s: stopped before it started training", run_dir)
+    return requeue_after_stop(run_dir, code, args.requeue)
 
 
 def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
@@ -367,17 +386,21 @@ def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from forge.launch.scheduler import check_requeue, use_stop_signal
     from forge.launch.torchrun import resolve_max_restarts
-    from forge.runs import claim_run, find_run, stale_running_note
+    from forge.runs import find_run
 
     project = _project(args)
     max_restarts = resolve_max_restarts(args.max_restarts)
+    use_stop_signal(args.stop_signal)
     nodes, torchrun_args = _nodes(args)
     args.torchrun_args = torchrun_args
     if nodes.multinode:
         from forge.launch.cluster import check_host
 
         check_host(nodes)  # before anything starts: a host that never resolves is named here
+    if nodes.creates_run:
+        check_requeue(args.requeue)
     if not nodes.creates_run:  # node 0 finds, claims and resolves the run; --set is its too
         from forge.launch.endpoint import Here
         from forge.launch.torchrun import resolve_nproc
@@ -391,11 +414,20 @@ def cmd_resume(args: argparse.Namespace) -> int:
         run_dir=Path(args.run_dir) if args.run_dir else None,
         config_name=config,
     )
+    return _resume_run(args, project, run_dir, max_restarts, nodes)
+
+
+def _resume_run(args, project: Project, run_dir: Path, max_restarts: int, nodes) -> int:
+    """Claim ``run_dir`` and resume it (``forge resume``, or a job SLURM requeued)."""
+    from forge.launch.scheduler import requeue_after_stop
+    from forge.runs import claim_run, stale_running_note
+
     stale = stale_running_note(run_dir)
     with claim_run(run_dir):  # refused while the run trains
         if stale:
             logger.warning("%s", stale)
-        return _resume_claimed(args, project, run_dir, max_restarts, nodes)
+        code = _resume_claimed(args, project, run_dir, max_restarts, nodes)
+    return requeue_after_stop(run_dir, code, args.requeue)
 
 
 def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> int:
