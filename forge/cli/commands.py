@@ -244,11 +244,12 @@ def cmd_train(args: argparse.Namespace) -> int:
     from forge.runs import claim_run, config_output_dir, create_run, discard_unstarted_run
 
     memory = _memory_option(args)
+    use_stop_signal(args.stop_signal)
+    check_requeue(args.requeue)
     project = _project(args)
     name, cfg = _load(args, project)
     nproc = resolve_nproc(args.nproc)
     max_restarts = resolve_max_restarts(args.max_restarts)
-    use_stop_signal(args.stop_signal)
     if "trainer" not in cfg.targets:
         raise UsageError(f"config '{name}' has no 'trainer' target; nothing to train")
     topology = Topology.from_env()
@@ -306,8 +307,6 @@ def cmd_train(args: argparse.Namespace) -> int:
             logger.warning("%s", sentence)
     if nodes.multinode:
         check_host(nodes)  # before anything starts: a host that never resolves is named here
-    if nodes.creates_run:
-        check_requeue(args.requeue)
     if not nodes.creates_run:
         here = Here("train", name)
         return _join(args, project, nproc, nodes, torchrun_args, max_restarts, here, cfg.text)
@@ -390,17 +389,16 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from forge.launch.torchrun import resolve_max_restarts
     from forge.runs import find_run
 
+    use_stop_signal(args.stop_signal)
+    check_requeue(args.requeue)
     project = _project(args)
     max_restarts = resolve_max_restarts(args.max_restarts)
-    use_stop_signal(args.stop_signal)
     nodes, torchrun_args = _nodes(args)
     args.torchrun_args = torchrun_args
     if nodes.multinode:
         from forge.launch.cluster import check_host
 
         check_host(nodes)  # before anything starts: a host that never resolves is named here
-    if nodes.creates_run:
-        check_requeue(args.requeue)
     if not nodes.creates_run:  # node 0 finds, claims and resolves the run; --set is its too
         from forge.launch.endpoint import Here
         from forge.launch.torchrun import resolve_nproc
