@@ -314,7 +314,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if requeued is not None:  # SLURM requeued this job: it continues the run it started
         logger.info("SLURM requeued this job: continuing %s", requeued)
         args.set, args.from_checkpoint, args.torchrun_args = None, None, torchrun_args
-        return _resume_run(args, project, requeued, max_restarts, nodes)
+        # the other nodes run `forge train` again too: node 0 says it runs that, this config
+        here = Here("train", name, requeued / "config.yaml")
+        return _resume_run(args, project, requeued, max_restarts, nodes, here)
 
     def make_run() -> Path:
         return create_run(
@@ -415,8 +417,9 @@ def cmd_resume(args: argparse.Namespace) -> int:
     return _resume_run(args, project, run_dir, max_restarts, nodes)
 
 
-def _resume_run(args, project: Project, run_dir: Path, max_restarts: int, nodes) -> int:
-    """Claim ``run_dir`` and resume it (``forge resume``, or a job SLURM requeued)."""
+def _resume_run(args, project: Project, run_dir: Path, max_restarts: int, nodes, here=None) -> int:
+    """Claim ``run_dir`` and resume it (``forge resume``, or a job SLURM requeued: ``here``,
+    what the other nodes of the job were started to run)."""
     from forge.launch.scheduler import requeue_after_stop
     from forge.runs import claim_run, stale_running_note
 
@@ -424,7 +427,7 @@ def _resume_run(args, project: Project, run_dir: Path, max_restarts: int, nodes)
     with claim_run(run_dir):  # refused while the run trains
         if stale:
             logger.warning("%s", stale)
-        code = _resume_claimed(args, project, run_dir, max_restarts, nodes)
+        code = _resume_claimed(args, project, run_dir, max_restarts, nodes, here)
     return requeue_after_stop(run_dir, code, args.requeue)
 
 
@@ -444,7 +447,9 @@ def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> 
     return max(recorded // nnodes, 1)
 
 
-def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, nodes) -> int:
+def _resume_claimed(
+    args, project: Project, run_dir: Path, max_restarts: int, nodes, here=None
+) -> int:
     from forge.checkpoint.resolve import CheckpointNotFound, resume_checkpoint
     from forge.launch.endpoint import Here
     from forge.launch.preflight import check_training_contract
@@ -507,7 +512,7 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
             allow=args.allow or [],
             verbose=args.verbose,
             max_restarts=max_restarts,
-            here=Here("resume"),
+            here=here or Here("resume"),
         )
     finally:
         if kept is not None and failed_to_start(run_dir, since=launched):
