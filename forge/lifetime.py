@@ -1,4 +1,5 @@
-"""A process that dies with its parent: the kernel's parent-death signal, on Linux.
+"""A process that dies with its parent (the kernel's parent-death signal, on Linux), and the
+signals that ask a job to stop with a checkpoint.
 
 forge's processes form a tree (forge -> torchrun -> a rank -> its data loader workers); when one
 dies, however it dies, the processes below it must not outlive it (they would hold the run's
@@ -8,7 +9,10 @@ parent dies; callers fall back to watching the parent where it is not available.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
+import os
+import signal
 import sys
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
@@ -24,3 +28,75 @@ def signal_on_parent_death(signum: int) -> bool:
         return libc.prctl(_PR_SET_PDEATHSIG, ctypes.c_ulong(signum), 0, 0, 0) == 0
     except (OSError, AttributeError):
         return False
+
+
+STOP_SIGNAL_ENV = "FORGE_STOP_SIGNAL"
+DEFAULT_STOP_SIGNAL = signal.SIGUSR1
+# signals that cannot ask a job to save: uncatchable, raised by faults, or the job's own plumbing
+_NOT_STOP_SIGNALS = {"SIGKILL", "SIGSTOP", "SIGCHLD", "SIGCONT", "SIGSEGV", "SIGBUS", "SIGFPE",
+                     "SIGILL", "SIGPIPE", "SIGTSTP", "SIGTTIN", "SIGTTOU", "SIGWINCH", "SIGURG"}  # fmt: skip
+
+
+def parse_stop_signal(value: str) -> signal.Signals:
+    """``USR1``, ``SIGUSR1`` or ``10`` -> ``signal.SIGUSR1``; ValueError naming the choices."""
+    text = value.strip().upper()
+    try:
+        signum = (
+            signal.Signals(int(text))
+            if text.isdigit()
+            else signal.Signals[text if text.startswith("SIG") else "SIG" + text]
+        )
+    except (KeyError, ValueError):
+        signum = None
+    if signum is None or signum.name in _NOT_STOP_SIGNALS:
+        raise ValueError(
+            f"--stop-signal must name a signal a scheduler sends to ask for a save, such as "
+            f"USR1 (SLURM's --signal=USR1@90), USR2, HUP, QUIT or XCPU (got {value!r})"
+        )
+    return signum
+
+
+def scheduler_signal() -> signal.Signals:
+    """The scheduler's warning signal this job stops on (``FORGE_STOP_SIGNAL``, else SIGUSR1)."""
+    value = os.environ.get(STOP_SIGNAL_ENV, "")
+    return parse_stop_signal(value) if value else DEFAULT_STOP_SIGNAL
+
+
+def stop_signals() -> tuple[signal.Signals, ...]:
+    """Every signal that stops training with a checkpoint."""
+    warning = scheduler_signal()
+    return tuple(dict.fromkeys((signal.SIGINT, signal.SIGTERM, warning)))
+
+
+def ignore_stop_signals() -> None:
+    """For a helper process of a rank (a data loader worker): a scheduler signals every process
+    of a job, and a worker that died of it would fail its rank before the rank has saved. It
+    still dies with its rank (forge.lifetime's parent-death signal)."""
+    for signum in stop_signals():
+        signal.signal(signum, signal.SIG_IGN)
+
+
+def kill_helpers_at_exit() -> None:
+    """Have this process SIGKILL its daemonic ``multiprocessing`` children (data loader
+    workers) when it exits. Python's own exit sends them SIGTERM and waits for them, which
+    those that ignore the stop signals (:func:`ignore_stop_signals`) would never answer.
+    Registered once; it runs before multiprocessing's own exit handler (atexit's order)."""
+    global _KILLS_HELPERS
+    if not _KILLS_HELPERS:
+        atexit.register(_kill_helpers)
+        _KILLS_HELPERS = True
+
+
+_KILLS_HELPERS = False
+
+
+def _kill_helpers() -> None:
+    import multiprocessing
+
+    helpers = [child for child in multiprocessing.active_children() if child.daemon]
+    if helpers and hasattr(signal, "SIGCHLD"):
+        # torch's loader watches its workers with a SIGCHLD handler that raises when one is
+        # killed; at exit there is nothing left to watch
+        signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+    for child in helpers:
+        child.kill()

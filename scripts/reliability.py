@@ -79,6 +79,14 @@ SCENARIOS = [
         ("tests/integration/test_train_resume.py",),
     ),
     Scenario(
+        "A scheduler's stop (preemption, time limit)",
+        "SIGTERM, SIGINT or SLURM's warning signal sent to forge, its process group or every "
+        "process of the job, at a random step, loader workers running (every trainer, 1 and 2 "
+        "processes): one checkpoint of the last step, status interrupted, exit 128+N, resume "
+        "bit-identical; --requeue with a fake scontrol; a stop while node 0 waits",
+        ("tests/reliability/test_preemption.py",),
+    ),
+    Scenario(
         "Elastic restarts (--max-restarts)",
         "a worker SIGKILLed mid-run is restarted by torchrun and continues from the run's "
         "newest checkpoint with no user command; run.json records the restart; the end is "

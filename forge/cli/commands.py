@@ -237,6 +237,14 @@ def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch.endpoint import Here
     from forge.launch.length_note import length_note, moot_arguments
     from forge.launch.preflight import check_training_contract
+    from forge.launch.scheduler import (
+        check_requeue,
+        job_fields,
+        requeue_after_stop,
+        requeued_run,
+        stopped_codes,
+        use_stop_signal,
+    )
     from forge.launch.start import (
         claimed_new_run,
         discard_if_unstarted,
@@ -245,9 +253,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     )
     from forge.launch.torchrun import launch_training, resolve_max_restarts, resolve_nproc
     from forge.launch.worker import build_variables
-    from forge.runs import config_output_dir
+    from forge.runs import config_output_dir, discard_unstarted_run
 
     memory = _memory_option(args)
+    use_stop_signal(args.stop_signal)
+    check_requeue(args.requeue)
     project = _project(args)
     name, cfg = _load(args, project)
     nproc = resolve_nproc(args.nproc)
@@ -311,6 +321,13 @@ def cmd_train(args: argparse.Namespace) -> int:
     if not nodes.creates_run:
         here = Here("train", name)
         return _join(args, project, nproc, nodes, torchrun_args, max_restarts, here, cfg.text)
+    requeued = None if topology.distributed else requeued_run(project.output_dir, name, cfg.text)
+    if requeued is not None:  # SLURM requeued this job: it continues the run it started
+        logger.info("SLURM requeued this job: continuing %s", requeued)
+        args.set, args.from_checkpoint, args.torchrun_args = None, None, torchrun_args
+        # the other nodes run `forge train` again too: node 0 says it runs that, this config
+        here = Here("train", name, requeued / "config.yaml")
+        return _resume_run(args, project, requeued, max_restarts, nodes, here)
 
     def make_run() -> Path:
         return new_run(
@@ -320,6 +337,7 @@ def cmd_train(args: argparse.Namespace) -> int:
             overrides=args.set or [],
             variables=_defines(args),
             world_size=topology.world_size if topology.distributed else nproc * nodes.nnodes,
+            fields=job_fields(),
         )
 
     if topology.distributed:  # every rank of a job another launcher started runs this
@@ -341,7 +359,9 @@ def cmd_train(args: argparse.Namespace) -> int:
         )
     if code == EXIT_USAGE:
         discard_if_unstarted(run_dir)
-    return code
+    elif code in stopped_codes() and discard_unstarted_run(run_dir):
+        logger.info("removed %s: stopped before it started training", run_dir)
+    return requeue_after_stop(run_dir, code, args.requeue)
 
 
 def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
@@ -372,9 +392,12 @@ def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    from forge.launch.scheduler import check_requeue, use_stop_signal
     from forge.launch.torchrun import resolve_max_restarts
-    from forge.runs import claim_run, find_run, stale_running_note
+    from forge.runs import find_run
 
+    use_stop_signal(args.stop_signal)
+    check_requeue(args.requeue)
     project = _project(args)
     max_restarts = resolve_max_restarts(args.max_restarts)
     nodes, torchrun_args = _nodes(args)
@@ -396,11 +419,21 @@ def cmd_resume(args: argparse.Namespace) -> int:
         run_dir=Path(args.run_dir) if args.run_dir else None,
         config_name=config,
     )
+    return _resume_run(args, project, run_dir, max_restarts, nodes)
+
+
+def _resume_run(args, project: Project, run_dir: Path, max_restarts: int, nodes, here=None) -> int:
+    """Claim ``run_dir`` and resume it (``forge resume``, or a job SLURM requeued: ``here``,
+    what the other nodes of the job were started to run)."""
+    from forge.launch.scheduler import requeue_after_stop
+    from forge.runs import claim_run, stale_running_note
+
     stale = stale_running_note(run_dir)
     with claim_run(run_dir):  # refused while the run trains
         if stale:
             logger.warning("%s", stale)
-        return _resume_claimed(args, project, run_dir, max_restarts, nodes)
+        code = _resume_claimed(args, project, run_dir, max_restarts, nodes, here)
+    return requeue_after_stop(run_dir, code, args.requeue)
 
 
 def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> int:
@@ -419,7 +452,9 @@ def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> 
     return max(recorded // nnodes, 1)
 
 
-def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, nodes) -> int:
+def _resume_claimed(
+    args, project: Project, run_dir: Path, max_restarts: int, nodes, here=None
+) -> int:
     from forge.launch.endpoint import Here
     from forge.launch.start import (
         check_resume_fits,
@@ -455,7 +490,7 @@ def _resume_claimed(args, project: Project, run_dir: Path, max_restarts: int, no
             allow=args.allow or [],
             verbose=args.verbose,
             max_restarts=max_restarts,
-            here=Here("resume"),
+            here=here or Here("resume"),
         )
 
 

@@ -49,6 +49,7 @@ EXAMPLES = {
           forge train train --nproc auto --nnodes 2 --node-rank 0 --rdzv-endpoint node0:29400
           forge train train --nproc auto --nnodes 2 --node-rank 1 --rdzv-endpoint node0:29400
           srun --ntasks-per-node=1 forge train train --nproc auto   # SLURM: nodes from srun
+          forge train train --nproc auto --requeue   # sbatch --signal=USR1@90: save, requeue
           forge train train --nproc 2 -- --log-dir logs   # anything after -- goes to torchrun
     """,
     "resume": """
@@ -234,6 +235,21 @@ def _add_max_restarts(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_scheduler(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--stop-signal",
+        metavar="SIG",
+        help="the signal a scheduler sends ahead of its time limit (SLURM's --signal=USR1@90): "
+        "save a checkpoint and stop, like SIGTERM; default USR1",
+    )
+    parser.add_argument(
+        "--requeue",
+        action="store_true",
+        help="under SLURM: once stopped by --stop-signal, requeue the job (scontrol requeue "
+        "$SLURM_JOB_ID); the requeued job's forge train continues this run by itself",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="forge",
@@ -308,6 +324,7 @@ def build_parser() -> argparse.ArgumentParser:
         "or 1 without one",
     )
     _add_max_restarts(p)
+    _add_scheduler(p)
     p.add_argument(
         "--dry-run",
         action="store_true",
@@ -344,6 +361,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="processes on this node (default: as the run was started)",
     )
     _add_max_restarts(p)
+    _add_scheduler(p)
     _add_nodes(p, resume=True)
 
     p = _sub(subparsers, "runs", "table of a project's runs")

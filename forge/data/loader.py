@@ -52,7 +52,7 @@ from torch.utils.data import Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from forge.data.sampler import ResumableDistributedSampler
-from forge.lifetime import signal_on_parent_death
+from forge.lifetime import ignore_stop_signals, kill_helpers_at_exit, signal_on_parent_death
 
 logger = logging.getLogger(__name__)
 
@@ -110,8 +110,12 @@ def seed_generators(seed: int) -> None:
 
 def die_with_parent(worker_id: int) -> None:
     """A loader worker's first act: it dies with the process that started it (a training rank
-    killed with SIGKILL leaves no worker behind, holding the run's lock and files)."""
+    killed with SIGKILL leaves no worker behind, holding the run's lock and files), and of
+    nothing else a job is sent: SIGTERM, Ctrl-C and a scheduler's warning signal reach every
+    process of a job (its process group, SLURM's step, torchrun's ``killpg`` of a rank), and a
+    worker that died of one would fail its rank before the rank has saved its checkpoint."""
     signal_on_parent_death(signal.SIGKILL)
+    ignore_stop_signals()
 
 
 class ResumableDataLoader(StatefulDataLoader):
@@ -224,6 +228,7 @@ def build_dataloader(
         )
     workers: dict[str, Any] = {}
     if num_workers:
+        kill_helpers_at_exit()  # the workers ignore SIGTERM: Python's exit would wait for them
         workers = {
             "persistent_workers": persistent_workers,
             "prefetch_factor": prefetch_factor,

@@ -59,8 +59,10 @@ def new_run(
     overrides: Sequence[str] = (),
     variables: Mapping[str, Any] | None = None,
     world_size: int = 1,
+    fields: Mapping[str, Any] | None = None,
 ) -> Path:
-    """The next ``run_NNN`` of config ``name``, holding its rendered config and record."""
+    """The next ``run_NNN`` of config ``name``, holding its rendered config and record
+    (``fields`` added to it: a scheduler's job id, a sweep trial's place)."""
     return create_run(
         config_output_dir(project.output_dir, name),
         config_name=name,
@@ -69,6 +71,7 @@ def new_run(
         overrides=list(overrides),
         variables=dict(variables or {}),
         nproc=world_size,
+        fields=dict(fields) if fields else None,
     )
 
 

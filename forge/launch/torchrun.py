@@ -38,7 +38,7 @@ from typing import Any
 from forge.launch.cluster import ONE_NODE, Nodes
 from forge.launch.endpoint import Here, meet_for_torchrun
 from forge.launch.errors import LaunchUsageError
-from forge.lifetime import signal_on_parent_death
+from forge.lifetime import scheduler_signal, signal_on_parent_death, stop_signals
 from forge.runs import RunError, go_on_note, now_iso
 from forge.train.topology import Topology
 
@@ -48,7 +48,10 @@ logger = logging.getLogger(__name__)
 EXIT_OK, EXIT_FAILURE, EXIT_USAGE = 0, 1, 2
 
 PARENT_ENV = "FORGE_PARENT_PID"  # the launcher a training process must not outlive
-LAUNCHER_DIED = signal.SIGUSR1  # what the agent receives when forge dies (torch leaves it be)
+# what the agent receives when forge dies: a signal no scheduler sends (SIGUSR1/2 are theirs)
+LAUNCHER_DIED = signal.SIGRTMIN + 2 if hasattr(signal, "SIGRTMIN") else signal.SIGUSR2
+# how long the agent waits for the ranks to save after a stop signal (torch's default: 30 s)
+SHUTDOWN_TIMEOUT_S = 600
 _WATCH_INTERVAL_S = 0.2
 
 
@@ -199,7 +202,7 @@ def launch_training(
     def forward(signum, _frame):
         child.send_signal(signum)
 
-    previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous = {s: signal.signal(s, forward) for s in stop_signals()}
     try:
         code = child.wait()
     finally:
@@ -465,6 +468,28 @@ def _launcher_died(signum: int, frame: Any) -> None:
     raise SignalException("the forge process that launched the job died", signal.SIGKILL)
 
 
+def _pass_stops_on_once() -> None:
+    """Have torch's agent pass a stop signal on to the ranks once: a scheduler signals every
+    process of a job and forge forwards its own copy too, and torch's handler would answer the
+    second copy by abandoning the ranks in the middle of their save. A Ctrl-C after the first
+    signal still stops at once (the ranks die with this process)."""
+    import torch.distributed.elastic.multiprocessing.api as processes
+
+    received: list[int] = []
+
+    def stop(signum: int, frame: Any) -> None:
+        if received and signum != signal.SIGINT:
+            return  # the same request again: the ranks are saving
+        received.append(signum)
+        raise processes.SignalException(
+            f"process {os.getpid()} got signal: {signum}", sigval=signal.Signals(signum)
+        )
+
+    processes._terminate_process_handler = stop  # what the agent installs for each signal
+    for signum in stop_signals():  # and from now on: while it waits for the other nodes too
+        signal.signal(signum, stop)
+
+
 def _announce_restarts() -> None:
     """Have torch's agent say which rank died, and how, when it restarts the workers
     (``--max-restarts``); the restarted workers read it (``RESTART_CAUSE_ENV``) for run.json.
@@ -546,7 +571,13 @@ def main(argv: list[str] | None = None) -> int:
         del os.environ["TORCH_CPP_LOG_LEVEL"]
     _quiet_torchelastic()
     _announce_restarts()
+    _pass_stops_on_once()
+    os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     args = parse_args(argv)
+    warning = scheduler_signal().name
+    handled = getattr(args, "signals_to_handle", None)  # torch >= 2.7 (older: its four)
+    if handled is not None and warning not in handled.split(","):  # passed on to every rank
+        args.signals_to_handle += f",{warning}"
     meeting = None
     try:
         signal.signal(LAUNCHER_DIED, _launcher_died)
@@ -555,6 +586,9 @@ def main(argv: list[str] | None = None) -> int:
         if "node" in options and args.rdzv_backend == "c10d":  # meet at the endpoint first
             meeting = meet_for_torchrun(options, args)
         run(args)
+    except KeyboardInterrupt:  # a second Ctrl-C inside torch's own clean-up
+        signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
+        return 128 + signal.SIGINT
     except LaunchUsageError as err:  # the nodes do not make one job (JobRefused among them)
         signal.signal(LAUNCHER_DIED, signal.SIG_IGN)
         _tell(f"error: {err}")

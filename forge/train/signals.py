@@ -1,4 +1,10 @@
-"""Turn SIGINT / SIGTERM into a request to stop at the next step boundary."""
+"""Turn SIGINT / SIGTERM / a scheduler's warning signal into a request to stop at the next
+step boundary, with a checkpoint.
+
+The scheduler's signal is the one a cluster sends ahead of its time limit (SLURM's
+``--signal=USR1@90``); SIGUSR1 unless ``FORGE_STOP_SIGNAL`` names another (``forge train
+--stop-signal``, which every process of the job inherits).
+"""
 
 from __future__ import annotations
 
@@ -8,9 +14,9 @@ import threading
 from types import FrameType, TracebackType
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from forge.lifetime import stop_signals
 
-STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+logger = logging.getLogger(__name__)
 
 
 class TrainingInterrupted(Exception):
@@ -34,11 +40,15 @@ class TrainingInterrupted(Exception):
 
 
 class StopSignals:
-    """Context manager: while active, SIGINT and SIGTERM only set ``received``.
+    """Context manager: while active, the stop signals (:func:`stop_signals`) only set
+    ``received``.
 
     Handlers are installed from the main thread only (elsewhere this does nothing) and the
-    previous ones are restored on exit. A second signal raises KeyboardInterrupt at once:
-    checkpoints are written atomically, so cutting a save short loses nothing committed.
+    previous ones are restored on exit. A Ctrl-C (SIGINT) after the first signal raises
+    KeyboardInterrupt at once: checkpoints are written atomically, so cutting a save short loses
+    nothing committed. A repeated SIGTERM or scheduler signal is the same request again (a
+    scheduler signals every process of a job, and each launcher passes the signal on as well):
+    it changes nothing, and a scheduler that will not wait sends SIGKILL.
     """
 
     def __init__(self, stop_at: str = "the next step") -> None:
@@ -48,6 +58,9 @@ class StopSignals:
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         name = signal.Signals(signum).name
+        if self.received and signum != signal.SIGINT:
+            logger.debug("received %s again: the stop already asked for", name)
+            return
         if self.received:
             logger.info("received %s again: stopping now, without a checkpoint", name)
             raise KeyboardInterrupt
@@ -58,7 +71,7 @@ class StopSignals:
     def __enter__(self) -> StopSignals:
         self.received = 0
         if threading.current_thread() is threading.main_thread():
-            for signum in STOP_SIGNALS:
+            for signum in stop_signals():
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 

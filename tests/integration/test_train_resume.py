@@ -88,7 +88,9 @@ def stop_and_resume(project: Path, sig: int, *extra: str) -> Path:
 @pytest.mark.parametrize(
     "sig",
     [
-        signal.SIGTERM,
+        # the default suite's SIGTERM is tests/reliability/test_preemption.py's (the process
+        # group, loader workers running)
+        pytest.param(signal.SIGTERM, marks=pytest.mark.slow),
         pytest.param(signal.SIGINT, marks=pytest.mark.slow),  # the same path as SIGTERM
         signal.SIGKILL,
     ],
