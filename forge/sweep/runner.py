@@ -21,7 +21,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forge.runs import RunBusyError, RunError, RunLock, RunRecord, claim_run, now_iso
+from forge.runs import (
+    RunBusyError,
+    RunError,
+    RunLock,
+    RunRecord,
+    claim_run,
+    now_iso,
+    run_is_live,
+)
 from forge.sweep.space import SweepUsageError
 from forge.sweep.study import ENDED, Sweep, load_study, tell
 
@@ -67,6 +75,7 @@ class Sweeper:
         self._mutex = threading.Lock()
         self._started_here = 0
         self.errors: list[BaseException] = []  # a worker thread's own failure, raised by run()
+        self.trained_here: list[dict[str, Any]] = []  # the records of the trials trained here
 
     # ------------------------------------------------------------------ picking a trial
 
@@ -118,9 +127,9 @@ class Sweeper:
 
     def _new_trial(self, number: int) -> Job:
         if self.study is not None:
-            from forge.sweep.study import distributions
+            from forge.sweep.study import ask
 
-            trial = self.study.ask(distributions(self.sweep.spec))
+            trial = ask(self.study, self.sweep.spec)
             record = self._record(trial.number, dict(trial.params), trial._trial_id)
         else:
             record = self._record(number, self.sweep.spec.trial_values(number), None)
@@ -143,6 +152,8 @@ class Sweeper:
                 return self._start(record)
             record["run_dir"] = str(found)
         run_dir = Path(record["run_dir"])
+        if run_is_live(run_dir):  # a live worker's: no wait for its lock under the sweep's
+            return None
         try:
             lock = claim_run(run_dir)
         except RunBusyError:
@@ -210,6 +221,7 @@ class Sweeper:
                 self._train(job, slot)
                 with self.sweep.locked():
                     self._settle(job)
+                self.trained_here.append(job.record)
             finally:
                 job.lock.release()
 
