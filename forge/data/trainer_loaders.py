@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from forge.data.collator import KeepItems
 from forge.data.columns import ModelInputs, keep_model_inputs
 from forge.data.loader import (
     ResumableDataLoader,
@@ -64,14 +65,17 @@ def build_train_loader(
     lengths: Sequence[int] | None = None,
     group_size: int | None = None,
     max_tokens: int | None = None,
+    keep_items: bool = False,
 ) -> ResumableDataLoader:
     """This data-parallel rank's resumable loader over ``dataset``; with ``inputs``, the
     columns the model does not take are dropped first. ``lengths`` (each item's, from
     ``item_lengths`` before the columns are dropped) groups the batches by length, with
     ``group_size`` items per group, or into batches of at most ``max_tokens`` padded tokens
-    (``build_dataloader``)."""
+    (``build_dataloader``). ``keep_items``: each batch keeps its items (``KeepItems``)."""
     if inputs is not None:
         dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
+    if keep_items:
+        collator = KeepItems(collator)
     return build_dataloader(
         dataset,
         batch_size=batch_size,

@@ -46,6 +46,7 @@ from forge.checkpoint import (
 )
 from forge.checkpoint.manager import BestRule, CheckpointManager
 from forge.data import trainer_loaders
+from forge.data.collator import ItemsBatch
 from forge.data.columns import ModelInputs
 from forge.data.length_grouping import LengthError, item_lengths
 from forge.train import dist
@@ -269,7 +270,7 @@ class TrainerSetup:
         batch = self.strategy.per_rank_batch_size("per_device_train_batch_size")
         option = "max_tokens_per_batch" if args.max_tokens_per_batch else "train_sampling_strategy"
         try:
-            return trainer_loaders.build_train_loader(
+            loader = trainer_loaders.build_train_loader(
                 self.train_dataset,
                 self.data_collator,
                 batch_size=batch,
@@ -283,9 +284,14 @@ class TrainerSetup:
                 lengths=self._train_lengths(),
                 group_size=batch * args.gradient_accumulation_steps * self.topology.dp_size,
                 max_tokens=args.max_tokens_per_batch,
+                keep_items=bool(args.auto_find_batch_size),  # its pieces are collated anew
             )
         except LengthError as exc:
             raise TrainingArgumentsError([f"{args.config_key}.{option}: {exc}"]) from None
+        if args.auto_find_batch_size:  # a piece of a batch is collated from its items
+            collate = loader.collate_fn.collate
+            self.micro_batches.collate = lambda items: self._to_device(collate(items))
+        return loader
 
     def _train_lengths(self) -> list[int] | None:
         """Each training item's length where batches are grouped by it (else None)."""
@@ -300,7 +306,8 @@ class TrainerSetup:
         return trainer_loaders.build_eval_loader(
             self.eval_dataset if dataset is None else dataset,
             self.data_collator,
-            batch_size=self.strategy.per_rank_batch_size("per_device_eval_batch_size"),
+            batch_size=self.eval_batch_size  # auto_find_batch_size's, after out of memory
+            or self.strategy.per_rank_batch_size("per_device_eval_batch_size"),
             rank=self.topology.dp_rank,
             world_size=self.topology.dp_size,
             workers=self._worker_settings(),
@@ -337,10 +344,11 @@ class TrainerSetup:
     def _to_device(self, batch: Batch) -> Batch:
         if not isinstance(batch, Mapping):
             raise TypeError(not_a_dict_batch(batch, self.model))
-        return {
+        moved = {
             k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
             for k, v in batch.items()
         }
+        return ItemsBatch(moved, batch.source_items) if isinstance(batch, ItemsBatch) else moved
 
     # ------------------------------------------------------------------ checkpoints
     def register(self, component: Component) -> None:
