@@ -2,7 +2,8 @@
 throughput, checkpoint speed (bench/checkpoint.py), the pipeline trainer's throughput and
 saves, peak memory and step time with and without activation checkpointing, and
 variable-length batches (padding, real tokens/s and resume of length-grouped batches,
-bench/variable_length.py). Each runs as a subprocess of this interpreter; the command exits
+bench/variable_length.py), and a sweep trial's fixed cost against HF's hyperparameter_search
+(bench/sweep_trials.py). Each runs as a subprocess of this interpreter; the command exits
 non-zero when any of them fails (the others still run).
 
     .venv/bin/python bench/run.py [--quick] [--only train_speed,startup]   (also: make bench)
@@ -32,6 +33,7 @@ SECTIONS: dict[str, tuple[str, list[str]]] = {
     "pipeline_speed": ("pipeline_speed.py", ["--quick"]),
     "activation_memory": ("activation_memory.py", ["--quick"]),
     "variable_length": ("variable_length.py", ["--quick"]),
+    "sweep_trials": ("sweep_trials.py", ["--trials", "3"]),
 }
 
 

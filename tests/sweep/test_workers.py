@@ -158,3 +158,20 @@ def test_two_workers_in_the_race_window_take_two_trial_numbers(tmp_path):
     assert sorted(numbers) == [0, 1]
     assert job.run_dir != paused.got.run_dir
     assert sorted(r["trial"] for r in first.records()) == [0, 1]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fork", ["1", "0"], ids=["forked", "fresh"])
+def test_a_trial_process_is_a_process_of_its_own_with_its_exit_status(tmp_path, monkeypatch, fork):
+    """Forked from the fork server or started fresh: its output in its log, its exit status as
+    a process's (a worker outside a project: exit 2, the message logged)."""
+    import os
+
+    from forge.sweep.trial_process import TrialProcess
+
+    monkeypatch.setenv("FORGE_SWEEP_FORK", fork)
+    log = tmp_path / "sweep.log"
+    argv = ["_worker", "-p", str(tmp_path), "--run-dir", str(tmp_path / "no_run")]
+    child = TrialProcess(argv, dict(os.environ), log)
+    assert child.wait() == 2
+    assert "is not a forge project: no meta.yaml" in log.read_text()
