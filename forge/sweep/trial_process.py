@@ -9,8 +9,9 @@ thread that the child lacks). The child is a process of its own, as ``forge trai
 session of its own (a signal reaches it once, forwarded by the sweep), its own CUDA devices and
 CPU threads from its environment (nothing in the server touched CUDA or started torch's thread
 pool), its output to the sweep's stderr or its run's ``sweep.log``, and its exit status as a
-process's. The server dies with the sweep (multiprocessing's own watch), and a trial with its
-server (``FORGE_PARENT_PID``), so a killed sweep leaves no trial behind.
+process's. A trial is killed when the sweep dies (it watches the sweep's pid, as a fresh trial's
+parent death signal would), and the server exits then too, so a killed sweep leaves no trial
+behind.
 
 Where there is no fork server (not POSIX), or ``FORGE_SWEEP_FORK=0``, each trial is a fresh
 ``python -m forge.cli _worker`` as before.
@@ -21,9 +22,12 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import select
+import signal
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +82,9 @@ class TrialProcess:
     def __init__(self, argv: list[str], env: dict[str, str], log: Path | None) -> None:
         if forking():
             self._process: Any = _context().Process(
-                target=_run_trial, args=(argv, env, str(log) if log else None), daemon=False
+                target=_run_trial,
+                args=(argv, env, str(log) if log else None, os.getpid()),
+                daemon=False,
             )
             self._process.start()
             self._popen = None
@@ -120,8 +126,48 @@ class TrialProcess:
         return self._process.exitcode
 
 
-def _run_trial(argv: list[str], env: dict[str, str], log: str | None) -> None:
+def _let_the_server_die_with_the_sweep() -> None:
+    """multiprocessing hands each child the sweep's end of the pipe whose closing stops the
+    server (so a child could start processes of its own through it); held here, it would keep
+    the server, and so the trial, alive after the sweep is killed. A trial starts none."""
+    from multiprocessing import forkserver
+
+    server = getattr(forkserver, "_forkserver", None)
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        os.close(alive)
+        server._forkserver_alive_fd = None
+
+
+def _die_with(sweep: int) -> None:
+    """SIGKILL this process when the process ``sweep`` ends, as a fresh trial's parent death
+    signal does (a forked trial's parent is the server, which outlives the sweep by its exit):
+    a thread waits on the sweep's pidfd (Linux), else polls it."""
+
+    def watch() -> None:
+        try:
+            handle = os.pidfd_open(sweep)
+        except ProcessLookupError:
+            handle = -1  # already gone
+        except (AttributeError, OSError):
+            handle = None
+        if handle is not None and handle >= 0:
+            select.select([handle], [], [])
+        while handle is None:
+            try:
+                os.kill(sweep, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.5)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, name="forge-sweep-watch", daemon=True).start()
+
+
+def _run_trial(argv: list[str], env: dict[str, str], log: str | None, sweep: int) -> None:
     """In the forked child: become the process a fresh ``forge _worker`` would be, and run."""
+    _die_with(sweep)
+    _let_the_server_die_with_the_sweep()
     os.setsid()  # a session of its own: a terminal's Ctrl-C reaches it once, forwarded
     os.environ.clear()
     os.environ.update(env)
