@@ -2,9 +2,10 @@
 throughput, checkpoint speed (bench/checkpoint.py), the pipeline trainer's throughput and
 saves, peak memory and step time with and without activation checkpointing, and
 variable-length batches (padding, real tokens/s and resume of length-grouped batches,
-bench/variable_length.py), and the model state and checkpoint bytes per rank under DDP, FSDP
-and HSDP (bench/sharding_memory.py). Each runs as a subprocess of this interpreter; the command exits
-non-zero when any of them fails (the others still run).
+bench/variable_length.py), the model state and checkpoint bytes per rank under DDP, FSDP
+and HSDP (bench/sharding_memory.py), streams (bench/streaming.py) and a sweep trial's fixed
+cost against HF's hyperparameter_search (bench/sweep_trials.py). Each runs as a subprocess of
+this interpreter; the command exits non-zero when any of them fails (the others still run).
 
     .venv/bin/python bench/run.py [--quick] [--only train_speed,startup]   (also: make bench)
 
@@ -35,6 +36,7 @@ SECTIONS: dict[str, tuple[str, list[str]]] = {
     "variable_length": ("variable_length.py", ["--quick"]),
     "sharding_memory": ("sharding_memory.py", ["--quick"]),
     "streaming": ("streaming.py", ["--quick"]),
+    "sweep_trials": ("sweep_trials.py", ["--trials", "3"]),
 }
 
 

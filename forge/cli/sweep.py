@@ -289,7 +289,32 @@ def run_sweep(args: argparse.Namespace, config: str | None) -> int:
             best["run_dir"],
         )
     print(sweep.directory, flush=True)
+    if code == 0:
+        refuse_all_failed(sweep.name, records, sweeper.trained_here)
     return code
+
+
+def refuse_all_failed(name: str, records: list[dict], trained_here: list[dict]) -> None:
+    """A RuntimeFailure (exit 1) when no trial of the sweep completed and some failed, or every
+    trial this process trained failed (a SLURM array task's one trial): a script that goes on
+    to ``forge export SWEEP/best`` stops here."""
+    from forge.cli.exits import RuntimeFailure
+
+    failed = [r for r in records if r["status"] == "failed"]
+    mine = [r for r in trained_here if r["status"] == "failed"]
+    if failed and not any(r["status"] == "completed" for r in records):
+        what = f"every trial of sweep {name} that ended failed ({len(failed)} of {len(records)})"
+        first = failed[0]
+    elif trained_here and len(mine) == len(trained_here):
+        what = f"the trial(s) this process trained failed ({len(mine)})"
+        first = mine[0]
+    else:
+        return
+    raise RuntimeFailure(
+        f"{what}; trial {first['trial']}: {first.get('error') or 'the run failed'} "
+        f"({first.get('run_dir')}). `forge sweep show {name}` lists every trial's error; "
+        "fix the config and start a sweep under another --name"
+    )
 
 
 def link_best(directory: Path, spec_or_data) -> dict[str, Any] | None:

@@ -122,3 +122,30 @@ def tuple_collator_hint(size: int, forward_names: Sequence[str]) -> str:
     while len(names) < size:
         names.append("labels" if "labels" not in names else f"part{len(names)}")
     return f"data_collator: !singleton:forge.data:TupleCollator {{names: [{', '.join(names)}]}}"
+
+
+class ItemsBatch(dict):
+    """A collated batch that keeps the items it was collated from (``KeepItems``): a part of
+    it can then be collated from its share of the items, as a smaller batch would be (its own
+    padding width), rather than cut out of the collated tensors."""
+
+    def __init__(self, batch: Mapping[str, Any] = (), items: Sequence[Any] = ()) -> None:
+        super().__init__(batch)
+        self.source_items = list(items)
+
+    def __reduce__(self) -> tuple:  # from a loader worker to the main process, items included
+        return (ItemsBatch, (dict(self), self.source_items))
+
+
+class KeepItems:
+    """``collate`` (torch's default collation when None), whose mapping batches keep their
+    items (``ItemsBatch``); ``auto_find_batch_size`` collates its smaller pieces from them."""
+
+    def __init__(self, collate: Callable[[list[Any]], Any] | None) -> None:
+        from torch.utils.data import default_collate
+
+        self.collate = collate if collate is not None else default_collate
+
+    def __call__(self, items: list[Any]) -> Any:
+        batch = self.collate(items)
+        return ItemsBatch(batch, items) if isinstance(batch, Mapping) else batch

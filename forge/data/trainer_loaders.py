@@ -14,6 +14,7 @@ from typing import Any
 
 from torch.utils.data import DataLoader, Dataset, Sampler
 
+from forge.data.collator import KeepItems
 from forge.data.columns import ModelInputs, keep_model_inputs
 from forge.data.loader import (
     ResumableDataLoader,
@@ -66,6 +67,7 @@ def build_train_loader(
     group_size: int | None = None,
     max_tokens: int | None = None,
     stream_shuffle_buffer: int = 1000,
+    keep_items: bool = False,
 ) -> ResumableDataLoader | StreamLoader:
     """This data-parallel rank's resumable loader over ``dataset``; with ``inputs``, the
     columns the model does not take are dropped first. ``lengths`` (each item's, from
@@ -73,7 +75,8 @@ def build_train_loader(
     ``group_size`` items per group, or into batches of at most ``max_tokens`` padded tokens
     (``build_dataloader``). A stream (``is_stream``: an iterable dataset) is read endlessly,
     sharded over ranks and workers, through a shuffle buffer of ``stream_shuffle_buffer`` items
-    (forge/data/streams.py)."""
+    (forge/data/streams.py). ``keep_items``: each map-style batch keeps its items
+    (``KeepItems``)."""
     if inputs is not None:
         dataset, collator = keep_model_inputs(dataset, collator, inputs, description)
     if is_stream(dataset):
@@ -96,6 +99,8 @@ def build_train_loader(
             shuffle_buffer=stream_shuffle_buffer,
             **settings,
         )
+    if keep_items:
+        collator = KeepItems(collator)
     return build_dataloader(
         dataset,
         batch_size=batch_size,

@@ -2,9 +2,10 @@
 
 A worker (one of ``--jobs`` threads, or a process of its own: a SLURM array task, a second
 ``forge sweep``) loops: under the sweep's lock pick the next trial (an interrupted one first,
-resumed from its run's newest checkpoint, else a new one), train it in a child process that
-dies with the sweep (``FORGE_PARENT_PID``, as ``forge train``'s), read its objective from the
-run's ``metrics.jsonl`` and record the trial. Nothing here imports torch.
+resumed from its run's newest checkpoint, else a new one), train it in a process of its own
+that dies with the sweep (forked from a parent that imported torch once:
+forge.sweep.trial_process), read its objective from the run's ``metrics.jsonl`` and record the
+trial. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -14,20 +15,27 @@ import logging
 import os
 import signal
 import subprocess
-import sys
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from forge.runs import RunBusyError, RunError, RunLock, RunRecord, claim_run, now_iso
+from forge.runs import (
+    RunBusyError,
+    RunError,
+    RunLock,
+    RunRecord,
+    claim_run,
+    now_iso,
+    run_is_live,
+)
 from forge.sweep.space import SweepUsageError
 from forge.sweep.study import ENDED, Sweep, load_study, tell
+from forge.sweep.trial_process import TrialProcess
 
 logger = logging.getLogger(__name__)
 
-PARENT_ENV = "FORGE_PARENT_PID"  # forge.launch.torchrun's: the worker dies with this process
 MakeRun = Callable[[dict[str, Any], dict[str, Any]], Path]
 
 
@@ -63,10 +71,11 @@ class Sweeper:
         self.study = load_study(sweep) if sweep.spec.uses_optuna else None
         self.stopping: int | None = None  # the signal that stops the sweep
         self.missing_metric: str | None = None
-        self._children: set[subprocess.Popen] = set()
+        self._children: set[TrialProcess] = set()
         self._mutex = threading.Lock()
         self._started_here = 0
         self.errors: list[BaseException] = []  # a worker thread's own failure, raised by run()
+        self.trained_here: list[dict[str, Any]] = []  # the records of the trials trained here
 
     # ------------------------------------------------------------------ picking a trial
 
@@ -118,9 +127,9 @@ class Sweeper:
 
     def _new_trial(self, number: int) -> Job:
         if self.study is not None:
-            from forge.sweep.study import distributions
+            from forge.sweep.study import ask
 
-            trial = self.study.ask(distributions(self.sweep.spec))
+            trial = ask(self.study, self.sweep.spec)
             record = self._record(trial.number, dict(trial.params), trial._trial_id)
         else:
             record = self._record(number, self.sweep.spec.trial_values(number), None)
@@ -143,6 +152,8 @@ class Sweeper:
                 return self._start(record)
             record["run_dir"] = str(found)
         run_dir = Path(record["run_dir"])
+        if run_is_live(run_dir):  # a live worker's: no wait for its lock under the sweep's
+            return None
         try:
             lock = claim_run(run_dir)
         except RunBusyError:
@@ -210,48 +221,38 @@ class Sweeper:
                 self._train(job, slot)
                 with self.sweep.locked():
                     self._settle(job)
+                self.trained_here.append(job.record)
             finally:
                 job.lock.release()
 
     def _train(self, job: Job, slot: int) -> None:
-        command = [sys.executable, "-m", "forge.cli", "_worker", "-p", str(self.project_root)]
-        command += ["--run-dir", str(job.run_dir)]
+        argv = ["_worker", "-p", str(self.project_root), "--run-dir", str(job.run_dir)]
         if job.resume:
             checkpoint = _resume_from(job.run_dir)
             if checkpoint is not None:
-                command += ["--resume-from", str(checkpoint)]
+                argv += ["--resume-from", str(checkpoint)]
         for module in self.allow:
-            command += ["--allow", module]
+            argv += ["--allow", module]
         record = job.record
         values = " ".join(f"{k}={_short(v)}" for k, v in record["params"].items())
         logger.info("trial %d: %s -> %s", record["trial"], values, job.run_dir)
         env = dict(os.environ, **device_env(slot, self.jobs))
-        env[PARENT_ENV] = str(os.getpid())
-        log = None
-        if self.jobs > 1:  # several trials at once: each one's log in its run, not interleaved
-            log = open(job.run_dir / "sweep.log", "a")
+        # several trials at once: each one's log in its run, not interleaved
+        log = job.run_dir / "sweep.log" if self.jobs > 1 else None
         with self._mutex:
             if self.stopping:
-                if log:
-                    log.close()
                 return
-            # a session of its own: Ctrl-C in a terminal reaches the trial once, forwarded by
-            # _on_signal (a second signal would stop it before its checkpoint is saved)
-            child = subprocess.Popen(
-                command,
-                env=env,
-                stdout=log or sys.stderr,
-                stderr=log or sys.stderr,
-                start_new_session=True,
-            )
+            # a process of its own, forked from a parent that imported torch once
+            # (forge.sweep.trial_process), in a session of its own: Ctrl-C in a terminal
+            # reaches the trial once, forwarded by _on_signal (a second signal would stop it
+            # before its checkpoint is saved)
+            child = TrialProcess(argv, env, log)
             self._children.add(child)
         try:
             child.wait()
         finally:
             with self._mutex:
                 self._children.discard(child)
-            if log:
-                log.close()
 
     def _settle(self, job: Job) -> None:
         """Record how the trial's run ended: its objective, pruned, or its error."""

@@ -15,6 +15,7 @@ workers never share a trial number or a run directory. Optuna is imported only f
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import re
 from collections.abc import Iterator
@@ -249,13 +250,33 @@ def parse_named(text: str, table: dict[str, str], what: str) -> tuple[str, dict[
     return name, kwargs
 
 
-def make_sampler(spec: SweepSpec):
+def make_sampler(spec: SweepSpec, number: int | None = None):
+    """The study's sampler; for trial ``number``, seeded from the sweep's seed and that number
+    (QMC's sequence keeps the sweep's seed: it indexes the sequence by trial itself)."""
     optuna = require_optuna(spec.method)
     name, kwargs = parse_named(spec.method, SAMPLERS, "--method")
     cls = getattr(optuna.samplers, SAMPLERS[name])
-    if name != "gp" or "seed" not in kwargs:
-        kwargs.setdefault("seed", spec.seed)
+    seed = kwargs.get("seed", spec.seed)
+    if number is not None and name != "qmc" and seed is not None:
+        seed = trial_seed(int(seed), number)
+    kwargs["seed"] = seed
     return cls(**kwargs)
+
+
+def trial_seed(seed: int, number: int) -> int:
+    """A 32-bit seed of the sweep's ``seed`` and a trial's number."""
+    digest = hashlib.blake2b(f"{seed}:{number}".encode(), digest_size=4).digest()
+    return int.from_bytes(digest, "little")
+
+
+def ask(study, spec: SweepSpec):
+    """A new trial of ``study``, drawn from the study as it stands in its storage: call under
+    the sweep's lock. Its sampler is seeded by the new trial's number, so every worker (a
+    thread, another ``forge sweep``, a SLURM array task) draws its own point, and a study run
+    again from the same seed draws the same points in the same order of results."""
+    number = len(study.get_trials(deepcopy=False))
+    study.sampler = make_sampler(spec, number)
+    return study.ask(distributions(spec))
 
 
 def make_pruner(text: str):

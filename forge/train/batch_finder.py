@@ -4,8 +4,11 @@ kept the same.
 HF's Trainer restarts its loop with half the batch after an out-of-memory error, which changes
 the global batch and so the run. forge keeps what a step is: the loader still yields
 ``per_device_train_batch_size`` rows per micro-batch, and after an out-of-memory error each of
-those batches is cut into pieces of at most half as many rows, run one after the other with
-their gradients accumulated. The step's samples, their order, the loss normalisation over the
+those batches is split into pieces of at most half as many rows, run one after the other with
+their gradients accumulated. A piece is collated from its share of the batch's items (the loader
+keeps them: ``forge.data.collator.KeepItems``), as a batch of its size is, so padded text gets the
+piece's own width and dropout the smaller batch's masks; a batch whose rows are not its items
+one for one (packing) has its tensors cut instead. The step's samples, their order, the loss normalisation over the
 window (each piece's per-batch mean loss counts by its share of the rows; a loss normalised by
 ``num_items_in_batch`` is already the window's) and so the gradient are those of the step as
 configured: the loss curve and the checkpoints do not depend on which size fitted. The data
@@ -31,6 +34,7 @@ from typing import Any
 
 import torch
 
+from forge.data.collator import ItemsBatch
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.callbacks import TrainerState
 from forge.train.loop_state import Batch
@@ -121,6 +125,9 @@ class MicroBatchSize:
         self.accumulation = int(args.gradient_accumulation_steps)
         self.state = state
         self._is_main = topology.is_main
+        #: items -> a batch on the device, as the loader collates (set with the train loader):
+        #: a piece of a loaded batch is collated from its share of the batch's items
+        self.collate: Callable[[list[Any]], Batch] | None = None
 
     @property
     def size(self) -> int:
@@ -178,7 +185,7 @@ class MicroBatchSize:
             # gone before the memory is handed back
             del pieces, divisors
             undo()
-            _free_cached_memory()
+            free_cached_memory()
             self._shrink(failed)
             _restore_generators(generators)
 
@@ -188,11 +195,22 @@ class MicroBatchSize:
         pieces, divisors = [], {}
         for batch in window:
             rows = batch_size_of(batch)
-            for piece in split_batch(batch, self.size):
+            for piece in self._split(batch, rows):
                 pieces.append(piece)
                 share = batch_size_of(piece) / rows if piece is not batch else 1
                 divisors[id(piece)] = len(window) / share
         return pieces, divisors
+
+    def _split(self, batch: Batch, rows: int) -> list[Batch]:
+        """``batch`` in pieces of ``size`` rows: each collated from its items as a batch of
+        that size is (its own padding width, so dropout draws what the smaller batch's run
+        draws), or, for a batch that keeps no items one for one with its rows (a packing
+        collator, a loader other than forge's), its tensors cut."""
+        kept = isinstance(batch, ItemsBatch) and len(batch.source_items) == rows
+        if rows <= self.size or self.collate is None or not kept:
+            return split_batch(batch, self.size)
+        items, size = batch.source_items, self.size
+        return [self.collate(items[start : start + size]) for start in range(0, rows, size)]
 
     def _shrink(self, failed: str) -> None:
         size = self.size
@@ -242,7 +260,7 @@ def _restore_generators(states: tuple[torch.Tensor, list[torch.Tensor] | None]) 
         torch.cuda.set_rng_state_all(cuda)
 
 
-def _free_cached_memory() -> None:
+def free_cached_memory() -> None:
     """Hand the failed try's blocks back to the device (CUDA's caching allocator keeps them)."""
     if torch.cuda.is_initialized():
         torch.cuda.empty_cache()

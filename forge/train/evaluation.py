@@ -36,6 +36,7 @@ from torch.utils.data import Dataset
 
 from forge.train import generation
 from forge.train.args import TrainingArgumentsError
+from forge.train.batch_finder import free_cached_memory, is_out_of_memory
 from forge.train.loop_state import Batch
 from forge.train.loss import batch_size_of, is_causal_lm, returned_loss
 from forge.train.optim import set_seed
@@ -64,6 +65,8 @@ class Evaluation:
         self._eval_loaders: dict[int, tuple[Any, Any]] = {}  # id -> (dataset, its loader)
         self._warned_outputs = False
         self._output_means: OutputMeans | None = None  # during an evaluation's batches
+        #: auto_find_batch_size's evaluation batch, once one ran out of memory (None: as set)
+        self.eval_batch_size: int | None = None
         # generation (predict_with_generate): generate's keywords, the generation config
         self._gen_kwargs = generation.generation_kwargs(self.args, {})
         self.generation_config = generation.load_generation_config(self.args)
@@ -182,6 +185,54 @@ class Evaluation:
         """Run the model over this rank's share of ``dataset`` and gather what every rank saw:
         a ``transformers.trainer_utils.EvalLoopOutput`` (predictions, label ids, metrics,
         number of samples), as HF's ``Trainer.evaluation_loop``."""
+        kwargs = dict(
+            description=description,
+            prediction_loss_only=prediction_loss_only,
+            ignore_keys=ignore_keys,
+            metric_key_prefix=metric_key_prefix,
+        )
+        was_training = self.model.training
+        while True:
+            try:
+                return self._evaluation_pass(dataset, **kwargs)
+            except Exception as error:
+                if not (self.args.auto_find_batch_size and is_out_of_memory(error)):
+                    raise
+                self.model.train(was_training)
+                failed = str(error).strip().splitlines()[0] if str(error).strip() else "no message"
+            # out of the except block: the failed pass's frames and tensors are gone
+            self._shrink_eval_batch(dataset, failed)
+
+    def _shrink_eval_batch(self, dataset: Dataset, failed: str) -> None:
+        """``auto_find_batch_size``: half the evaluation batch, its loader built anew."""
+        size = self.eval_batch_size or self.strategy.per_rank_batch_size(
+            "per_device_eval_batch_size"
+        )
+        if size == 1:
+            raise torch.OutOfMemoryError(
+                f"evaluation out of memory with batches of 1 item ({failed}); "
+                "auto_find_batch_size cannot go lower"
+            )
+        self.eval_batch_size = (size + 1) // 2
+        self._eval_loaders.pop(id(dataset), None)
+        free_cached_memory()
+        self._warn(
+            "auto_find_batch_size: evaluation out of memory with batches of %d items (%s); "
+            "evaluating again with %d (the metrics do not depend on it)",
+            size,
+            failed,
+            self.eval_batch_size,
+        )
+
+    def _evaluation_pass(
+        self,
+        dataset: Dataset,
+        description: str,
+        prediction_loss_only: bool | None,
+        ignore_keys: list[str] | None,
+        metric_key_prefix: str,
+    ) -> Any:
+        """One pass of ``evaluation_loop`` at the evaluation batch size of now."""
         from transformers.trainer_utils import EvalLoopOutput, EvalPrediction
 
         args, model = self.args, self.model

@@ -452,7 +452,10 @@ class BaseTrainer(TrainerSetup, Evaluation):
         mark = self._tally.outputs_mark()
 
         def undo() -> None:
-            self.optimizer.zero_grad(set_to_none=True)
+            if self.optimizer is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+            else:  # the sanity pass's step has no optimizer
+                self.model.zero_grad(set_to_none=True)
             self._tally.rewind_outputs(mark)
 
         return undo

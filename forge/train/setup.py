@@ -46,6 +46,7 @@ from forge.checkpoint import (
 )
 from forge.checkpoint.manager import BestRule, CheckpointManager
 from forge.data import trainer_loaders
+from forge.data.collator import ItemsBatch
 from forge.data.columns import ModelInputs
 from forge.data.length_grouping import LengthError, item_lengths
 from forge.data.streams import is_stream
@@ -303,7 +304,7 @@ class TrainerSetup:
         if is_stream(self.train_dataset):
             self._check_stream_arguments()
         try:
-            return trainer_loaders.build_train_loader(
+            loader = trainer_loaders.build_train_loader(
                 self.train_dataset,
                 self.data_collator,
                 batch_size=batch,
@@ -318,9 +319,16 @@ class TrainerSetup:
                 group_size=batch * args.gradient_accumulation_steps * self.topology.dp_size,
                 max_tokens=args.max_tokens_per_batch,
                 stream_shuffle_buffer=args.stream_shuffle_buffer,
+                # auto_find_batch_size: its pieces are collated anew from a batch's items
+                keep_items=bool(args.auto_find_batch_size),
             )
         except LengthError as exc:
             raise TrainingArgumentsError([f"{args.config_key}.{option}: {exc}"]) from None
+        if args.auto_find_batch_size and not getattr(loader, "is_stream", False):
+            # a piece of a batch is collated from its items (a stream's batches are cut)
+            collate = loader.collate_fn.collate
+            self.micro_batches.collate = lambda items: self._to_device(collate(items))
+        return loader
 
     def _check_stream_arguments(self) -> None:
         """A training stream has no length: ``max_steps`` says when training ends (as in HF's
@@ -360,7 +368,8 @@ class TrainerSetup:
         return trainer_loaders.build_eval_loader(
             self.eval_dataset if dataset is None else dataset,
             self.data_collator,
-            batch_size=batch,
+            # auto_find_batch_size's, after out of memory; the limit counts configured batches
+            batch_size=self.eval_batch_size or batch,
             max_items=None if limit is None else limit * batch * self.topology.dp_size,
             rank=self.topology.dp_rank,
             world_size=self.topology.dp_size,
@@ -398,10 +407,11 @@ class TrainerSetup:
     def _to_device(self, batch: Batch) -> Batch:
         if not isinstance(batch, Mapping):
             raise TypeError(not_a_dict_batch(batch, self.model))
-        return {
+        moved = {
             k: v.to(self.device, non_blocking=True) if isinstance(v, torch.Tensor) else v
             for k, v in batch.items()
         }
+        return ItemsBatch(moved, batch.source_items) if isinstance(batch, ItemsBatch) else moved
 
     # ------------------------------------------------------------------ checkpoints
     def register(self, component: Component) -> None:

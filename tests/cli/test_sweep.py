@@ -284,3 +284,30 @@ def test_one_trial_is_a_worker_that_takes_the_next_trial(project, tmp_path):
         assert worker.returncode == 0, worker.stderr
         assert [r["trial"] for r in trials(target)] == expected
     assert {r["status"] for r in trials(target)} == {"completed"}
+
+
+def test_a_sweep_whose_trials_all_failed_fails():
+    """No trial completed: exit 1 naming a trial's error (a script's `forge export best` after
+    it would find nothing); one trial failed of several that completed: the sweep succeeds;
+    a worker whose own trials all failed (a SLURM array task) fails."""
+    from forge.cli.exits import RuntimeFailure
+    from forge.cli.sweep import refuse_all_failed
+
+    failed = {"trial": 0, "status": "failed", "error": "dropout 2.0", "run_dir": "run_001"}
+    completed = {"trial": 1, "status": "completed", "value": 0.5, "run_dir": "run_002"}
+    with pytest.raises(RuntimeFailure, match="every trial of sweep s .* failed .*dropout 2.0"):
+        refuse_all_failed("s", [failed], [failed])
+    refuse_all_failed("s", [failed, completed], [failed, completed])
+    refuse_all_failed("s", [failed, completed], [completed])
+    with pytest.raises(RuntimeFailure, match="this process trained failed"):
+        refuse_all_failed("s", [failed, completed], [failed])
+
+
+@pytest.mark.slow
+def test_a_sweep_of_failed_trials_exits_1(project, tmp_path):
+    target = fresh(project, tmp_path)
+    swept = run_forge("sweep", "train", "-p", str(target), "-D", "dropout=2.0,3.0", *SHORT)
+    assert swept.returncode == 1, swept.stderr
+    assert "every trial of sweep" in swept.stderr and "dropout" in swept.stderr
+    assert "Traceback" not in swept.stderr
+    assert [r["status"] for r in trials(target)] == ["failed", "failed"]

@@ -155,3 +155,27 @@ def test_items_without_lengths_or_over_the_budget_are_refused():
         item_lengths([{"text": "no ids"}], "length")
     with pytest.raises(LengthError, match="max_tokens_per_batch=10 is below the length of item 1"):
         TokenBudgetBatchSampler(Sequences([3, 12]), [3, 12], max_tokens=10)
+
+
+@pytest.mark.parametrize(
+    ("saved", "other", "differs"),
+    [
+        ({"batch_size": 4}, {"batch_size": 8}, "group_by_length:4x4"),
+        ({"batch_size": 4}, {"batch_size": 4, "group_size": 16}, "group_by_length:4x4"),
+        ({"max_tokens": 200}, {"max_tokens": 300}, "max_tokens_per_batch=200"),
+    ],
+    ids=["batch", "group", "budget"],
+)
+def test_a_state_names_its_grouping_and_another_grouping_is_refused(saved, other, differs):
+    """Another batch size, group size or token budget forms other batches of the epoch: the
+    saved position would point into them, so the resume is refused, naming the saved kind."""
+    lengths = lengths_of(100)
+    first = loader(lengths, lengths=lengths, **saved)
+    batches = iter(first)
+    next(batches)
+    state = first.state_dict()
+    with pytest.raises(ValueError, match=f"order='{differs}'"):
+        loader(lengths, lengths=lengths, **other).load_state_dict(state)
+    again = loader(lengths, lengths=lengths, **saved)
+    again.load_state_dict(state)  # the same grouping resumes
+    assert list(again) == list(batches)

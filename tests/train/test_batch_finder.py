@@ -219,3 +219,103 @@ def test_run_json_records_the_size_at_each_checkpoint(auto_run, tmp_path):
     saved = RunRecord.load(tmp_path).data
     assert saved["train_batch_size"]["per_device"] == 2
     assert saved["train_batch_size"]["gradient_accumulation_steps"] == 4
+
+
+# --------------------------------------------------------------------------- padded text
+
+
+class Texts(Dataset):
+    """48 token sequences of 3 to 16 tokens: a batch is padded to its longest item."""
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        lengths = torch.randint(3, 17, (48,), generator=generator)
+        self.items = [torch.randint(3, 128, (int(n),), generator=generator) for n in lengths]
+
+    def __len__(self) -> int:
+        return len(self.items)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.items[index]}
+
+
+def fitting_llama(fits: int):
+    """A tiny Llama with attention dropout whose forward runs out of memory above ``fits``
+    rows, after drawing its dropout masks."""
+    from transformers import LlamaForCausalLM
+
+    from tests.train.common import tiny_llama_config
+
+    class Fitting(LlamaForCausalLM):
+        def forward(self, input_ids=None, **kwargs):
+            out = super().forward(input_ids=input_ids, **kwargs)
+            if input_ids.shape[0] > fits:
+                raise torch.OutOfMemoryError(f"CUDA out of memory ({input_ids.shape[0]} rows)")
+            return out
+
+    torch.manual_seed(0)
+    return Fitting(tiny_llama_config())
+
+
+def train_text(tmp_path, *, batch, accumulation, auto, workers=0):
+    from forge.data import CausalLMCollator
+
+    args = make_args(
+        tmp_path,
+        max_steps=8,
+        per_device_train_batch_size=batch,
+        gradient_accumulation_steps=accumulation,
+        auto_find_batch_size=auto,
+        logging_steps=1,
+        dataloader_num_workers=workers,
+    )
+    losses = Losses()
+    trainer = Trainer(
+        fitting_llama(4),
+        args,
+        Texts(),
+        data_collator=CausalLMCollator(pad_token_id=0),
+        callbacks=[losses],
+    )
+    trainer.train()
+    return trainer, losses.losses
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_on_padded_text_with_dropout_the_pieces_are_the_smaller_batches_bitwise(tmp_path, workers):
+    """8 x 1 found to fit 4 rows trains as 4 x 2 configured: each piece is collated from its
+    items (its own padding width, so its dropout masks are those of the smaller batch)."""
+    found, losses = train_text(
+        tmp_path / "auto", batch=8, accumulation=1, auto=True, workers=workers
+    )
+    assert found.state.train_batch_size == 4
+    reference, expected = train_text(tmp_path / "ref", batch=4, accumulation=2, auto=False)
+    assert len(losses) == 8 and losses == expected
+    for name, tensor in reference.model.state_dict().items():
+        assert torch.equal(found.model.state_dict()[name], tensor), name
+
+
+def test_evaluation_batches_shrink_too(tmp_path):
+    """An evaluation that runs out of memory is run again with half the batch: the metrics are
+    those of an evaluation configured with the batch that fits."""
+    args = make_args(tmp_path, per_device_eval_batch_size=8, auto_find_batch_size=True)
+    model = Fits(fits=2)
+    found = Trainer(model, args, Points(), eval_dataset=Points(16, seed=1)).evaluate()
+    assert model.out_of_memory == 2 and model.largest == 2
+    args = make_args(tmp_path, per_device_eval_batch_size=2)
+    expected = Trainer(Fits(fits=2), args, Points(), eval_dataset=Points(16, seed=1)).evaluate()
+    assert found["eval_loss"] == pytest.approx(expected["eval_loss"], rel=1e-6)
+
+
+def test_the_sanity_pass_runs_out_of_memory_and_shrinks_without_a_crash(tmp_path):
+    from forge.train.sanity import run_sanity_pass
+
+    args = make_args(
+        tmp_path, per_device_train_batch_size=8, auto_find_batch_size=True, eval_strategy="steps"
+    )
+    model = Fits(fits=2)
+    trainer = Trainer(model, args, Points(), eval_dataset=Points(16, seed=1))
+    state = torch.get_rng_state()
+    run_sanity_pass(trainer, 2)
+    assert model.out_of_memory == 4 and model.largest == 2  # training's 8, 4; evaluation's 8, 4
+    assert torch.equal(torch.get_rng_state(), state)

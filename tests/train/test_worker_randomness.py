@@ -128,3 +128,36 @@ def test_loader_workers_die_with_the_process_that_started_them():
     kernel kills each worker when its parent dies (torch's own watchdog takes seconds)."""
     loader = build_dataloader(ParentDeathSignal(), batch_size=4, shuffle=False, num_workers=2)
     assert {int(v) for batch in loader for v in batch} == {signal.SIGKILL}
+
+
+def test_the_same_items_draw_anew_in_another_epoch_and_on_another_rank():
+    """The seed of a batch fetched in a worker holds the epoch and the rank: the very same
+    items (no shuffle) draw other noise in epoch 1 than in epoch 0, and on rank 1 than on
+    rank 0; the same epoch and rank draw the same again."""
+    from torch.utils.data import DataLoader
+
+    from forge.data.loader import WorkerSeededBatches
+    from forge.data.sampler import EpochIndex
+
+    def noise(epoch: int, rank: int) -> torch.Tensor:
+        batches = [[EpochIndex(i, epoch) for i in range(8)]]
+        dataset = WorkerSeededBatches(NoisyPoints(), seed=3, rank=rank)
+        loader = DataLoader(dataset, batch_sampler=batches, collate_fn=Diffusion(), num_workers=1)
+        (batch,) = list(loader)
+        return batch["noise"]
+
+    first = noise(0, 0)
+    assert torch.equal(first, noise(0, 0))
+    assert not torch.equal(first, noise(1, 0))
+    assert not torch.equal(first, noise(0, 1))
+
+    def loader_noise(epoch: int) -> list[torch.Tensor]:
+        loader = build_dataloader(
+            NoisyPoints(), batch_size=8, collate_fn=Diffusion(), seed=3, shuffle=False,
+            num_workers=1,
+        )  # fmt: skip
+        loader.set_epoch(epoch)
+        return [batch["noise"] for batch in loader]
+
+    zero, one = loader_noise(0), loader_noise(1)
+    assert not any(torch.equal(a, b) for a, b in zip(zero, one, strict=True))
