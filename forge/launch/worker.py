@@ -20,7 +20,14 @@ from typing import TYPE_CHECKING, Any
 from forge.config import ConfigError, Problem, Project, parse_config
 from forge.error_kinds import is_usage_error
 from forge.launch.multinode import peer_loss
-from forge.runs import PROJECT_RUNS, RunRecord, hold_training_lock, now_iso, resume_command
+from forge.runs import (
+    EXIT_DIVERGED,
+    PROJECT_RUNS,
+    RunRecord,
+    hold_training_lock,
+    now_iso,
+    resume_command,
+)
 from forge.train.topology import Topology
 
 if TYPE_CHECKING:
@@ -110,7 +117,7 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
 
 
 #: the statuses of a run no job is training: what a resume that fails to start leaves in place
-ENDED = ("completed", "failed", "interrupted", "killed", "pruned")
+ENDED = ("completed", "failed", "interrupted", "killed", "pruned", "diverged")
 
 
 def restart_count() -> int:
@@ -177,6 +184,24 @@ def pruned_message(record: RunRecord, pruned: dict[str, Any]) -> str:
     )
 
 
+def divergence(trainer: Any) -> dict[str, Any] | None:
+    """What a divergence detector (forge.train.divergence) stopped the run for, or None."""
+    handler = getattr(trainer, "callback_handler", None)
+    for callback in getattr(handler, "callbacks", ()):
+        found = getattr(callback, "diverged", None)
+        if isinstance(found, dict):
+            return found
+    return None
+
+
+def diverged_message(found: dict[str, Any], checkpoint: str | None) -> str:
+    checkpoint = checkpoint or "no checkpoint (save_final_checkpoint is off)"
+    return (
+        f"diverged at step {found['step']} ({found['detector']}): {found['message']}; "
+        f"stopped with {checkpoint}"
+    )
+
+
 def run_worker(
     run_dir: Path,
     project: Project,
@@ -219,9 +244,14 @@ def run_worker(
             trainer.add_callback(callback)
             record.set_status("running", world_size=world_size, started=now_iso())
         trainer.train(resume_from_checkpoint=resume_from)
+        diverged = divergence(trainer)
         if rank == 0:
             record = RunRecord.load(run_dir)
-            if pruning is not None and pruning.pruned is not None:
+            if diverged is not None:
+                step = trainer.state.global_step
+                record.set_status("diverged", finished=now_iso(), step=step, diverged=diverged)
+                logger.error("%s", diverged_message(diverged, trainer.state.last_checkpoint))
+            elif pruning is not None and pruning.pruned is not None:
                 record.set_status("pruned", finished=now_iso(), pruned=pruning.pruned)
                 logger.info("%s", pruned_message(record, pruning.pruned))
             else:
@@ -264,4 +294,4 @@ def run_worker(
     finally:
         if lock is not None:
             lock.release()
-    return 0
+    return EXIT_DIVERGED if diverged is not None else 0
