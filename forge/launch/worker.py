@@ -109,6 +109,9 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
                     "checkpoint": os.path.relpath(state.best_checkpoint, record.run_dir),
                     "metric": args.metric_for_best_model,
                     "value": state.best_metric,
+                    # how forge checkpoints ranks the kept ones (save_top_k)
+                    "greater_is_better": bool(args.greater_is_better),
+                    "top_k": args.save_top_k,
                 }
             record.data.update(found_batch_record(args, state))  # auto_find_batch_size's
             record.add_checkpoint(Path(checkpoint_path), state.global_step, metrics or {}, best)

@@ -125,6 +125,7 @@ class RunChecks(ValueChecks):
         if self.save_strategy == "steps":
             self._interval("save_steps", p, 'set it or use save_strategy: "no"')
         self._optional_int("save_total_limit", p, minimum=1, fix="use null to keep all")
+        self._int("save_top_k", p, 1, fix="1 keeps the best checkpoint only")
         for name in (
             "save_final_checkpoint",
             "save_only_model",
@@ -175,6 +176,12 @@ class RunChecks(ValueChecks):
             self.metric_for_best_model = metric
             if self.greater_is_better is None:
                 self.greater_is_better = not metric.endswith("loss")
+        top_k = self.save_top_k
+        if isinstance(top_k, int) and top_k > 1 and metric is None:
+            p.append(
+                f"{self._key('save_top_k')} is {top_k}, but no metric ranks the checkpoints: "
+                "set metric_for_best_model (e.g. eval_loss) and an eval_strategy"
+            )
         if needs_metric and self.eval_strategy == "no":
             p.append(
                 f'{self._key("eval_strategy")} must not be "no" when {" and ".join(needs_metric)} '

@@ -133,6 +133,9 @@ class TrainingArguments(StepChecks, RunChecks):
     save_steps: float = 500
     save_on_each_node: bool = False
     save_total_limit: int | None = None
+    #: forge's (Lightning's name): the best checkpoints by metric_for_best_model that rotation
+    #: never deletes, beside the newest
+    save_top_k: int = 1
     enable_jit_checkpoint: bool = False
     push_to_hub: bool = False
     hub_token: str | None = None
