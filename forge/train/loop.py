@@ -370,8 +370,8 @@ class BaseTrainer(TrainerSetup, Evaluation):
             )
             save = control.should_save or every.due("save", step)
             control.reset_step_flags()
-        if save and step >= self.max_steps:
-            evaluate = True  # the final evaluation belongs to the final checkpoint
+        if save and (step >= self.max_steps or args.eval_on_save):
+            evaluate = True  # the final checkpoint's metrics (every one's with eval_on_save)
         evaluate = evaluate and self._evaluation_enabled()
         if log:
             self.log_step()

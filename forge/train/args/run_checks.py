@@ -99,11 +99,17 @@ class RunChecks(ValueChecks):
         for name in (
             "prediction_loss_only",
             "eval_on_start",
+            "eval_on_save",
             "eval_do_concat_batches",
             "eval_use_gather_object",
             "batch_eval_metrics",
         ):
             self._bool(name, p)
+        if self.eval_on_save is True and self.eval_strategy == "no":
+            p.append(
+                f'{self._key("eval_on_save")} evaluates at every save, but eval_strategy is "no" '
+                '(no evaluation at all); set eval_strategy: "steps" or "epoch", or unset it'
+            )
         self._optional_int("eval_accumulation_steps", p, minimum=1, fix="use null to keep all")
         self._optional_int("max_eval_batches", p, minimum=1, fix="use null for the whole set")
         self._bool("sanity_check", p)

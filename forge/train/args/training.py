@@ -122,6 +122,8 @@ class TrainingArguments(StepChecks, RunChecks):
     eval_delay: float = 0
     prediction_loss_only: bool = False
     eval_on_start: bool = False
+    #: forge's: evaluate before every checkpoint, so each records its metrics in its manifest
+    eval_on_save: bool = False
     eval_do_concat_batches: bool = True
     eval_use_gather_object: bool = False
     eval_accumulation_steps: int | None = None
