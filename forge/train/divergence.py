@@ -301,6 +301,26 @@ class DivergenceDetector(TrainerCallback):
         self.last_step = 0
         self.diverged: dict[str, Any] | None = None
 
+    def check_arguments(self, args: Any, evaluates: bool) -> list[str]:
+        """What cannot work with these arguments, found before training: a detector of an
+        evaluation metric in a run that never evaluates, of a training metric in a run that
+        never logs."""
+        problems = []
+        for detector in self.detectors:
+            metric = detector.metric
+            if metric.startswith("eval_") and not evaluates:
+                problems.append(
+                    f"{detector.name} watches {metric!r}, but this run never evaluates "
+                    '(eval_strategy "no" or no eval_dataset); set trainer.args.eval_strategy '
+                    "and an eval_dataset, or watch a training metric such as 'loss'"
+                )
+            elif not metric.startswith("eval_") and args.logging_strategy == "no":
+                problems.append(
+                    f"{detector.name} watches the logged {metric!r}, but logging_strategy is "
+                    '"no"; set trainer.args.logging_strategy: "steps" and logging_steps'
+                )
+        return problems
+
     def on_log(self, args, state, control, logs, **kwargs):
         if is_train_summary(logs):
             return

@@ -53,7 +53,7 @@ from forge.checkpoint.manager import CheckpointManager
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.batch_finder import MicroBatchSize
 from forge.train.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
-from forge.train.checks import check_eval_dataset, check_trainer_arguments
+from forge.train.checks import check_callbacks, check_eval_dataset, check_trainer_arguments
 from forge.train.data_position import DataPosition
 from forge.train.evaluation import Evaluation
 from forge.train.loop_state import (
@@ -163,6 +163,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
         self.control = TrainerControl()
         self.micro_batches = MicroBatchSize(args, self.state, self.topology)  # auto_find_batch_size
         user_callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]
+        check_callbacks(args, eval_dataset, user_callbacks)
         self.callback_handler = CallbackHandler(
             default_callbacks(args, self.topology.is_main, user_callbacks) + user_callbacks
         )

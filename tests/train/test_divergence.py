@@ -184,3 +184,17 @@ def test_a_resumed_run_detects_what_the_straight_run_does(tmp_path):
 def test_bad_settings_are_refused_naming_the_setting(make, message):
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         make()
+
+
+def test_a_detector_of_a_metric_the_run_never_produces_is_refused_when_built(tmp_path):
+    from forge.train import TrainingArgumentsError
+
+    with pytest.raises(TrainingArgumentsError) as info:
+        spiking_trainer(
+            tmp_path, DivergenceDetector([LossSpike(), MetricRise("eval_loss")]), eval_size=0
+        )
+    (problem,) = info.value.problems
+    assert problem.startswith("trainer.callbacks[0] (DivergenceDetector): MetricRise watches")
+    assert "never evaluates" in problem
+    with pytest.raises(TrainingArgumentsError, match='logging_strategy is "no"'):
+        spiking_trainer(tmp_path, DivergenceDetector(), logging_strategy="no")
