@@ -197,6 +197,16 @@ def divergence(trainer: Any) -> dict[str, Any] | None:
     return None
 
 
+def rollback_history(trainer: Any) -> list[dict[str, Any]]:
+    """Every rollback a divergence detector made (from step, to checkpoint, batches skipped)."""
+    handler = getattr(trainer, "callback_handler", None)
+    for callback in getattr(handler, "callbacks", ()):
+        found = getattr(callback, "rollbacks", None)
+        if isinstance(found, list) and found:
+            return found
+    return []
+
+
 def diverged_message(found: dict[str, Any], checkpoint: str | None) -> str:
     checkpoint = checkpoint or "no checkpoint (save_final_checkpoint is off)"
     return (
@@ -250,6 +260,9 @@ def run_worker(
         diverged = divergence(trainer)
         if rank == 0:
             record = RunRecord.load(run_dir)
+            rollbacks = rollback_history(trainer)
+            if rollbacks:
+                record.update(rollbacks=rollbacks)
             if diverged is not None:
                 step = trainer.state.global_step
                 record.set_status("diverged", finished=now_iso(), step=step, diverged=diverged)

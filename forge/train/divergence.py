@@ -41,7 +41,7 @@ __all__ = [
     "SustainedRise",
 ]
 
-ACTIONS = ("warn", "stop")
+ACTIONS = ("warn", "stop", "rollback")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -275,7 +275,11 @@ class MetricRise(Detector):
 class DivergenceDetector(TrainerCallback):
     """Watches training for divergence and acts: ``action: warn`` logs a warning when a detector
     fires; ``action: stop`` (the default) stops the run at that step with a checkpoint, and
-    ``forge train`` then records the run as ``diverged`` and exits with its own code (3).
+    ``forge train`` then records the run as ``diverged`` and exits with its own code (3);
+    ``action: rollback`` restores the newest checkpoint at least ``anchor_before`` steps before
+    the step it fired at, drops the batches from there to ``skip_past`` steps past it, and
+    trains on (forge/train/rollback.py); each rollback is kept in ``rollbacks`` (run.json's);
+    after ``max_rollbacks`` of them, or with no checkpoint early enough, it stops instead.
 
     ``detectors``: the rules (default: ``[LossSpike()]``, which catches a loss a thousand times
     its recent level, or three times with the averages' default smoothing). Every detector sees
@@ -283,11 +287,27 @@ class DivergenceDetector(TrainerCallback):
     metric. ``diverged`` holds what stopped the run (detector, step, metric, value, message).
     """
 
-    def __init__(self, detectors: list[Detector] | None = None, action: str = "stop") -> None:
+    def __init__(
+        self,
+        detectors: list[Detector] | None = None,
+        action: str = "stop",
+        max_rollbacks: int = 3,
+        skip_past: int = 0,
+        anchor_before: int = 1,
+    ) -> None:
         _require(
             action in ACTIONS,
             f"DivergenceDetector: action must be one of {', '.join(ACTIONS)} (got {action!r})",
         )
+        self.max_rollbacks = _positive_int("max_rollbacks", "DivergenceDetector", max_rollbacks)
+        _require(
+            isinstance(skip_past, int) and skip_past >= 0,
+            f"DivergenceDetector: skip_past must be a number of steps >= 0 (got {skip_past!r})",
+        )
+        self.skip_past = skip_past
+        self.anchor_before = _positive_int("anchor_before", "DivergenceDetector", anchor_before)
+        #: every rollback so far (from step, to checkpoint, batches dropped): run.json's
+        self.rollbacks: list[dict[str, Any]] = []
         self.detectors = list(detectors) if detectors is not None else [LossSpike()]
         for detector in self.detectors:
             _require(
@@ -300,12 +320,18 @@ class DivergenceDetector(TrainerCallback):
         self.seen_metric = [False] * len(self.detectors)
         self.last_step = 0
         self.diverged: dict[str, Any] | None = None
+        self._history: list[dict[str, Any]] = []
 
     def check_arguments(self, args: Any, evaluates: bool) -> list[str]:
         """What cannot work with these arguments, found before training: a detector of an
         evaluation metric in a run that never evaluates, of a training metric in a run that
         never logs."""
         problems = []
+        if self.action == "rollback" and args.save_strategy == "no":
+            problems.append(
+                'action "rollback" restores an earlier checkpoint, but save_strategy is "no"; '
+                'set trainer.args.save_strategy: "steps" and save_steps'
+            )
         for detector in self.detectors:
             metric = detector.metric
             if metric.startswith("eval_") and not evaluates:
@@ -326,12 +352,12 @@ class DivergenceDetector(TrainerCallback):
             return
         steps = max(state.global_step - self.last_step, 1)
         self.last_step = state.global_step
-        self._observe(logs, steps, state, control)
+        self._observe(args, logs, steps, state, control)
 
     def on_evaluate(self, args, state, control, metrics, **kwargs):
-        self._observe(metrics, 0, state, control)
+        self._observe(args, metrics, 0, state, control)
 
-    def _observe(self, values: dict[str, Any], steps: int, state, control) -> None:
+    def _observe(self, args, values: dict[str, Any], steps: int, state, control) -> None:
         for i, detector in enumerate(self.detectors):
             value = values.get(detector.metric)
             if not isinstance(value, (int, float)) or isinstance(value, bool):
@@ -350,6 +376,10 @@ class DivergenceDetector(TrainerCallback):
                     )
                 self.alarms[i] = True
                 continue
+            if self.action == "rollback" and control.rollback is None and self.diverged is None:
+                reason = self._roll_back(args, state, control, detector, reason)
+                if reason is None:
+                    continue
             if self.diverged is None:
                 self.diverged = {
                     "detector": detector.name,
@@ -366,6 +396,39 @@ class DivergenceDetector(TrainerCallback):
                         state.global_step,
                         reason,
                     )
+
+    def _roll_back(self, args, state, control, detector: Detector, reason: str) -> str | None:
+        """Ask for a rollback (None), or say why the run stops instead."""
+        from pathlib import Path
+
+        from forge.train.rollback import RollbackRequest, rollback_anchor
+
+        if len(self.rollbacks) >= self.max_rollbacks:
+            return f"{reason}; max_rollbacks ({self.max_rollbacks}) reached"
+        before = state.global_step - self.anchor_before
+        if rollback_anchor(Path(args.output_dir) / "checkpoints", before) is None:
+            return f"{reason}; no checkpoint at or before step {before} to roll back to"
+        control.rollback = RollbackRequest(
+            step=state.global_step,
+            reason=f"{detector.name}: {reason}",
+            skip_past=self.skip_past,
+            anchor_before=self.anchor_before,
+            done=self._rolled_back,
+        )
+        if state.is_world_process_zero:
+            logger.warning(
+                "divergence (%s) at step %d: %s; rolling back",
+                detector.name,
+                state.global_step,
+                reason,
+            )
+        return None
+
+    def _rolled_back(self, entry: dict[str, Any]) -> None:
+        """After the restore (which gave this callback the anchor's state): the history of
+        rollbacks goes on from before it."""
+        self.rollbacks = [*self._history, entry]
+        self.alarms = [False] * len(self.detectors)
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:
@@ -384,6 +447,7 @@ class DivergenceDetector(TrainerCallback):
             "detectors": [d.state_dict() for d in self.detectors],
             "alarms": list(self.alarms),
             "last_step": self.last_step,
+            "rollbacks": list(self.rollbacks),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -400,3 +464,8 @@ class DivergenceDetector(TrainerCallback):
             detector.load_state_dict(detector_state)
         self.alarms = [bool(a) for a in state.get("alarms", self.alarms)]
         self.last_step = int(state.get("last_step", 0))
+        saved = list(state.get("rollbacks", []))
+        # a restore for a rollback goes back to an anchor that knew fewer rollbacks: the history
+        # is append-only, so the longer one is the run's
+        self._history = saved if len(saved) >= len(self.rollbacks) else list(self.rollbacks)
+        self.rollbacks = list(self._history)

@@ -71,6 +71,7 @@ from forge.train.model_parts import ModelParts
 from forge.train.optim import MetricSchedule, current_lr
 from forge.train.packing import sequence_count
 from forge.train.precision import numerics
+from forge.train.rollback import RollBack, roll_back
 from forge.train.runtime import Intervals
 from forge.train.setup import TrainerSetup
 from forge.train.signals import StopSignals, TrainingInterrupted
@@ -248,7 +249,12 @@ class BaseTrainer(TrainerSetup, Evaluation):
                 if checkpoint is not None:
                     self._load_checkpoint(checkpoint.path)
                 with self._signals:
-                    output = self._train_loop()
+                    while True:
+                        try:
+                            output = self._train_loop()
+                            break
+                        except RollBack as back:  # a callback asked (forge/train/rollback.py)
+                            roll_back(self, back.request)
                 self.checkpoints.wait()
                 return output
             except Exception as error:
@@ -399,6 +405,9 @@ class BaseTrainer(TrainerSetup, Evaluation):
             self.checkpoints.wait()
             self._call("on_train_end", interrupted=signum)
             raise TrainingInterrupted(signum, self.state.global_step, str(checkpoint))
+        if self.control.rollback is not None:  # a callback's: restore, then train on
+            request, self.control.rollback = self.control.rollback, None
+            raise RollBack(request)
         return self.state.global_step >= self.max_steps or self.control.should_training_stop
 
     def _finish(self, steps: int, run_tally: Tally) -> TrainOutput:

@@ -20,7 +20,7 @@ from forge.train import (
     SustainedRise,
     Trainer,
 )
-from tests.train.common import checkpoint_dir, make_args
+from tests.train.common import assert_same_tensors, checkpoint_dir, make_args
 
 SPIKE_AT = 12  # the learning rate jumps after this many steps
 # step 13 is the first with the jumped learning rate; step 14's loss is the first it blew up
@@ -58,17 +58,18 @@ def jump_at(step: int, factor: float):
     )
 
 
+# a plain SGD regression, logged at every step; unclipped, so a bad step blows the loss up at once
+SMALL_RUN = dict(
+    logging_steps=1,
+    learning_rate=0.05,
+    per_device_train_batch_size=16,
+    max_grad_norm=0.0,
+    optim="sgd",
+)
+
+
 def spiking_trainer(output_dir, detector, *, factor=1e3, eval_size=0, **overrides):
-    values = dict(
-        max_steps=40,
-        logging_steps=1,
-        learning_rate=0.05,
-        per_device_train_batch_size=16,
-        max_grad_norm=0.0,  # unclipped: the jump blows the loss up at once
-        optim="sgd",
-        skip_nonfinite=True,
-    )
-    values.update(overrides)
+    values = {**SMALL_RUN, "max_steps": 40, "skip_nonfinite": True, **overrides}
     torch.manual_seed(0)
     return Trainer(
         LinearModel,
@@ -198,3 +199,54 @@ def test_a_detector_of_a_metric_the_run_never_produces_is_refused_when_built(tmp
     assert "never evaluates" in problem
     with pytest.raises(TrainingArgumentsError, match='logging_strategy is "no"'):
         spiking_trainer(tmp_path, DivergenceDetector(), logging_strategy="no")
+
+
+class PoisonedRegression(Regression):
+    """``Regression`` with one item whose target is 1e4 times too large: the batch that holds
+    it blows the loss up."""
+
+    def __init__(self, n: int = 320, poisoned: int = 100) -> None:
+        super().__init__(n)
+        self.y[poisoned] *= 1e4
+
+
+def rollback_trainer(output_dir, **overrides):
+    # 20 steps an epoch: the poisoned item comes once in each
+    values = {**SMALL_RUN, "max_steps": 24, "save_strategy": "steps", "save_steps": 2}
+    values.update(overrides)
+    detector = DivergenceDetector([LossSpike(warmup=3)], action="rollback", skip_past=1)
+    torch.manual_seed(0)
+    trainer = Trainer(
+        LinearModel, make_args(output_dir, **values), PoisonedRegression(), callbacks=[detector]
+    )
+    return trainer, detector
+
+
+def test_a_rollback_restores_an_earlier_checkpoint_drops_the_window_and_trains_on(tmp_path):
+    trainer, detector = rollback_trainer(tmp_path / "a")
+    trainer.train()
+    assert detector.diverged is None and trainer.state.global_step == 24
+    assert detector.rollbacks, "the poisoned batch was never caught"
+    entry = detector.rollbacks[0]
+    assert entry["to_step"] < entry["from_step"]
+    assert entry["to_checkpoint"] == f"checkpoint-{entry['to_step']:06d}"
+    # from the anchor to one step past the spike, up to the end of the epoch
+    assert 0 < entry["skipped"]["batches"] <= entry["from_step"] - entry["to_step"] + 1
+    assert entry["reason"].startswith("LossSpike: ")
+    # deterministic: the same config gives the same rollback and the same weights, bitwise
+    again, again_detector = rollback_trainer(tmp_path / "b")
+    again.train()
+    assert again_detector.rollbacks == detector.rollbacks
+    assert_same_tensors(trainer.model.state_dict(), again.model.state_dict())
+    # a run resumed before the spike rolls back alike and reaches the same weights
+    resumed, resumed_detector = rollback_trainer(tmp_path / "a")
+    resumed.train(resume_from_checkpoint=str(checkpoint_dir(tmp_path / "a", entry["to_step"])))
+    assert resumed_detector.rollbacks == detector.rollbacks
+    assert_same_tensors(trainer.model.state_dict(), resumed.model.state_dict())
+
+
+def test_rollback_stops_the_run_when_no_checkpoint_is_early_enough(tmp_path):
+    trainer, detector = rollback_trainer(tmp_path, save_steps=50)  # no checkpoint before it
+    trainer.train()
+    assert detector.rollbacks == []
+    assert "no checkpoint at or before step" in detector.diverged["message"]
