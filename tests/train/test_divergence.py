@@ -213,6 +213,7 @@ class PoisonedRegression(Regression):
 def rollback_trainer(output_dir, **overrides):
     # 20 steps an epoch: the poisoned item comes once in each
     values = {**SMALL_RUN, "max_steps": 24, "save_strategy": "steps", "save_steps": 2}
+    values["optim"] = "adamw_torch"  # resumes exactly (a plain SGD run does not, as yet)
     values.update(overrides)
     detector = DivergenceDetector([LossSpike(warmup=3)], action="rollback", skip_past=1)
     torch.manual_seed(0)
@@ -238,11 +239,13 @@ def test_a_rollback_restores_an_earlier_checkpoint_drops_the_window_and_trains_o
     again.train()
     assert again_detector.rollbacks == detector.rollbacks
     assert_same_tensors(trainer.model.state_dict(), again.model.state_dict())
-    # a run resumed before the spike rolls back alike and reaches the same weights
-    resumed, resumed_detector = rollback_trainer(tmp_path / "a")
-    resumed.train(resume_from_checkpoint=str(checkpoint_dir(tmp_path / "a", entry["to_step"])))
-    assert resumed_detector.rollbacks == detector.rollbacks
-    assert_same_tensors(trainer.model.state_dict(), resumed.model.state_dict())
+    # resumed before the spike, a run rolls back alike; resumed after, it keeps the rollback
+    # and its position past the dropped batches: the same weights either way
+    for step in (entry["to_step"], entry["from_step"] + 2 - entry["from_step"] % 2):
+        resumed, resumed_detector = rollback_trainer(tmp_path / "a")
+        resumed.train(resume_from_checkpoint=str(checkpoint_dir(tmp_path / "a", step)))
+        assert resumed_detector.rollbacks == detector.rollbacks, step
+        assert_same_tensors(trainer.model.state_dict(), resumed.model.state_dict())
 
 
 def test_rollback_stops_the_run_when_no_checkpoint_is_early_enough(tmp_path):
