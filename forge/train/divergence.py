@@ -377,51 +377,52 @@ class DivergenceDetector(TrainerCallback):
                 self.alarms[i] = True
                 continue
             if self.action == "rollback" and control.rollback is None and self.diverged is None:
-                reason = self._roll_back(args, state, control, detector, reason)
+                reason = self._roll_back(state, control, detector, float(value), reason)
                 if reason is None:
                     continue
             if self.diverged is None:
-                self.diverged = {
-                    "detector": detector.name,
-                    "step": state.global_step,
-                    "metric": detector.metric,
-                    "value": float(value),
-                    "message": reason,
-                }
-                control.should_training_stop = True
-                if state.is_world_process_zero:
-                    logger.error(
-                        "divergence (%s) at step %d: %s; stopping the run",
-                        detector.name,
-                        state.global_step,
-                        reason,
-                    )
+                self._stop(state, control, detector, state.global_step, float(value), reason)
 
-    def _roll_back(self, args, state, control, detector: Detector, reason: str) -> str | None:
-        """Ask for a rollback (None), or say why the run stops instead."""
-        from pathlib import Path
+    def _stop(self, state, control, detector: Detector, step: int, value: float, reason: str):
+        """Stop the run at this step boundary, saying why (``diverged``)."""
+        self.diverged = {
+            "detector": detector.name,
+            "step": step,
+            "metric": detector.metric,
+            "value": value,
+            "message": reason,
+        }
+        control.should_training_stop = True
+        if state.is_world_process_zero:
+            logger.error(
+                "divergence (%s) at step %d: %s; stopping the run", detector.name, step, reason
+            )
 
-        from forge.train.rollback import RollbackRequest, rollback_anchor
+    def _roll_back(
+        self, state, control, detector: Detector, value: float, reason: str
+    ) -> str | None:
+        """Ask for a rollback (None), or say why the run stops instead. Whether a checkpoint
+        is early enough is the loop's to find (once the saves in flight are committed); if
+        none is, ``_refused`` stops the run."""
+        from forge.train.rollback import RollbackRequest
 
         if len(self.rollbacks) >= self.max_rollbacks:
             return f"{reason}; max_rollbacks ({self.max_rollbacks}) reached"
-        before = state.global_step - self.anchor_before
-        if rollback_anchor(Path(args.output_dir) / "checkpoints", before) is None:
-            return f"{reason}; no checkpoint at or before step {before} to roll back to"
+        step, name = state.global_step, detector.name
+
+        def refused(why: str) -> None:
+            self._stop(state, control, detector, step, value, f"{reason}; {why}")
+
         control.rollback = RollbackRequest(
-            step=state.global_step,
-            reason=f"{detector.name}: {reason}",
+            step=step,
+            reason=f"{name}: {reason}",
             skip_past=self.skip_past,
             anchor_before=self.anchor_before,
             done=self._rolled_back,
+            refused=refused,
         )
         if state.is_world_process_zero:
-            logger.warning(
-                "divergence (%s) at step %d: %s; rolling back",
-                detector.name,
-                state.global_step,
-                reason,
-            )
+            logger.warning("divergence (%s) at step %d: %s; rolling back", name, step, reason)
         return None
 
     def _rolled_back(self, entry: dict[str, Any]) -> None:

@@ -71,7 +71,7 @@ from forge.train.model_parts import ModelParts
 from forge.train.optim import MetricSchedule, current_lr
 from forge.train.packing import sequence_count
 from forge.train.precision import numerics
-from forge.train.rollback import RollBack, roll_back
+from forge.train.rollback import RollBack, can_roll_back, roll_back
 from forge.train.runtime import Intervals
 from forge.train.setup import TrainerSetup
 from forge.train.signals import StopSignals, TrainingInterrupted
@@ -407,7 +407,8 @@ class BaseTrainer(TrainerSetup, Evaluation):
             raise TrainingInterrupted(signum, self.state.global_step, str(checkpoint))
         if self.control.rollback is not None:  # a callback's: restore, then train on
             request, self.control.rollback = self.control.rollback, None
-            raise RollBack(request)
+            if can_roll_back(self, request):  # else the requester stops the run
+                raise RollBack(request)
         return self.state.global_step >= self.max_steps or self.control.should_training_stop
 
     def _finish(self, steps: int, run_tally: Tally) -> TrainOutput:

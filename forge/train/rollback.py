@@ -34,6 +34,8 @@ class RollbackRequest:
     skip_past: int = 0
     anchor_before: int = 1
     done: Callable[[dict[str, Any]], None] | None = None
+    #: told why there is no rollback (no checkpoint early enough): the requester stops the run
+    refused: Callable[[str], None] | None = None
 
 
 class RollBack(Exception):  # noqa: N818 - a control-flow signal, not an error
@@ -49,6 +51,19 @@ def rollback_anchor(checkpoints_dir: Path, before: int) -> Path | None:
     valid = [info for info in find_checkpoints(checkpoints_dir) if info.valid]
     earlier = [info for info in valid if info.step <= before]
     return earlier[-1].path if earlier else None
+
+
+def can_roll_back(trainer: Any, request: RollbackRequest) -> bool:
+    """Whether a checkpoint is early enough for ``request``, once every save in flight is
+    committed (so the answer never depends on how fast a background commit ran); if not, the
+    requester is told why."""
+    trainer.checkpoints.wait()
+    before = request.step - request.anchor_before
+    if rollback_anchor(trainer.checkpoints_dir, before) is not None:
+        return True
+    if request.refused is not None:
+        request.refused(f"no checkpoint at or before step {before} to roll back to")
+    return False
 
 
 def roll_back(trainer: Any, request: RollbackRequest) -> None:
