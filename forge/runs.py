@@ -33,8 +33,20 @@ except ImportError:  # pragma: no cover - not POSIX: runs are not locked
 
 RUN_PATTERN = re.compile(r"^run_(\d{3,})$")
 BEST_LINK = "best"
-# pruned: a sweep trial its study stopped early (forge.sweep), with a checkpoint at that step
-STATUSES = ("created", "running", "completed", "failed", "interrupted", "killed", "pruned")
+# pruned: a sweep trial its study stopped early (forge.sweep), with a checkpoint at that step;
+# diverged: a divergence detector stopped it (forge.train.divergence), with a checkpoint too
+STATUSES = (
+    "created",
+    "running",
+    "completed",
+    "failed",
+    "interrupted",
+    "killed",
+    "pruned",
+    "diverged",
+)
+#: the exit code of a run a divergence detector stopped (not 0, 1, 2, 130 or 143)
+EXIT_DIVERGED = 3
 
 
 class RunError(Exception):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import re
 import shutil
@@ -582,6 +583,45 @@ def resume_search_dirs(output_dir: str | os.PathLike) -> list[Path]:
 
 # ---------------------------------------------------------------------------------------------
 # rotation and cleanup
+
+
+def best_checkpoints(
+    checkpoints_dir: str | os.PathLike,
+    metric: str | None,
+    greater_is_better: bool,
+    k: int,
+) -> list[Path]:
+    """The ``k`` checkpoints whose manifests record the best finite ``metric``, best first
+    (ties: the earlier step). Read from the manifests on disk, so a resumed run and
+    ``forge checkpoints`` rank them as the run that saved them did."""
+    if metric is None or k < 1:
+        return []
+    ranked = []
+    for step, path in _checkpoint_dirs(checkpoints_dir):
+        try:
+            value = read_manifest(path).metrics.get(metric)
+        except (OSError, ValueError, KeyError):
+            continue  # incomplete or damaged: never a best one
+        if isinstance(value, (int, float)) and math.isfinite(value):
+            ranked.append((-value if greater_is_better else value, step, path))
+    return [path for _, _, path in sorted(ranked)[:k]]
+
+
+def kept_reasons(
+    checkpoints_dir: str | os.PathLike,
+    metric: str | None = None,
+    greater_is_better: bool = False,
+    k: int = 1,
+) -> dict[Path, str]:
+    """Why rotation keeps each checkpoint it must keep: ``last`` (the newest), ``best i of k``
+    (by ``metric`` in the manifests). Checkpoints not named are the ones it may delete."""
+    reasons: dict[Path, list[str]] = {}
+    found = _checkpoint_dirs(checkpoints_dir)
+    if found:
+        reasons.setdefault(found[-1][1], []).append("last")
+    for rank, path in enumerate(best_checkpoints(checkpoints_dir, metric, greater_is_better, k)):
+        reasons.setdefault(path, []).append(f"best {rank + 1} of {k}")
+    return {path: ", ".join(why) for path, why in reasons.items()}
 
 
 def rotate_checkpoints(

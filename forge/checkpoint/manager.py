@@ -26,7 +26,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from forge.checkpoint.background import BackgroundCommit
-from forge.checkpoint.layout import CheckpointManifest, checkpoint_name, rotate_checkpoints
+from forge.checkpoint.layout import (
+    CheckpointManifest,
+    best_checkpoints,
+    checkpoint_name,
+    rotate_checkpoints,
+)
 from forge.checkpoint.registry import CheckpointRegistry, CheckpointSnapshot, Component
 from forge.checkpoint.snapshot import HostCopier, HostStaging, stepped_by
 from forge.checkpoint.writer import DEFAULT_HASH, CheckpointWriter
@@ -41,11 +46,15 @@ class CheckpointRecord(Protocol):
 
 
 class BestRule:
-    """Which metric makes a checkpoint the best, and in which direction (None: no best)."""
+    """Which metric makes a checkpoint the best, and in which direction (None: no best);
+    ``keep``: how many of the best checkpoints rotation never deletes (``save_top_k``)."""
 
-    def __init__(self, metric: str | None = None, greater_is_better: bool = False) -> None:
+    def __init__(
+        self, metric: str | None = None, greater_is_better: bool = False, keep: int = 1
+    ) -> None:
         self.metric = metric
         self.greater_is_better = greater_is_better
+        self.keep = keep
 
     def improves(self, value: float | None, best: float | None) -> bool:
         """Whether ``value`` beats ``best`` (a non-finite value never does)."""
@@ -211,17 +220,24 @@ class CheckpointManager:
         self, snapshot: CheckpointSnapshot, final: Path, recorded: dict[str, Any]
     ) -> None:
         """Phase 3, every rank, after the rename: the record takes what the checkpoint
-        recorded; rank 0 rotates old checkpoints (never the best); the owner is told."""
+        recorded; rank 0 rotates old checkpoints (never the best ``keep`` ones); the owner is
+        told."""
         for name, value in recorded.items():
             setattr(self.record, name, value)
         self.last_step = snapshot.step
-        best = self.record.best_checkpoint
         if self.topology.rank == 0 and self.save_total_limit:
-            rotate_checkpoints(
-                self.directory, self.save_total_limit, protect=[best] if best else []
-            )
+            rotate_checkpoints(self.directory, self.save_total_limit, protect=self.kept_best())
         if self.on_commit is not None:
             self.on_commit(snapshot.step, snapshot.epoch, final, snapshot.metrics)
+
+    def kept_best(self) -> list[Path]:
+        """The checkpoints rotation keeps for their metric: the best ``best.keep`` by the
+        manifests' metrics, and the record's best checkpoint (one saved before metrics went
+        into manifests)."""
+        rule = self.best
+        kept = best_checkpoints(self.directory, rule.metric, rule.greater_is_better, rule.keep)
+        best = self.record.best_checkpoint
+        return kept + ([Path(best)] if best else [])
 
     def _host_copier(self) -> HostCopier:
         """How a snapshot copies tensors (forge/checkpoint/snapshot.py). A synchronous commit

@@ -564,6 +564,25 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if damaged else EXIT_OK
 
 
+def _kept_reasons(run_dir: Path) -> dict[Path, str]:
+    """Why rotation keeps each of a run's checkpoints (forge.checkpoint.layout.kept_reasons),
+    ranked as run.json's ``best`` entry says."""
+    from forge.checkpoint.layout import kept_reasons
+    from forge.runs import RunError, RunRecord
+
+    try:
+        best = RunRecord.load(run_dir).data.get("best") or {}
+    except RunError:
+        best = {}  # forge runs reports a damaged record
+    top_k = best.get("top_k", 1)
+    return kept_reasons(
+        run_dir / "checkpoints",
+        best.get("metric"),
+        bool(best.get("greater_is_better", False)),
+        top_k if isinstance(top_k, int) else 1,
+    )
+
+
 def cmd_checkpoints(args: argparse.Namespace) -> int:
     from forge.checkpoint.layout import find_checkpoints, find_leftovers
     from forge.launch.job_plan import human_bytes  # binary units, as the plan prints them
@@ -583,6 +602,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         runs = all_run_dirs(project.output_dir)
     rows, invalid = [], 0
     for run_dir in runs:
+        kept = _kept_reasons(run_dir)
         for info in find_checkpoints(run_dir / "checkpoints", verify_hashes=args.verify):
             epoch = info.manifest.epoch if info.manifest else None
             status = "valid" if info.valid else "INVALID: " + "; ".join(info.problems)
@@ -593,6 +613,7 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
                     str(info.step),
                     "" if epoch is None else f"{epoch:.2f}",
                     human_bytes(_tree_bytes(info.path)),
+                    kept.get(info.path, "-"),
                     status,
                 ]
             )
@@ -602,12 +623,12 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
             if not live:
                 status += "; never loaded, the next save removes it"
             rows.append(
-                [_shown_path(path, project), "", "", human_bytes(_tree_bytes(path)), status]
+                [_shown_path(path, project), "", "", human_bytes(_tree_bytes(path)), "", status]
             )
     if not rows:
         print("no checkpoints", file=sys.stderr)
         return EXIT_OK
-    print(_table(rows, ["CHECKPOINT", "STEP", "EPOCH", "SIZE", "STATUS"]))
+    print(_table(rows, ["CHECKPOINT", "STEP", "EPOCH", "SIZE", "KEPT", "STATUS"]))
     if not args.verify:
         print("(sizes checked; add --verify to check hashes too)", file=sys.stderr)
     return EXIT_FAILURE if invalid and args.verify else EXIT_OK

@@ -39,7 +39,7 @@ from forge.launch.cluster import ONE_NODE, Nodes
 from forge.launch.endpoint import Here, meet_for_torchrun
 from forge.launch.errors import LaunchUsageError
 from forge.lifetime import scheduler_signal, signal_on_parent_death, stop_signals
-from forge.runs import RunError, go_on_note, now_iso
+from forge.runs import EXIT_DIVERGED, RunError, go_on_note, now_iso
 from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -408,6 +408,8 @@ def exit_code_from_record(run_dir: Path, code: int, since: str | None = None) ->
         return 128 + int(signal.Signals[data["signal"]])
     if data.get("status") == "completed":
         return EXIT_OK
+    if data.get("status") == "diverged":
+        return EXIT_DIVERGED
     if data.get("status") == "failed" and data.get("error_kind") == "usage":
         return EXIT_USAGE  # rank 0 has printed the message
     return code if code > 0 else EXIT_FAILURE

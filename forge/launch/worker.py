@@ -21,6 +21,7 @@ from forge.config import ConfigError, Problem, Project, parse_config
 from forge.error_kinds import is_usage_error
 from forge.launch.multinode import peer_loss
 from forge.runs import (
+    EXIT_DIVERGED,
     PROJECT_RUNS,
     RunRecord,
     current_record,
@@ -109,6 +110,9 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
                     "checkpoint": os.path.relpath(state.best_checkpoint, record.run_dir),
                     "metric": args.metric_for_best_model,
                     "value": state.best_metric,
+                    # how forge checkpoints ranks the kept ones (save_top_k)
+                    "greater_is_better": bool(args.greater_is_better),
+                    "top_k": args.save_top_k,
                 }
             record.data.update(found_batch_record(args, state))  # auto_find_batch_size's
             record.add_checkpoint(
@@ -123,7 +127,7 @@ def make_run_record_callback(record: RunRecord, restart: int = 0):
 
 
 #: the statuses of a run no job is training: what a resume that fails to start leaves in place
-ENDED = ("completed", "failed", "interrupted", "killed", "pruned")
+ENDED = ("completed", "failed", "interrupted", "killed", "pruned", "diverged")
 
 
 def restart_count() -> int:
@@ -226,6 +230,34 @@ def part_location(cfg: Any, part: str) -> str | None:
     return (cfg.location_text(loc) or None) if loc is not None else None
 
 
+def divergence(trainer: Any) -> dict[str, Any] | None:
+    """What a divergence detector (forge.train.divergence) stopped the run for, or None."""
+    handler = getattr(trainer, "callback_handler", None)
+    for callback in getattr(handler, "callbacks", ()):
+        found = getattr(callback, "diverged", None)
+        if isinstance(found, dict):
+            return found
+    return None
+
+
+def rollback_history(trainer: Any) -> list[dict[str, Any]]:
+    """Every rollback a divergence detector made (from step, to checkpoint, batches skipped)."""
+    handler = getattr(trainer, "callback_handler", None)
+    for callback in getattr(handler, "callbacks", ()):
+        found = getattr(callback, "rollbacks", None)
+        if isinstance(found, list) and found:
+            return found
+    return []
+
+
+def diverged_message(found: dict[str, Any], checkpoint: str | None) -> str:
+    checkpoint = checkpoint or "no checkpoint (save_final_checkpoint is off)"
+    return (
+        f"diverged at step {found['step']} ({found['detector']}): {found['message']}; "
+        f"stopped with {checkpoint}"
+    )
+
+
 def run_worker(
     run_dir: Path,
     project: Project,
@@ -246,6 +278,10 @@ def run_worker(
         train_run(run_dir, project, resume_from=resume_from, allow=allow)
     except TrainingInterrupted as stop:
         return 128 + int(stop.signum)
+    if (run_dir / "run.json").is_file() and RunRecord.load(run_dir).data.get(
+        "status"
+    ) == "diverged":
+        return EXIT_DIVERGED  # a divergence detector stopped it (rank 0 recorded why)
     return 0
 
 
@@ -288,9 +324,17 @@ def train_run(
             trainer.add_callback(callback)
             record.set_status("running", world_size=world_size, started=now_iso())
         output = trainer.train(resume_from_checkpoint=resume_from)
+        diverged = divergence(trainer)
         if rank == 0:
             record = RunRecord.load(run_dir)
-            if pruning is not None and pruning.pruned is not None:
+            rollbacks = rollback_history(trainer)
+            if rollbacks:
+                record.update(rollbacks=rollbacks)
+            if diverged is not None:
+                step = trainer.state.global_step
+                record.set_status("diverged", finished=now_iso(), step=step, diverged=diverged)
+                logger.error("%s", diverged_message(diverged, trainer.state.last_checkpoint))
+            elif pruning is not None and pruning.pruned is not None:
                 record.set_status("pruned", finished=now_iso(), pruned=pruning.pruned)
                 logger.info("%s", pruned_message(record, pruning.pruned))
             else:

@@ -98,6 +98,9 @@ class TrainerControl:
     should_log: bool = False
     should_evaluate: bool = False
     should_save: bool = False
+    #: a callback's request to restore an earlier checkpoint at this step boundary and go on
+    #: past a window of batches (forge.train.rollback.RollbackRequest)
+    rollback: Any = None
 
     def reset_step_flags(self) -> None:
         self.should_log = self.should_evaluate = self.should_save = False

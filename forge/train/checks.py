@@ -1,6 +1,7 @@
 """What a trainer refuses when it is built: arguments of the wrong kind, arguments its strategy
-cannot honour, and settings that need an evaluation dataset it was not given. Each message
-names the argument (``trainer.X``, or the config key of ``args``) and what to do."""
+cannot honour, settings that need an evaluation dataset it was not given, and callbacks whose
+settings cannot work with the arguments (their ``check_arguments``). Each message names the
+argument (``trainer.X``, or the config key of ``args``) and what to do."""
 
 from __future__ import annotations
 
@@ -67,3 +68,17 @@ def check_eval_dataset(args: TrainingArguments, eval_dataset: Any) -> None:
                 for name in needs
             ]
         )
+
+
+def check_callbacks(args: TrainingArguments, eval_dataset: Any, callbacks: list[Any]) -> None:
+    """Each callback's own ``check_arguments(args, evaluates)`` (a list of problems, e.g. a
+    divergence detector on a metric this run never logs), all reported together."""
+    evaluates = eval_dataset is not None and args.eval_strategy != "no"
+    problems = []
+    for index, callback in enumerate(callbacks):
+        check = getattr(callback, "check_arguments", None)
+        if callable(check):
+            where = f"trainer.callbacks[{index}] ({type(callback).__name__})"
+            problems += [f"{where}: {problem}" for problem in check(args, evaluates)]
+    if problems:
+        raise TrainingArgumentsError(problems)

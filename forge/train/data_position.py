@@ -10,6 +10,7 @@ trainer's ``state_dict()`` (see ``BaseTrainer``).
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 from collections.abc import Iterator
@@ -90,6 +91,16 @@ class DataPosition:
     def end_epoch(self) -> None:
         """The current epoch ran to its end; the next starts at its first batch."""
         self.epoch, self.batch = self.epoch + 1, 0
+
+    def skip(self, count: int) -> int:
+        """Take the next ``count`` micro-batches of the current epoch and drop them (a
+        rollback's window, forge/train/rollback.py); at most to the epoch's end. They count as
+        taken, so a checkpoint saved after it resumes past them. Returns how many it dropped."""
+        batches = self.epoch_batches(self.epoch)
+        dropped = sum(1 for _ in itertools.islice(batches, count))
+        self.batch += dropped
+        self._resumed = batches  # the rest of the epoch, for the loop
+        return dropped
 
     @property
     def fraction(self) -> float:

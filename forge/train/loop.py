@@ -53,7 +53,7 @@ from forge.checkpoint.manager import CheckpointManager
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.batch_finder import MicroBatchSize
 from forge.train.callbacks import CallbackHandler, TrainerCallback, TrainerControl, TrainerState
-from forge.train.checks import check_eval_dataset, check_trainer_arguments
+from forge.train.checks import check_callbacks, check_eval_dataset, check_trainer_arguments
 from forge.train.data_position import DataPosition
 from forge.train.evaluation import Evaluation
 from forge.train.loop_state import (
@@ -71,6 +71,7 @@ from forge.train.model_parts import ModelParts
 from forge.train.optim import MetricSchedule, current_lr
 from forge.train.packing import sequence_count
 from forge.train.precision import numerics
+from forge.train.rollback import RollBack, can_roll_back, roll_back
 from forge.train.runtime import Intervals
 from forge.train.setup import TrainerSetup
 from forge.train.signals import StopSignals, TrainingInterrupted
@@ -163,6 +164,7 @@ class BaseTrainer(TrainerSetup, Evaluation):
         self.control = TrainerControl()
         self.micro_batches = MicroBatchSize(args, self.state, self.topology)  # auto_find_batch_size
         user_callbacks = [cb() if isinstance(cb, type) else cb for cb in callbacks]
+        check_callbacks(args, eval_dataset, user_callbacks)
         self.callback_handler = CallbackHandler(
             default_callbacks(args, self.topology.is_main, user_callbacks) + user_callbacks
         )
@@ -247,7 +249,12 @@ class BaseTrainer(TrainerSetup, Evaluation):
                 if checkpoint is not None:
                     self._load_checkpoint(checkpoint.path)
                 with self._signals:
-                    output = self._train_loop()
+                    while True:
+                        try:
+                            output = self._train_loop()
+                            break
+                        except RollBack as back:  # a callback asked (forge/train/rollback.py)
+                            roll_back(self, back.request)
                 self.checkpoints.wait()
                 return output
             except Exception as error:
@@ -370,8 +377,8 @@ class BaseTrainer(TrainerSetup, Evaluation):
             )
             save = control.should_save or every.due("save", step)
             control.reset_step_flags()
-        if save and step >= self.max_steps:
-            evaluate = True  # the final evaluation belongs to the final checkpoint
+        if save and (step >= self.max_steps or args.eval_on_save):
+            evaluate = True  # the final checkpoint's metrics (every one's with eval_on_save)
         evaluate = evaluate and self._evaluation_enabled()
         if log:
             self.log_step()
@@ -398,6 +405,10 @@ class BaseTrainer(TrainerSetup, Evaluation):
             self.checkpoints.wait()
             self._call("on_train_end", interrupted=signum)
             raise TrainingInterrupted(signum, self.state.global_step, str(checkpoint))
+        if self.control.rollback is not None:  # a callback's: restore, then train on
+            request, self.control.rollback = self.control.rollback, None
+            if can_roll_back(self, request):  # else the requester stops the run
+                raise RollBack(request)
         return self.state.global_step >= self.max_steps or self.control.should_training_stop
 
     def _finish(self, steps: int, run_tally: Tally) -> TrainOutput:

@@ -438,7 +438,7 @@ class TrainerSetup:
             hash_algorithm=args.checkpoint_hash,
             async_save=args.async_save,
             save_total_limit=args.save_total_limit,
-            best=BestRule(args.metric_for_best_model, args.greater_is_better),
+            best=BestRule(args.metric_for_best_model, args.greater_is_better, args.save_top_k),
             device=self.device,
             optimizer=self.optimizer,
             on_commit=self._on_saved,

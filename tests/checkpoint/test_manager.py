@@ -13,6 +13,7 @@ from torch import nn
 
 from forge.checkpoint import CheckpointError, Component, ModelWeights, Scope, find_checkpoints
 from forge.checkpoint.io import load_torch_state
+from forge.checkpoint.layout import kept_reasons
 from forge.checkpoint.manager import BestRule, CheckpointManager
 from forge.checkpoint.storage import CheckpointStorage, use_storage
 from forge.train.topology import Topology
@@ -78,6 +79,34 @@ def test_a_save_records_the_last_and_best_checkpoint_and_rotates_all_but_the_bes
     assert committed[1] == (2, "checkpoint-000002", {"eval_loss": 1.0})
     assert manager.improves(0.5) and not manager.improves(1.0)
     assert not manager.improves(float("nan"))
+
+
+@pytest.mark.parametrize("greater_is_better", [False, True])
+def test_the_best_k_survive_rotation_beside_the_newest(ckpt_dir, greater_is_better):
+    manager, record, counter, _ = make_manager(
+        ckpt_dir, save_total_limit=2, best=BestRule("eval_loss", greater_is_better, keep=3)
+    )
+    # 20 saves; the metric is best at steps 5, 11 and 17 (in that order), worst at 2
+    values = {step: 10.0 + (step % 3) for step in range(1, 21)}
+    values.update({5: 1.0, 11: 2.0, 17: 3.0, 2: 50.0, 20: 40.0})
+    sign = -1.0 if greater_is_better else 1.0
+    for step, value in values.items():
+        counter.value = step
+        manager.save(step, epoch=None, metrics={"eval_loss": sign * value})
+    kept = [info.step for info in find_checkpoints(ckpt_dir)]
+    assert kept == [5, 11, 17, 20]  # the best three and the newest
+    reasons = kept_reasons(ckpt_dir, "eval_loss", greater_is_better, 3)  # forge checkpoints'
+    assert {path.name: why for path, why in reasons.items()} == {
+        "checkpoint-000005": "best 1 of 3",
+        "checkpoint-000011": "best 2 of 3",
+        "checkpoint-000017": "best 3 of 3",
+        "checkpoint-000020": "last",
+    }
+    assert [p.name for p in manager.kept_best()][:3] == [
+        "checkpoint-000005",
+        "checkpoint-000011",
+        "checkpoint-000017",
+    ]
 
 
 def test_a_checkpoint_records_itself_but_the_record_changes_only_after_its_commit(ckpt_dir):

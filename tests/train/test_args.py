@@ -95,6 +95,15 @@ def test_step_intervals_and_warmup_may_be_fractions():
         TrainingArguments(save_steps=2.5)
 
 
+def test_save_top_k_needs_a_metric_and_a_positive_count():
+    with pytest.raises(TrainingArgumentsError, match="save_top_k must be a positive integer"):
+        TrainingArguments(save_top_k=0)
+    with pytest.raises(TrainingArgumentsError, match="save_top_k is 3, but no metric ranks"):
+        TrainingArguments(save_top_k=3)
+    args = TrainingArguments(save_top_k=3, metric_for_best_model="loss", eval_strategy="steps")
+    assert args.save_top_k == 3
+
+
 def test_every_problem_is_listed_with_its_key_value_and_fix():
     with pytest.raises(TrainingArgumentsError) as info:
         TrainingArguments(

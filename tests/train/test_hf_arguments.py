@@ -92,6 +92,27 @@ def test_eval_on_start_and_eval_delay(tmp_path):
     assert record.evals == [0, 4, 6]
 
 
+def test_eval_on_save_evaluates_before_every_checkpoint_and_stores_its_metrics(tmp_path):
+    from forge.checkpoint import read_manifest
+    from tests.train.common import checkpoint_dir
+
+    _, record = run(
+        tmp_path,
+        eval_size=8,
+        max_steps=6,
+        eval_strategy="steps",
+        eval_steps=4,
+        save_strategy="steps",
+        save_steps=3,
+        eval_on_save=True,
+    )
+    assert record.evals == [3, 4, 6]  # the saves' (3, 6) and the schedule's (4)
+    for step in (3, 6):
+        assert "eval_loss" in read_manifest(checkpoint_dir(tmp_path, step)).metrics
+    with pytest.raises(TrainingArgumentsError, match="eval_on_save evaluates at every save, but"):
+        make_args(tmp_path, eval_on_save=True)
+
+
 @pytest.mark.parametrize(
     ("overrides", "steps"),
     [

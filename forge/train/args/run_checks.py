@@ -99,11 +99,17 @@ class RunChecks(ValueChecks):
         for name in (
             "prediction_loss_only",
             "eval_on_start",
+            "eval_on_save",
             "eval_do_concat_batches",
             "eval_use_gather_object",
             "batch_eval_metrics",
         ):
             self._bool(name, p)
+        if self.eval_on_save is True and self.eval_strategy == "no":
+            p.append(
+                f'{self._key("eval_on_save")} evaluates at every save, but eval_strategy is "no" '
+                '(no evaluation at all); set eval_strategy: "steps" or "epoch", or unset it'
+            )
         self._optional_int("eval_accumulation_steps", p, minimum=1, fix="use null to keep all")
         self._optional_int("max_eval_batches", p, minimum=1, fix="use null for the whole set")
         self._bool("sanity_check", p)
@@ -141,6 +147,7 @@ class RunChecks(ValueChecks):
         if self.save_strategy == "steps":
             self._interval("save_steps", p, 'set it or use save_strategy: "no"')
         self._optional_int("save_total_limit", p, minimum=1, fix="use null to keep all")
+        self._int("save_top_k", p, 1, fix="1 keeps the best checkpoint only")
         for name in (
             "save_final_checkpoint",
             "save_only_model",
@@ -191,6 +198,12 @@ class RunChecks(ValueChecks):
             self.metric_for_best_model = metric
             if self.greater_is_better is None:
                 self.greater_is_better = not metric.endswith("loss")
+        top_k = self.save_top_k
+        if isinstance(top_k, int) and top_k > 1 and metric is None:
+            p.append(
+                f"{self._key('save_top_k')} is {top_k}, but no metric ranks the checkpoints: "
+                "set metric_for_best_model (e.g. eval_loss) and an eval_strategy"
+            )
         if needs_metric and self.eval_strategy == "no":
             p.append(
                 f'{self._key("eval_strategy")} must not be "no" when {" and ".join(needs_metric)} '

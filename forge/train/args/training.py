@@ -125,6 +125,8 @@ class TrainingArguments(StepChecks, RunChecks):
     eval_delay: float = 0
     prediction_loss_only: bool = False
     eval_on_start: bool = False
+    #: forge's: evaluate before every checkpoint, so each records its metrics in its manifest
+    eval_on_save: bool = False
     eval_do_concat_batches: bool = True
     eval_use_gather_object: bool = False
     eval_accumulation_steps: int | None = None
@@ -142,6 +144,9 @@ class TrainingArguments(StepChecks, RunChecks):
     save_steps: float = 500
     save_on_each_node: bool = False
     save_total_limit: int | None = None
+    #: forge's (Lightning's name): the best checkpoints by metric_for_best_model that rotation
+    #: never deletes, beside the newest
+    save_top_k: int = 1
     enable_jit_checkpoint: bool = False
     push_to_hub: bool = False
     hub_token: str | None = None
