@@ -219,3 +219,25 @@ def test_run_json_records_the_size_at_each_checkpoint(auto_run, tmp_path):
     saved = RunRecord.load(tmp_path).data
     assert saved["train_batch_size"]["per_device"] == 2
     assert saved["train_batch_size"]["gradient_accumulation_steps"] == 4
+
+
+def test_the_accelerate_trainer_finds_the_batch_and_trains_as_the_plain_trainer(auto_run, tmp_path):
+    from forge.train import AccelTrainer
+    from forge.train.args.accelerate import AccelTrainingArguments
+
+    _, expected, _ = auto_run
+    model, losses = Fits(fits=2), Losses()
+    values = dict(
+        max_steps=12,
+        per_device_train_batch_size=8,
+        auto_find_batch_size=True,
+        logging_steps=1,
+        save_strategy="no",
+        dataloader_drop_last=True,
+    )
+    args = AccelTrainingArguments(**make_args(tmp_path, **values).to_dict())
+    trainer = AccelTrainer(model, args, Points(), callbacks=[losses])
+    trainer.train()
+    assert model.out_of_memory == 2 and model.largest == 2
+    assert trainer.state.train_batch_size == 2
+    assert losses.losses == pytest.approx(expected, rel=1e-6)
