@@ -6,6 +6,7 @@ Cheap: no process group, no training."""
 from __future__ import annotations
 
 import ast
+import functools
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -94,6 +95,16 @@ def node_ids(path: Path, name: str) -> set[str]:
     return set()
 
 
+ARGUMENTS: dict[str, tuple[type, dict]] = {
+    "One process": (TrainingArguments, {}),
+    "DDP": (TrainingArguments, {}),
+    "FSDP": (TrainingArguments, {"fsdp": "full_shard"}),
+    "HSDP": (TrainingArguments, {"fsdp": "hybrid_shard"}),
+    "Accelerate": (AccelTrainingArguments, {}),
+    "Pipeline": (PipelineTrainingArguments, {}),
+}
+
+
 def args_error(cls: type = TrainingArguments, **values) -> str:
     with pytest.raises(TrainingArgumentsError) as err:
         cls(output_dir="unused", report_to="none", **values)
@@ -109,10 +120,10 @@ def several_processes(fsdp: str | None, world_size: int) -> Callable[[dict], str
     return refusal
 
 
-def pipeline_lora(settings: dict) -> str:
-    args = PipelineTrainingArguments(output_dir="unused", report_to="none", **settings)
+def lora_refusal(cls: type, unsupported: dict, values: dict, settings: dict) -> str:
+    args = cls(output_dir="unused", report_to="none", **values, **settings)
     with pytest.raises(TrainingArgumentsError) as err:
-        check_trainer_arguments(nn.Linear(1, 1), args, UNSUPPORTED, peft_config=object())
+        check_trainer_arguments(nn.Linear(1, 1), args, unsupported, peft_config=object())
     return str(err.value)
 
 
@@ -134,10 +145,12 @@ def refusal_for(feature: str, strategy: str) -> Callable[[dict], str]:
         return lambda s: args_error(PipelineTrainingArguments, fsdp="full_shard", **s)
     if strategy == "Pipeline":
         if feature == "LoRA":
-            return pipeline_lora
+            return functools.partial(lora_refusal, PipelineTrainingArguments, UNSUPPORTED, {})
         if feature == "Packing":
             return pipeline_packing
         return lambda s: args_error(PipelineTrainingArguments, **s)
+    if feature == "LoRA" and strategy in ("FSDP", "HSDP"):
+        return functools.partial(lora_refusal, TrainingArguments, {}, ARGUMENTS[strategy][1])
     if feature == "Auto batch size":
         fsdp, world = {"DDP": (None, 2), "FSDP": ("full_shard", 2), "HSDP": ("hybrid_shard", 4)}[
             strategy
@@ -172,16 +185,6 @@ def test_each_cell_is_a_test_that_exists_or_a_refusal_forge_gives(cell):
     assert refused, f"{feature} / {strategy}: {text!r} is no test, refusal or 'untested'"
     message = refusal_for(feature, strategy)(SETTINGS[feature])
     assert re.search(rf"\btrainer(\.args)?\.{refused.group(1)}\b", message), message
-
-
-ARGUMENTS: dict[str, tuple[type, dict]] = {
-    "One process": (TrainingArguments, {}),
-    "DDP": (TrainingArguments, {}),
-    "FSDP": (TrainingArguments, {"fsdp": "full_shard"}),
-    "HSDP": (TrainingArguments, {"fsdp": "hybrid_shard"}),
-    "Accelerate": (AccelTrainingArguments, {}),
-    "Pipeline": (PipelineTrainingArguments, {}),
-}
 
 
 @pytest.mark.parametrize(
