@@ -12,6 +12,14 @@ from torch import nn
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.wrappers import class_label
 
+#: why LoRA and FSDP (``fsdp`` set) are refused together
+LORA_UNDER_FSDP = (
+    "LoRA is not supported under fsdp yet: the adapter checkpoint (peft's one adapter file, "
+    "written by rank 0) is not written from the sharded parameters FSDP leaves each rank, so "
+    "the run's first save would fail. Train LoRA with DDP (fsdp: null): the frozen base has "
+    "no gradients or optimizer state, so it usually fits where the full model needed sharding"
+)
+
 
 def check_trainer_arguments(
     model: Any, args: Any, unsupported: dict[str, str], **given: Any
@@ -41,6 +49,8 @@ def check_trainer_arguments(
             raise TrainingArgumentsError([f"trainer.{name}: {unsupported[name]}"])
     if given.get("peft_config") is not None and "peft_config" in unsupported:
         raise TrainingArgumentsError([f"trainer.peft_config: {unsupported['peft_config']}"])
+    if given.get("peft_config") is not None and args.fsdp_settings() is not None:
+        raise TrainingArgumentsError([f"trainer.peft_config: {LORA_UNDER_FSDP}"])
 
 
 def check_eval_dataset(args: TrainingArguments, eval_dataset: Any) -> None:

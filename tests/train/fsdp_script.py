@@ -5,7 +5,8 @@
 MODE ``fsdp``, ``zero2`` (shard_grad_op with activation checkpointing), ``ddp``, ``plain``
 (no sharding: one process, or DDP), ``accel`` (the Accelerate trainer) or ``pipeline`` (the
 pipeline trainer); ``KIND-tied`` ties the model's output head to its token embedding,
-``KIND-wide`` makes it 4 times as wide.
+``KIND-wide`` makes it 4 times as wide, ``KIND-ema`` keeps a moving average of the weights
+(``ema_decay`` 0.9), ``KIND-ckpt`` checkpoints the activations.
 Gradient accumulation and clipping are on, and an evaluation every 3 steps over an eval set the
 ranks split unevenly (a sharded forward needs every rank). Saves every 3 steps; with STOP the
 job is SIGKILLed by rank 0 right after the checkpoint of step STOP is committed. MODE
@@ -99,7 +100,11 @@ def main(output_dir: str, mode: str, stop: int | None) -> None:
         save_strategy="steps",
         save_steps=3,
         save_final_checkpoint=False,
-        **SHARDING.get(kind, {}),
+        **{
+            **SHARDING.get(kind, {}),
+            **({"ema_decay": 0.9} if "ema" in flags else {}),
+            **({"activation_checkpointing": True} if "ckpt" in flags else {}),
+        },
     )
     rank = int(os.environ.get("RANK", "0"))
     callbacks = [KillAfterSave(stop)] if stop and rank == 0 else []

@@ -319,3 +319,25 @@ def test_the_sanity_pass_runs_out_of_memory_and_shrinks_without_a_crash(tmp_path
     run_sanity_pass(trainer, 2)
     assert model.out_of_memory == 4 and model.largest == 2  # training's 8, 4; evaluation's 8, 4
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_the_accelerate_trainer_finds_the_batch_and_trains_as_the_plain_trainer(auto_run, tmp_path):
+    from forge.train import AccelTrainer
+    from forge.train.args.accelerate import AccelTrainingArguments
+
+    _, expected, _ = auto_run
+    model, losses = Fits(fits=2), Losses()
+    values = dict(
+        max_steps=12,
+        per_device_train_batch_size=8,
+        auto_find_batch_size=True,
+        logging_steps=1,
+        save_strategy="no",
+        dataloader_drop_last=True,
+    )
+    args = AccelTrainingArguments(**make_args(tmp_path, **values).to_dict())
+    trainer = AccelTrainer(model, args, Points(), callbacks=[losses])
+    trainer.train()
+    assert model.out_of_memory == 2 and model.largest == 2
+    assert trainer.state.train_batch_size == 2
+    assert losses.losses == pytest.approx(expected, rel=1e-6)

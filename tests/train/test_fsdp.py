@@ -18,10 +18,11 @@ import torch
 
 from forge.checkpoint import read_manifest, validate_checkpoint
 from forge.checkpoint.io import load_torch_state
+from forge.checkpoint.registry import read_component_states
 from forge.checkpoint.sharded import merge_sharded
 from forge.checkpoint.weights import read_weights
 from tests.faults import fault_env
-from tests.train.common import assert_same_tensors, checkpoint_dir
+from tests.train.common import assert_same_tensors, checkpoint_dir, component_state
 from tests.train.fsdp_script import STEPS
 
 pytestmark = pytest.mark.integration
@@ -421,3 +422,26 @@ def test_hybrid_sharding_trains_as_ddp_writes_one_copy_and_resumes_bit_identical
     done = checkpoint_dir(tmp_path / "run", STEPS)
     assert_same_tensors(read_weights(checkpoint), read_weights(done), "weights")
     assert_same_tensors(optimizer_state(checkpoint), optimizer_state(done), "optimizer")
+
+
+@pytest.mark.slow
+def test_hybrid_sharding_with_an_average_and_checkpointed_activations_trains_as_ddp(tmp_path):
+    """HSDP on 4 processes (2 replicas x 2 shards) with a moving average and activation
+    checkpointing: the losses are DDP's (without checkpointing) up to float noise, and the
+    average, kept as each rank's rows, merges to DDP's."""
+    runs = {"hsdp": launch(tmp_path / "hsdp", "hsdp-ema-ckpt", nproc=4)}
+    runs["ddp"] = launch(tmp_path / "ddp", "ddp-ema", nproc=4)
+    for proc in runs.values():
+        finish(proc)
+    hybrid, ddp = losses(tmp_path / "hsdp"), losses(tmp_path / "ddp")
+    assert [hybrid[s] for s in sorted(ddp)] == pytest.approx(
+        [ddp[s] for s in sorted(ddp)], rel=1e-5
+    )
+    checkpoint = checkpoint_dir(tmp_path / "hsdp", STEPS)
+    assert read_manifest(checkpoint).components["ema"]["scope"] == "sharded"
+    states = merge_sharded(read_component_states(checkpoint, "ema"))
+    average = {k.removeprefix("weights."): v for k, v in states.items() if "." in k}
+    with_ddp = component_state(checkpoint_dir(tmp_path / "ddp", STEPS), "ema")["weights"]
+    assert sorted(average) == sorted(with_ddp)
+    for name, tensor in with_ddp.items():
+        torch.testing.assert_close(average[name], tensor, rtol=1e-4, atol=1e-5)

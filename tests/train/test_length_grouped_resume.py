@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from forge.checkpoint import read_manifest
 from forge.train import Trainer, TrainingArgumentsError
 from tests.helpers import REPO, run_forge
 from tests.integration.test_train_resume import start_forge, wait_for
@@ -177,3 +178,22 @@ def test_num_items_in_batch_counts_the_real_tokens_of_budget_batches(tmp_path):
     counted = loss.num_items_in_batch(window, torch.nn.Linear(1, 1))
     real = sum(int(batch["attention_mask"].sum()) for batch in window)
     assert int(counted) == real  # the model shifts no labels here: every real token counts
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize("case", ["grouped", "budget"])
+def test_sigkill_mid_epoch_and_resume_is_bit_identical_under_fsdp(project, case):
+    """The same on 2 processes with `fsdp: full_shard`: each rank's rows of the weights and
+    of the optimizer state end where the straight run's do."""
+    from forge.checkpoint.registry import read_component_states
+    from forge.checkpoint.sharded import merge_sharded
+    from forge.checkpoint.weights import read_weights
+
+    fsdp = ["--set", "trainer.args.fsdp=full_shard", "--nproc", "2"]
+    straight, resumed = kill_and_resume(project, [*CASES[case], *fsdp])
+    a, b = (run / "checkpoints" / "checkpoint-000030" for run in (straight, resumed))
+    assert read_manifest(b).components["model"]["scope"] == "sharded"
+    assert_same_tensors(read_weights(a), read_weights(b), "weights")
+    optimizer = [merge_sharded(read_component_states(c, "optimizer")) for c in (a, b)]
+    assert_same_tensors(*optimizer, "optimizer")

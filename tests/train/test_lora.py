@@ -298,6 +298,21 @@ def test_the_pipeline_trainer_refuses_lora_at_construction(tmp_path):
         )
 
 
+def test_lora_under_fsdp_is_refused_at_construction_naming_ddp(tmp_path):
+    from forge.train import Trainer
+
+    args = make_args(tmp_path, fsdp="full_shard")
+    with pytest.raises(
+        TrainingArgumentsError, match="peft_config: LoRA is not supported under fsdp"
+    ):
+        Trainer(
+            functools.partial(LlamaForCausalLM, tiny_llama_config()),
+            args,
+            TokenDataset(8),
+            peft_config=lora(),
+        )
+
+
 def test_a_quantised_base_is_refused_without_a_gpu(base_dir, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     with pytest.raises(LoraUsageError, match="needs a CUDA GPU"):

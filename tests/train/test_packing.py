@@ -166,16 +166,18 @@ def test_a_packed_run_trains_and_counts_its_sequences(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("nproc", ["1", "2"])
-def test_a_packed_run_killed_with_sigkill_resumes_bit_identical(tmp_path, nproc):
+@pytest.mark.parametrize("job", ["1", "2", "fsdp"])
+def test_a_packed_run_killed_with_sigkill_resumes_bit_identical(tmp_path, job):
     """The flattening collator keeps no state: a packed run killed after a checkpoint and
     continued with `forge resume` ends with the weights and optimizer state of the same run
-    trained straight (1 and 2 processes)."""
+    trained straight (1 and 2 processes, and 2 under FSDP)."""
     import signal
     from pathlib import Path
 
-    from safetensors.torch import load_file
-
+    from forge.checkpoint import read_manifest
+    from forge.checkpoint.registry import read_component_states
+    from forge.checkpoint.sharded import merge_sharded
+    from forge.checkpoint.weights import read_weights
     from tests.integration.test_train_resume import start_forge, wait_for
     from tests.train.common import assert_same_tensors, component_state
 
@@ -185,8 +187,10 @@ def test_a_packed_run_killed_with_sigkill_resumes_bit_identical(tmp_path, nproc)
     extra = [
         *defines(SMALL_LM), "-D", "padding_free=true", "-D", "max_steps=12",
         "-D", "save_steps=4", "-D", "eval_steps=12", "-D", "logging_steps=4",
-        "-D", "report_to=none", "--nproc", nproc,
+        "-D", "report_to=none", "--nproc", "1" if job == "1" else "2",
     ]  # fmt: skip
+    if job == "fsdp":
+        extra += ["--set", "trainer.args.fsdp=full_shard"]
     straight = run_forge("train", "-p", str(project), *extra, timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
     proc = start_forge("train", "-p", str(project), *extra, cwd=project)
@@ -201,6 +205,10 @@ def test_a_packed_run_killed_with_sigkill_resumes_bit_identical(tmp_path, nproc)
         Path(straight.stdout.splitlines()[0]) / "checkpoints" / "checkpoint-000012",
         run_dir / "checkpoints" / "checkpoint-000012",
     ]
-    weights = [load_file(end / "model.safetensors") for end in ends]
-    assert_same_tensors(*weights, "weights")
-    assert_same_tensors(*(component_state(end, "optimizer") for end in ends), "optimizer")
+    assert_same_tensors(*(read_weights(end) for end in ends), "weights")
+    if job == "fsdp":
+        assert read_manifest(ends[1]).components["optimizer"]["scope"] == "sharded"
+        optimizer = [merge_sharded(read_component_states(end, "optimizer")) for end in ends]
+    else:
+        optimizer = [component_state(end, "optimizer") for end in ends]
+    assert_same_tensors(*optimizer, "optimizer")

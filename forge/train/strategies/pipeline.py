@@ -49,11 +49,13 @@ UNSUPPORTED = {
         "logits, not the model's outputs; give it loss_fn(logits, labels) instead"
     ),
     "peft_config": (
-        "LoRA is not supported by the pipeline trainer: each stage builds only its part of "
-        "the model, while a peft model wraps (and its adapter checkpoint names) the whole "
-        "model. Fine-tune with the plain or Accelerate trainer (data parallel over the "
-        "processes: the frozen base needs no gradients, so it fits where the full model "
-        "trained)"
+        "LoRA is not supported by the pipeline trainer: peft wraps one whole model (its "
+        "adapter's names, its one adapter file, resume and export take every layer to be in "
+        "the process), while each pipeline stage builds, trains and saves only its own layers; "
+        "no stage could write or resume peft's adapter. Fine-tune with the plain trainer "
+        "(one process, or DDP with --nproc) or the Accelerate trainer: with the base frozen "
+        "only the adapter has gradients and optimizer state, so the model usually fits on one "
+        "device where the full model needed a pipeline"
     ),
 }
 
