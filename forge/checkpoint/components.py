@@ -108,6 +108,33 @@ def _plain_name(name: str) -> str:
     return ".".join(p for p in name.split(".") if p not in ("module", "_orig_mod"))
 
 
+def param_groups_by_name(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict:
+    """The settings of each parameter's group (``param_groups.<fqn>.lr``...), as the flattened
+    optimizer state dict keys them, for an optimizer that holds no state."""
+    names = {id(p): _plain_name(n) for n, p in model.named_parameters()}
+    flat: dict[str, Any] = {}
+    for group in optimizer.param_groups:
+        settings = {k: v for k, v in group.items() if k != "params"}
+        for param in group["params"]:
+            flat.update({f"param_groups.{names[id(param)]}.{k}": v for k, v in settings.items()})
+    return flat
+
+
+def load_param_groups_by_name(
+    model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
+) -> None:
+    """Set each group's settings from ``param_groups_by_name``'s keys (the first of its
+    parameters that has them); a group none of whose parameters are named keeps its own."""
+    names = {id(p): _plain_name(n) for n, p in model.named_parameters()}
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            prefix = f"param_groups.{names[id(param)]}."
+            saved = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
+            if saved:
+                group.update({k: v for k, v in saved.items() if k != "params"})
+                break
+
+
 class OptimizerState:
     """An optimizer's state keyed by parameter name (``state.<fqn>.exp_avg``), not by index.
 
@@ -131,15 +158,18 @@ class OptimizerState:
         from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
         if not self.optimizer.state:
-            # no step taken yet: nothing to save, and the library would initialise the
-            # state with a zero step, which changes the first real step's bias correction
-            return {}
+            # no state (no step taken yet, or an optimizer that keeps none: SGD without
+            # momentum): the library would initialise the state with a zero step, which
+            # changes the first real step's bias correction; the groups' settings (the
+            # learning rate the schedule set) are saved all the same
+            return param_groups_by_name(self.model, self.optimizer)
         return get_optimizer_state_dict(self.model, self.optimizer, options=self._options())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
 
-        if not state:
+        if not any(k.startswith("state.") for k in state):
+            load_param_groups_by_name(self.model, self.optimizer, state)
             return
         # one naming rule for both sides: a model that keeps its layers as ``self.module``
         # (LossAdapter, a user's wrapper) is saved under ``module.*``, which the rule removes
@@ -273,10 +303,11 @@ class ShardedOptimizerState:
             get_optimizer_state_dict,
         )
 
-        if not self.optimizer.state:
-            return {}  # no step yet (see OptimizerState)
-        options = StateDictOptions(flatten_optimizer_state_dict=True)
-        flat = get_optimizer_state_dict(self.model, self.optimizer, options=options)
+        if not self.optimizer.state:  # no state: the groups' settings (see OptimizerState)
+            flat = param_groups_by_name(self.model, self.optimizer)
+        else:
+            options = StateDictOptions(flatten_optimizer_state_dict=True)
+            flat = get_optimizer_state_dict(self.model, self.optimizer, options=options)
         return split_state(flat, keep_whole=is_main_rank())
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -284,7 +315,8 @@ class ShardedOptimizerState:
         each DTensor parameter's moments keep this rank's rows."""
         from torch.distributed.tensor import DTensor
 
-        if not state:
+        if not any(k.startswith("state.") for k in state):
+            load_param_groups_by_name(self.model, self.optimizer, state)
             return
         names = {id(p): name for name, p in self.model.named_parameters()}
         found, groups, index = {}, [], 0

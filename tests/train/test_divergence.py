@@ -213,7 +213,6 @@ class PoisonedRegression(Regression):
 def rollback_trainer(output_dir, **overrides):
     # 20 steps an epoch: the poisoned item comes once in each
     values = {**SMALL_RUN, "max_steps": 24, "save_strategy": "steps", "save_steps": 2}
-    values["optim"] = "adamw_torch"  # resumes exactly (a plain SGD run does not, as yet)
     values.update(overrides)
     detector = DivergenceDetector([LossSpike(warmup=3)], action="rollback", skip_past=1)
     torch.manual_seed(0)

@@ -230,3 +230,23 @@ def test_a_resumed_run_reports_the_training_loss_of_the_straight_run(straight, t
     expected = straight.output.training_loss
     assert output.training_loss == pytest.approx(expected, rel=1e-12)
     assert output.metrics["train_loss"] == pytest.approx(expected, rel=1e-12)
+
+
+def test_a_plain_sgd_run_resumes_bit_identical(tmp_path):
+    """SGD without momentum keeps no optimizer state: its checkpoint still holds the learning
+    rate the schedule set, which the first resumed step uses (loading the schedule's own state
+    does not set it)."""
+    from forge.train import Trainer
+    from tests.train.test_divergence import SMALL_RUN, LinearModel, Regression
+
+    def trainer(out, **overrides):
+        values = {**SMALL_RUN, "max_steps": 10, "save_strategy": "steps", "save_steps": 4}
+        values.update(lr_scheduler_type="linear", **overrides)
+        torch.manual_seed(0)
+        return Trainer(LinearModel, make_args(out, **values), Regression())
+
+    straight = trainer(tmp_path / "a")
+    straight.train()
+    resumed = trainer(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=str(checkpoint_dir(tmp_path / "a", 4)))
+    assert_same_training(straight, resumed)
