@@ -261,10 +261,14 @@ def test_checkpoints_of_a_run_dir_find_its_project_without_p(trained_once, tmp_p
 
 
 def _damage_final_weights(run_dir: Path) -> tuple[Path, dict[str, torch.Tensor]]:
-    from safetensors.torch import load_file
+    """Flip the last byte of checkpoint-000040's weights; the weights as they were.
+
+    They are read from the bytes, not with ``load_file``: its tensors map the file, so the
+    damage written in place would show through them."""
+    from safetensors.torch import load
 
     weights = run_dir / "checkpoints" / "checkpoint-000040" / "model.safetensors"
-    final = load_file(weights)
+    final = load(weights.read_bytes())
     data = bytearray(weights.read_bytes())
     data[-1] ^= 0xFF
     weights.write_bytes(bytes(data))
@@ -298,3 +302,5 @@ def test_resume_of_a_completed_run_with_damaged_final_weights_rebuilds_them(trai
     assert run_forge("checkpoints", "-p", str(project), "--verify").returncode == 0
     rebuilt = load_file(weights)
     assert rebuilt.keys() == final.keys()
+    for name, tensor in final.items():  # trained again from step 30: the same weights, bitwise
+        assert torch.equal(rebuilt[name], tensor), name
