@@ -124,15 +124,23 @@ def load_param_groups_by_name(
     model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict[str, Any]
 ) -> None:
     """Set each group's settings from ``param_groups_by_name``'s keys (the first of its
-    parameters that has them); a group none of whose parameters are named keeps its own."""
+    parameters that has them); a group none of whose parameters are named keeps its own.
+    Fails when the saved settings name none of the parameters."""
     names = {id(p): _plain_name(n) for n, p in model.named_parameters()}
+    found = False
     for group in optimizer.param_groups:
         for param in group["params"]:
             prefix = f"param_groups.{names[id(param)]}."
             saved = {k.removeprefix(prefix): v for k, v in state.items() if k.startswith(prefix)}
             if saved:
                 group.update({k: v for k, v in saved.items() if k != "params"})
+                found = True
                 break
+    if state and not found:
+        raise CheckpointError(
+            "the saved optimizer settings name none of this model's parameters (saved e.g. "
+            f"{sorted(state)[:3]}, this model has e.g. {sorted(names.values())[:3]})"
+        )
 
 
 class OptimizerState:

@@ -365,6 +365,26 @@ def test_optimizer_state_is_keyed_by_name_and_never_loads_into_other_parameters(
         OptimizerState(stranger, torch.optim.AdamW(stranger.parameters())).load_state_dict(state)
 
 
+def test_an_optimizer_without_state_keeps_its_groups_settings_by_name():
+    """SGD without momentum keeps no per-parameter state: the learning rate the schedule set is
+    saved all the same (the first resumed step reads it from the group)."""
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    optimizer.param_groups[0]["lr"] = 0.025
+    state = OptimizerState(model, optimizer).state_dict()
+    assert not optimizer.state and state["param_groups.1.weight.lr"] == 0.025
+
+    fresh = torch.optim.SGD(model.parameters(), lr=0.1)
+    OptimizerState(model, fresh).load_state_dict(state)
+    assert fresh.param_groups[0]["lr"] == 0.025 and not fresh.state
+
+    stranger = nn.ModuleDict({"encoder": nn.Linear(4, 4)})
+    with pytest.raises(CheckpointError, match="name none of this model's parameters"):
+        OptimizerState(stranger, torch.optim.SGD(stranger.parameters())).load_state_dict(state)
+
+
 def test_weights_component_writes_a_from_pretrained_directory(tmp_path):
     from transformers import AutoModelForCausalLM
 
