@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+from forge.cli.commands import _kept_reasons
 from forge.runs import EXIT_DIVERGED
 from tests.plain_project import write_project
 
@@ -59,12 +60,13 @@ def test_a_diverged_run_is_recorded_and_exits_3(tmp_path):
 
 
 def test_rollbacks_are_recorded_and_after_max_rollbacks_the_run_stops(tmp_path):
-    # a limit every loss passes: each check rolls back, until max_rollbacks
+    # a limit every loss passes: each check rolls back, until max_rollbacks; rotation to one
+    # checkpoint keeps the anchor (step 2) when step 4 is saved
     text = DIVERGING.replace(
         "- !singleton:forge.train:DivergenceDetector\n",
         "- !singleton:forge.train:DivergenceDetector\n        action: rollback\n"
         "        max_rollbacks: 2\n",
-    ).replace("max_steps: 8", "max_steps: 8\n    save_steps: 2")
+    ).replace("max_steps: 8", "max_steps: 8\n    save_steps: 2\n    save_total_limit: 1")
     code, run_dir = train_config(tmp_path, text)
     assert code == EXIT_DIVERGED
     record = json.loads((run_dir / "run.json").read_text())
@@ -76,3 +78,10 @@ def test_rollbacks_are_recorded_and_after_max_rollbacks_the_run_stops(tmp_path):
         (4, "checkpoint-000002"),
     ]
     assert all(r["skipped"]["batches"] >= 1 for r in rollbacks)
+    # forge checkpoints' KEPT column says why rotation keeps both
+    assert record["rollback_anchor_before"] == 1
+    reasons = {path.name: why for path, why in _kept_reasons(run_dir).items()}
+    assert reasons == {
+        "checkpoint-000002": "rollback anchor",
+        "checkpoint-000004": "last, rollback anchor",
+    }
