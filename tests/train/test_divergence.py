@@ -211,7 +211,7 @@ class PoisonedRegression(Regression):
         self.y[poisoned] *= 1e4
 
 
-def rollback_trainer(output_dir, **overrides):
+def rollback_trainer(output_dir, poisoned=100, **overrides):
     # 20 steps an epoch: the poisoned item comes once in each
     values = {**SMALL_RUN, "max_steps": 24, "save_strategy": "steps", "save_steps": 2}
     values["optim"] = "adamw_torch"  # resumes exactly (a plain SGD run does not, as yet)
@@ -219,7 +219,10 @@ def rollback_trainer(output_dir, **overrides):
     detector = DivergenceDetector([LossSpike(warmup=3)], action="rollback", skip_past=1)
     torch.manual_seed(0)
     trainer = Trainer(
-        LinearModel, make_args(output_dir, **values), PoisonedRegression(), callbacks=[detector]
+        LinearModel,
+        make_args(output_dir, **values),
+        PoisonedRegression(poisoned=poisoned),
+        callbacks=[detector],
     )
     return trainer, detector
 
@@ -306,3 +309,19 @@ def test_a_rolled_back_run_ends_as_a_run_that_never_saw_the_dropped_batches(tmp_
     # the steps after the rollback logged the clean run's losses, the final one included
     assert rolled_logs.losses[-10:] == clean_logs.losses[-10:]
     assert math.isfinite(rolled_logs.losses[-1])
+
+
+def test_a_window_past_the_epoch_end_is_cut_there_and_said(tmp_path, caplog):
+    # in order, 20 steps an epoch; the poisoned item 300 is in step 19's batch: from the anchor
+    # (step 18) to two steps past the spike is three batches, of which the epoch has two
+    trainer, detector = rollback_trainer(
+        tmp_path, poisoned=300, train_sampling_strategy="sequential", max_steps=22
+    )
+    detector.skip_past = 2
+    with caplog.at_level(logging.WARNING, logger="forge.train.rollback"):
+        trainer.train()
+    (entry,) = detector.rollbacks
+    assert (entry["from_step"], entry["to_step"]) == (19, 18)
+    assert entry["skipped"] == {"epoch": 0, "first_batch": 18, "batches": 2, "not_dropped": 1}
+    assert "ran past the end of epoch 0" in caplog.text
+    assert trainer.state.global_step == 22
