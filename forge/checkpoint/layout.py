@@ -607,20 +607,42 @@ def best_checkpoints(
     return [path for _, _, path in sorted(ranked)[:k]]
 
 
+def rollback_anchors(
+    checkpoints_dir: str | os.PathLike, step: int, anchor_before: int
+) -> list[Path]:
+    """The checkpoints a rollback asked at ``step`` or later may restore: the newest complete
+    one at least ``anchor_before`` steps before ``step`` (sizes checked, not hashes) and every
+    later one (each is the anchor of a later step), oldest first."""
+    found = _checkpoint_dirs(checkpoints_dir)
+    first = 0
+    for i in reversed(range(len(found))):
+        at, path = found[i]
+        if at <= step - anchor_before and not validate_checkpoint(path, verify_hashes=False):
+            first = i
+            break
+    return [path for _, path in found[first:]]
+
+
 def kept_reasons(
     checkpoints_dir: str | os.PathLike,
     metric: str | None = None,
     greater_is_better: bool = False,
     k: int = 1,
+    anchor_before: int | None = None,
 ) -> dict[Path, str]:
     """Why rotation keeps each checkpoint it must keep: ``last`` (the newest), ``best i of k``
-    (by ``metric`` in the manifests). Checkpoints not named are the ones it may delete."""
+    (by ``metric`` in the manifests), ``rollback anchor`` (with ``anchor_before``: those a
+    divergence detector may still roll back to, ``rollback_anchors`` at the newest one's step).
+    Checkpoints not named are the ones it may delete."""
     reasons: dict[Path, list[str]] = {}
     found = _checkpoint_dirs(checkpoints_dir)
     if found:
         reasons.setdefault(found[-1][1], []).append("last")
     for rank, path in enumerate(best_checkpoints(checkpoints_dir, metric, greater_is_better, k)):
         reasons.setdefault(path, []).append(f"best {rank + 1} of {k}")
+    if found and anchor_before is not None:
+        for path in rollback_anchors(checkpoints_dir, found[-1][0], anchor_before):
+            reasons.setdefault(path, []).append("rollback anchor")
     return {path: ", ".join(why) for path, why in reasons.items()}
 
 

@@ -30,6 +30,7 @@ from forge.checkpoint.layout import (
     CheckpointManifest,
     best_checkpoints,
     checkpoint_name,
+    rollback_anchors,
     rotate_checkpoints,
 )
 from forge.checkpoint.registry import CheckpointRegistry, CheckpointSnapshot, Component
@@ -87,6 +88,7 @@ class CheckpointManager:
         device: Any = None,
         optimizer: Any = None,
         on_commit: Callable[[int, float | None, Path, dict[str, Any]], None] | None = None,
+        anchor_before: int | None = None,
     ) -> None:
         self.directory = Path(directory)
         self.topology = topology
@@ -99,6 +101,9 @@ class CheckpointManager:
         self.device = device
         self.optimizer = optimizer
         self.on_commit = on_commit
+        #: a rollback may restore the newest checkpoint this many steps before the step it is
+        #: asked at (forge/train/rollback.py): rotation keeps it (None: no rollbacks)
+        self.anchor_before = anchor_before
         self.registry = CheckpointRegistry(topology)
         #: what the checkpoint being snapshotted records of itself (as the last checkpoint, and
         #: the best if it is); the live record takes it only once the checkpoint is committed
@@ -226,7 +231,8 @@ class CheckpointManager:
             setattr(self.record, name, value)
         self.last_step = snapshot.step
         if self.topology.rank == 0 and self.save_total_limit:
-            rotate_checkpoints(self.directory, self.save_total_limit, protect=self.kept_best())
+            protect = self.kept_best() + self.kept_anchors(snapshot.step)
+            rotate_checkpoints(self.directory, self.save_total_limit, protect=protect)
         if self.on_commit is not None:
             self.on_commit(snapshot.step, snapshot.epoch, final, snapshot.metrics)
 
@@ -238,6 +244,14 @@ class CheckpointManager:
         kept = best_checkpoints(self.directory, rule.metric, rule.greater_is_better, rule.keep)
         best = self.record.best_checkpoint
         return kept + ([Path(best)] if best else [])
+
+    def kept_anchors(self, step: int) -> list[Path]:
+        """The checkpoints a rollback asked at ``step`` or later may restore (the newest
+        complete one at least ``anchor_before`` steps before ``step``, and every later one):
+        rotation keeps each until a newer anchor is past the detection window."""
+        if self.anchor_before is None:
+            return []
+        return rollback_anchors(self.directory, step, self.anchor_before)
 
     def _host_copier(self) -> HostCopier:
         """How a snapshot copies tensors (forge/checkpoint/snapshot.py). A synchronous commit

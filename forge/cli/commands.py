@@ -571,15 +571,18 @@ def _kept_reasons(run_dir: Path) -> dict[Path, str]:
     from forge.runs import RunError, RunRecord
 
     try:
-        best = RunRecord.load(run_dir).data.get("best") or {}
+        data = RunRecord.load(run_dir).data
     except RunError:
-        best = {}  # forge runs reports a damaged record
+        data = {}  # forge runs reports a damaged record
+    best = data.get("best") or {}
     top_k = best.get("top_k", 1)
+    anchor_before = data.get("rollback_anchor_before")
     return kept_reasons(
         run_dir / "checkpoints",
         best.get("metric"),
         bool(best.get("greater_is_better", False)),
         top_k if isinstance(top_k, int) else 1,
+        anchor_before=anchor_before if isinstance(anchor_before, int) else None,
     )
 
 

@@ -29,6 +29,7 @@ from forge.runs import (
     now_iso,
     resume_command,
 )
+from forge.train.rollback import rollback_anchor_before
 from forge.train.topology import Topology
 
 if TYPE_CHECKING:
@@ -323,6 +324,9 @@ def train_run(
             callback = make_run_record_callback(record, restart)
             trainer.add_callback(callback)
             record.set_status("running", world_size=world_size, started=now_iso())
+            anchor_before = rollback_anchor_before(trainer.callback_handler.callbacks)
+            if anchor_before is not None:  # forge checkpoints names the kept rollback anchor
+                record.update(rollback_anchor_before=anchor_before)
         output = trainer.train(resume_from_checkpoint=resume_from)
         diverged = divergence(trainer)
         if rank == 0:

@@ -322,6 +322,12 @@ class DivergenceDetector(TrainerCallback):
         self.diverged: dict[str, Any] | None = None
         self._history: list[dict[str, Any]] = []
 
+    @property
+    def rollback_anchor_before(self) -> int | None:
+        """How far before a detection a rollback may go back (None: no rollbacks): the
+        checkpoint manager's rotation keeps that anchor (forge/checkpoint/manager.py)."""
+        return self.anchor_before if self.action == "rollback" else None
+
     def check_arguments(self, args: Any, evaluates: bool) -> list[str]:
         """What cannot work with these arguments, found before training: a detector of an
         evaluation metric in a run that never evaluates, of a training metric in a run that

@@ -53,6 +53,14 @@ def rollback_anchor(checkpoints_dir: Path, before: int) -> Path | None:
     return earlier[-1].path if earlier else None
 
 
+def rollback_anchor_before(callbacks: Any) -> int | None:
+    """The farthest any callback may roll back before the step it asks at (its
+    ``rollback_anchor_before``), or None when none rolls back: rotation keeps that anchor."""
+    found = [getattr(c, "rollback_anchor_before", None) for c in callbacks]
+    found = [n for n in found if isinstance(n, int)]
+    return max(found) if found else None
+
+
 def can_roll_back(trainer: Any, request: RollbackRequest) -> bool:
     """Whether a checkpoint is early enough for ``request``, once every save in flight is
     committed (so the answer never depends on how fast a background commit ran); if not, the
@@ -81,7 +89,8 @@ def roll_back(trainer: Any, request: RollbackRequest) -> None:
     accumulation = trainer.args.gradient_accumulation_steps
     position = trainer.data_position
     first = (position.epoch, position.batch)
-    dropped = position.skip(steps * accumulation)
+    wanted = steps * accumulation
+    dropped = position.skip(wanted)
     entry = {
         "from_step": request.step,
         "to_checkpoint": anchor.name,
@@ -89,6 +98,19 @@ def roll_back(trainer: Any, request: RollbackRequest) -> None:
         "skipped": {"epoch": first[0], "first_batch": first[1], "batches": dropped},
         "reason": request.reason,
     }
+    if dropped < wanted:  # a skip stops at the epoch's end: said, and kept in the record
+        entry["skipped"]["not_dropped"] = wanted - dropped
+        if trainer.is_main_process:
+            logger.warning(
+                "the rollback's window of %d micro-batches ran past the end of epoch %d: the "
+                "%d of that epoch were dropped, the other %d (the first of epoch %d) are trained "
+                "on; lower skip_past or anchor_before to keep a window inside one epoch",
+                wanted,
+                first[0],
+                dropped,
+                wanted - dropped,
+                first[0] + 1,
+            )
     trainer.state.epoch = position.fraction
     if request.done is not None:
         request.done(entry)

@@ -61,6 +61,7 @@ from forge.train.optim import build_optimizer, build_scheduler, set_seed
 from forge.train.packing import packing_refusal, packs_sequences
 from forge.train.plain_models import not_a_dict_batch
 from forge.train.precision import device_problems
+from forge.train.rollback import rollback_anchor_before
 from forge.train.runtime import Intervals, apply_runtime_settings
 from forge.train.stream_position import StreamPosition
 from forge.train.transforms import apply_activation_checkpointing, apply_model_settings
@@ -442,6 +443,7 @@ class TrainerSetup:
             device=self.device,
             optimizer=self.optimizer,
             on_commit=self._on_saved,
+            anchor_before=rollback_anchor_before(self.callback_handler.callbacks),
         )
         self.register_components()
         registered = [c.obj for c in self.checkpoints.components.values()]

@@ -193,3 +193,22 @@ def test_a_view_is_written_as_its_own_bytes_not_its_whole_storage(ckpt_dir, asyn
     assert written < 0.6 * whole.numel() * whole.element_size()
     saved = load_torch_state(checkpoint / "moments.pt")["state"]["exp_avg"]
     assert torch.equal(saved, whole[:128])
+
+
+def test_the_rollback_anchor_survives_rotation_until_a_newer_one_takes_its_place(ckpt_dir):
+    manager, _, counter, _ = make_manager(ckpt_dir, save_total_limit=1, anchor_before=5)
+    for step in range(2, 21, 2):
+        counter.value = step
+        manager.save(step, epoch=None, metrics={})
+        kept = [info.step for info in find_checkpoints(ckpt_dir)]
+        # a rollback asked from now on restores the newest at or before its step - 5: the
+        # newest at or before this step - 5 and every later one stay; older ones go
+        anchor = max([s for s in range(2, step + 1, 2) if s <= step - 5], default=2)
+        assert kept == list(range(anchor, step + 1, 2)), step
+    reasons = kept_reasons(ckpt_dir, anchor_before=5)  # forge checkpoints'
+    assert {path.name: why for path, why in reasons.items()} == {
+        "checkpoint-000014": "rollback anchor",
+        "checkpoint-000016": "rollback anchor",
+        "checkpoint-000018": "rollback anchor",
+        "checkpoint-000020": "last, rollback anchor",
+    }

@@ -20,6 +20,7 @@ from forge.train import (
     SustainedRise,
     Trainer,
 )
+from forge.train.callbacks import TrainerCallback, is_train_summary
 from tests.train.common import assert_same_tensors, checkpoint_dir, make_args
 
 SPIKE_AT = 12  # the learning rate jumps after this many steps
@@ -210,14 +211,17 @@ class PoisonedRegression(Regression):
         self.y[poisoned] *= 1e4
 
 
-def rollback_trainer(output_dir, **overrides):
+def rollback_trainer(output_dir, poisoned=100, **overrides):
     # 20 steps an epoch: the poisoned item comes once in each
     values = {**SMALL_RUN, "max_steps": 24, "save_strategy": "steps", "save_steps": 2}
     values.update(overrides)
     detector = DivergenceDetector([LossSpike(warmup=3)], action="rollback", skip_past=1)
     torch.manual_seed(0)
     trainer = Trainer(
-        LinearModel, make_args(output_dir, **values), PoisonedRegression(), callbacks=[detector]
+        LinearModel,
+        make_args(output_dir, **values),
+        PoisonedRegression(poisoned=poisoned),
+        callbacks=[detector],
     )
     return trainer, detector
 
@@ -252,3 +256,71 @@ def test_rollback_stops_the_run_when_no_checkpoint_is_early_enough(tmp_path):
     trainer.train()
     assert detector.rollbacks == []
     assert "no checkpoint at or before step" in detector.diverged["message"]
+
+
+class Subset(Dataset):
+    """The items of ``dataset`` at ``indices``, in that order."""
+
+    def __init__(self, dataset: Dataset, indices: list[int]) -> None:
+        self.dataset, self.indices = dataset, indices
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, index: int):
+        return self.dataset[self.indices[index]]
+
+
+class LogKeeper(TrainerCallback):
+    """The training losses logged, in order (a rolled-back run logs its restored steps again)."""
+
+    def __init__(self) -> None:
+        self.losses: list[float] = []
+
+    def on_log(self, args, state, control, logs, **kwargs):
+        if "loss" in logs and not is_train_summary(logs):
+            self.losses.append(logs["loss"])
+
+
+def test_a_rolled_back_run_ends_as_a_run_that_never_saw_the_dropped_batches(tmp_path):
+    # in order, 16 items a step: the poisoned item 100 is in step 7's batch
+    run = dict(train_sampling_strategy="sequential", max_steps=16)
+    trainer, detector = rollback_trainer(tmp_path / "rolled", **run)
+    rolled_logs = LogKeeper()
+    trainer.add_callback(rolled_logs)
+    trainer.train()
+    (entry,) = detector.rollbacks
+    assert (entry["from_step"], entry["to_step"]) == (7, 6)
+    skipped = entry["skipped"]
+    assert (skipped["first_batch"], skipped["batches"]) == (6, 2)  # steps 7 and 8: items 96-127
+    # the same data without those items, in the same order, from the start: the same weights
+    kept = [i for i in range(320) if not 96 <= i < 128]
+    values = {**SMALL_RUN, "optim": "adamw_torch", **run}
+    torch.manual_seed(0)
+    clean = Trainer(
+        LinearModel,
+        make_args(tmp_path / "clean", **values),
+        Subset(PoisonedRegression(), kept),
+        callbacks=[clean_logs := LogKeeper()],
+    )
+    clean.train()
+    assert_same_tensors(trainer.model.state_dict(), clean.model.state_dict())
+    # the steps after the rollback logged the clean run's losses, the final one included
+    assert rolled_logs.losses[-10:] == clean_logs.losses[-10:]
+    assert math.isfinite(rolled_logs.losses[-1])
+
+
+def test_a_window_past_the_epoch_end_is_cut_there_and_said(tmp_path, caplog):
+    # in order, 20 steps an epoch; the poisoned item 300 is in step 19's batch: from the anchor
+    # (step 18) to two steps past the spike is three batches, of which the epoch has two
+    trainer, detector = rollback_trainer(
+        tmp_path, poisoned=300, train_sampling_strategy="sequential", max_steps=22
+    )
+    detector.skip_past = 2
+    with caplog.at_level(logging.WARNING, logger="forge.train.rollback"):
+        trainer.train()
+    (entry,) = detector.rollbacks
+    assert (entry["from_step"], entry["to_step"]) == (19, 18)
+    assert entry["skipped"] == {"epoch": 0, "first_batch": 18, "batches": 2, "not_dropped": 1}
+    assert "ran past the end of epoch 0" in caplog.text
+    assert trainer.state.global_step == 22
