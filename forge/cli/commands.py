@@ -655,7 +655,7 @@ def _tree_bytes(path: Path) -> int:
 
 def cmd_generate(args: argparse.Namespace) -> int:
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.cli.generate import generate_text
+    from forge.read.generate import generate_text
     from forge.runs import PROJECT_RUNS
 
     checkpoint = resolve_checkpoint(
@@ -680,7 +680,7 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from forge.cli.export import export_model, loading_hint
+    from forge.read.export import export_model, loading_hint
 
     output = Path(args.output)
     export_model(
@@ -701,7 +701,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.cli.predict import evaluate_checkpoint
+    from forge.read.predict import evaluate_checkpoint
     from forge.runs import PROJECT_RUNS
 
     checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, runs=PROJECT_RUNS).path
@@ -722,7 +722,7 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 def cmd_predict(args: argparse.Namespace) -> int:
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.cli.predict import predict_file
+    from forge.read.predict import predict_file
     from forge.runs import PROJECT_RUNS
 
     if args.batch_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):

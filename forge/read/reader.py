@@ -43,7 +43,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointReader"]
+__all__ = ["CheckpointReader", "build_run_model"]
 
 
 class CheckpointReader:
@@ -261,32 +261,39 @@ class CheckpointReader:
         return load_pretrained(self.path, auto_class_of(self.path))
 
     def _run_model(self) -> nn.Module:
-        """The run's model as its training built it, before any weights are loaded: the
-        config's ``model`` target when the trainer takes it, else the trainer's model."""
-        from torch import nn
+        """The run's model as its training built it, before any weights are loaded."""
+        return build_run_model(self.run_dir, self.config, self.project, self.record)
 
-        from forge.config.graph import CallNode
-        from forge.launch.worker import TRAINER_TARGET, build_variables
 
-        cfg = self.config
-        trainer = cfg.targets.get(TRAINER_TARGET)
-        given = trainer.kwargs.get("model") if isinstance(trainer, CallNode) else None
-        alone = given is not None and cfg.targets.get("model") is given
-        # the objects' own files (a trainer's logs) go to a scratch directory, not to the run
-        with tempfile.TemporaryDirectory(prefix="forge-read-") as scratch:
-            variables = build_variables(Path(scratch), self.project, self.record.get("config", ""))
-            if alone:  # only the model and what it needs
-                built = cfg.build("model", variables)
-            else:
-                built = cfg.build(TRAINER_TARGET, variables)
-                built = built.model if built.model is not None else built.model_init
-            model = built if isinstance(built, nn.Module) else built()
-        if not isinstance(model, nn.Module):
-            raise CheckpointError(
-                f"{self.run_dir}/config.yaml: the trainer's model built a {class_label(model)}, "
-                "not a torch.nn.Module"
-            )
-        return model
+def build_run_model(
+    run_dir: Path, cfg: Config, project: Project | None, record: dict[str, Any]
+) -> nn.Module:
+    """The model of the run in ``run_dir`` (its checked ``cfg``, ``project`` and ``run.json``
+    ``record``) as its training built it, before any weights are loaded: the config's
+    ``model`` target when the trainer takes it, else the trainer's model."""
+    from torch import nn
+
+    from forge.config.graph import CallNode
+    from forge.launch.worker import TRAINER_TARGET, build_variables
+
+    trainer = cfg.targets.get(TRAINER_TARGET)
+    given = trainer.kwargs.get("model") if isinstance(trainer, CallNode) else None
+    alone = given is not None and cfg.targets.get("model") is given
+    # the objects' own files (a trainer's logs) go to a scratch directory, not to the run
+    with tempfile.TemporaryDirectory(prefix="forge-read-") as scratch:
+        variables = build_variables(Path(scratch), project, record.get("config", "config"))
+        if alone:  # only the model and what it needs
+            built = cfg.build("model", variables)
+        else:  # the model is written inside the trainer: build the trainer, as training did
+            built = cfg.build(TRAINER_TARGET, variables)
+            built = built.model if built.model is not None else built.model_init
+        model = built if isinstance(built, nn.Module) else built()
+    if not isinstance(model, nn.Module):
+        raise CheckpointError(
+            f"{run_dir}/config.yaml: the trainer's model built a {class_label(model)}, "
+            "not a torch.nn.Module"
+        )
+    return model
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:
