@@ -64,10 +64,39 @@ def export_model(
     trainable weights, each in its saved dtype; a checkpoint without one is refused.
     """
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.runs import PROJECT_RUNS, damaged_final_weights
+    from forge.runs import PROJECT_RUNS
 
     source = resolve_checkpoint(checkpoint, models=True, runs=PROJECT_RUNS).path
-    if Path(checkpoint).resolve() != source.resolve():  # a run's (or project's) newest
+    return export_checkpoint(
+        source,
+        output,
+        asked=checkpoint,
+        force=force,
+        max_shard_size=max_shard_size,
+        submodule=submodule,
+        ema=ema,
+        merge_lora=merge_lora,
+    )
+
+
+def export_checkpoint(
+    source: Path,
+    output: str | os.PathLike,
+    *,
+    asked: str | os.PathLike | None = None,
+    force: bool = False,
+    max_shard_size: str | int = "5GB",
+    submodule: str | None = None,
+    ema: bool = False,
+    merge_lora: bool = False,
+) -> Path:
+    """``export_model`` of the checkpoint directory ``source``, already found (and checked) by
+    forge.checkpoint.resolve from ``asked``, the path the caller gave: when that is a run or a
+    project, its newest checkpoint's weights must not be a damaged final save."""
+    from forge.runs import damaged_final_weights
+
+    source = Path(source)
+    if asked is not None and Path(asked).resolve() != source.resolve():  # a run's newest
         damaged = damaged_final_weights(source.parent.parent, source)
         if damaged is not None:
             raise ReadFailure(f"{damaged}; or export {source} for the earlier weights")

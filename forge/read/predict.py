@@ -211,7 +211,7 @@ def build_checkpoint_model(
 
 def _build_run_model(checkpoint: Path, allow: list[str]) -> Any:
     """The run's model as its training built it, before any weights are loaded."""
-    from forge.read.reader import build_run_model
+    from forge.read.run_model import build_run_model
 
     record, project, cfg = _load_run(checkpoint, allow)
     return build_run_model(run_of_checkpoint(checkpoint), cfg, project, record.data)
