@@ -17,6 +17,7 @@ USAGE_ERRORS = frozenset(
         "TrainingArgumentsError",  # forge.train.args
         "LoraUsageError",  # forge.train.lora: the base model given
         "CheckpointUsageError",  # forge.checkpoint.resolve: options that contradict the path
+        "ReadUsageError",  # forge.read: what a checkpoint is asked cannot be done with it
         "AmbiguousRunError",  # forge.runs: a run number several configs have
         "SweepUsageError",  # forge.sweep: axes, objective, direction, sampler or pruner
         "SweepStateError",  # forge.sweep: another config's (or search's) sweep directory
@@ -26,6 +27,7 @@ USAGE_ERRORS = frozenset(
 RUNTIME_ERRORS = frozenset(
     {
         "RuntimeFailure",
+        "ReadFailure",  # forge.read: the checkpoint or its model cannot give what was asked
         "RunError",
         "CheckpointError",
         "UserCodeFailure",  # forge.train.user_code: compute_metrics failed in training

@@ -75,7 +75,7 @@ def hf_runs(project):
 def evaluate_path(checkpoint, monkeypatch, ema: bool = False):
     """``forge evaluate``'s code path in this process: its metrics and the trainer it
     evaluated with (whose ``model`` holds the weights it evaluated)."""
-    from forge.cli.predict import evaluate_checkpoint
+    from forge.read.predict import evaluate_checkpoint
     from forge.train.loop import BaseTrainer
 
     seen = []
@@ -243,7 +243,7 @@ def test_load_of_a_hugging_face_model_run_gives_evaluates_logits(hf_runs, monkey
 
 @pytest.mark.slow  # two runs trained here (~10 s); the plain module's test is the fast one
 def test_load_of_a_lora_run_merged_and_not(hf_runs, monkeypatch, tmp_path):
-    from forge.cli.export import export_model
+    from forge.read.export import export_model
     from forge.wrappers import is_peft_model
 
     _, lora = hf_runs

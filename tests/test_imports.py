@@ -236,6 +236,30 @@ def test_nothing_below_the_cli_imports_it():
     assert not edges, "\n".join(edges)
 
 
+# What reads a checkpoint's weights, adapter, moving average or model description: the read
+# side's (forge.read) to call. The commands find and list checkpoints (forge.checkpoint.resolve,
+# .layout) and hand the rest to forge.read, so library work cannot grow back into forge/cli.
+READ_SIDE_ONLY = (
+    "forge.checkpoint.weights",
+    "forge.checkpoint.adapter",
+    "forge.checkpoint.hf",
+    "forge.checkpoint.io",
+    "forge.train.ema",
+    "forge.train.lora",
+)
+
+
+def test_the_commands_read_checkpoints_only_through_the_read_side():
+    edges = [
+        f"{module} -> {target}"
+        for module, targets in sorted(import_graph().items())
+        if within(module, "forge.cli")
+        for target in sorted(targets)
+        if any(within(target, inner) for inner in READ_SIDE_ONLY)
+    ]
+    assert not edges, "forge/cli reads checkpoints itself; call forge.read:\n" + "\n".join(edges)
+
+
 def test_the_known_edges_to_remove_are_still_there_and_inside_train_or_checkpoint():
     graph = import_graph()
     present = {f"{module} -> {target}" for module, targets in graph.items() for target in targets}

@@ -657,23 +657,17 @@ def _tree_bytes(path: Path) -> int:
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
-    from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.cli.generate import generate_text
-    from forge.runs import PROJECT_RUNS
+    from forge.read.reader import CheckpointReader
 
-    checkpoint = resolve_checkpoint(
-        args.checkpoint, best=args.best, models=True, runs=PROJECT_RUNS
-    ).path
-    logger.info("generating from %s", checkpoint)
-    texts = generate_text(
-        checkpoint,
+    reader = CheckpointReader(args.checkpoint, best=args.best, allow=args.allow or [])
+    logger.info("generating from %s", reader.path)
+    texts = reader.generate(
         args.prompt,
         num=args.num,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         top_k=args.top_k,
         seed=args.seed,
-        allow=args.allow or [],
     )
     for index, text in enumerate(texts):
         if len(texts) > 1:
@@ -683,11 +677,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
-    from forge.cli.export import export_model, loading_hint
+    from forge.read.export import loading_hint
+    from forge.read.reader import CheckpointReader
 
     output = Path(args.output)
-    export_model(
-        Path(args.checkpoint),
+    CheckpointReader(args.checkpoint).export(
         output,
         force=args.force,
         max_shard_size=args.max_shard_size,
@@ -703,13 +697,12 @@ def cmd_export(args: argparse.Namespace) -> int:
 def cmd_evaluate(args: argparse.Namespace) -> int:
     import json
 
-    from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.cli.predict import evaluate_checkpoint
-    from forge.runs import PROJECT_RUNS
+    from forge.read.reader import CheckpointReader
 
-    checkpoint = resolve_checkpoint(args.checkpoint, best=args.best, runs=PROJECT_RUNS).path
+    reader = CheckpointReader(args.checkpoint, best=args.best, allow=args.allow or [], models=False)
+    checkpoint = reader.path
     logger.info("evaluating %s on the %s split", checkpoint, args.split)
-    metrics = evaluate_checkpoint(checkpoint, args.split, args.allow or [], ema=args.ema)
+    metrics = reader.evaluate(args.split, ema=args.ema)
     if args.json:
         print(json.dumps({"checkpoint": str(checkpoint), **metrics}))
         return EXIT_OK
@@ -724,26 +717,20 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
 
 
 def cmd_predict(args: argparse.Namespace) -> int:
-    from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.cli.predict import predict_file
-    from forge.runs import PROJECT_RUNS
+    from forge.read.reader import CheckpointReader
 
     if args.batch_size < 1 or (args.max_new_tokens is not None and args.max_new_tokens < 1):
         raise UsageError("--batch-size and --max-new-tokens must be positive integers")
-    checkpoint = resolve_checkpoint(
-        args.checkpoint, best=args.best, models=True, runs=PROJECT_RUNS
-    ).path
-    logger.info("predicting with %s", checkpoint)
-    count = predict_file(
-        checkpoint,
-        Path(args.input),
-        Path(args.output),
+    reader = CheckpointReader(args.checkpoint, best=args.best, allow=args.allow or [])
+    logger.info("predicting with %s", reader.path)
+    count = reader.predict(
+        args.input,
+        args.output,
         text_field=args.text_field,
         batch_size=args.batch_size,
         max_new_tokens=args.max_new_tokens,
         temperature=args.temperature,
         seed=args.seed,
-        allow=args.allow or [],
     )
     logger.info("wrote %d predictions", count)
     print(args.output)

@@ -15,6 +15,10 @@ checked) with the adapter, as a peft model or merged into the base's weights
 (``merge_lora``). ``ema`` puts the moving average of the weights the checkpoint holds
 (``ema_decay``) in place of the trained weights it covers.
 
+What the reading commands do is asked of it too: ``export``, ``evaluate``, ``predict`` and
+``generate`` (forge.read.export, .predict, .generate beside it); forge/cli parses, prints and
+picks exit codes around them.
+
 It lives above forge.checkpoint (which reads files and knows no config or trainer) because
 building a run's model needs the run's config (forge.config), the run's record (forge.runs)
 and the moving average's and LoRA's readers (forge.train).
@@ -25,15 +29,13 @@ from __future__ import annotations
 import functools
 import logging
 import os
-import tempfile
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from forge.checkpoint.adapter import adapter_base, is_adapter_directory
-from forge.checkpoint.io import ADAPTER_WEIGHTS, CheckpointError
+from forge.checkpoint.io import ADAPTER_WEIGHTS
 from forge.checkpoint.resolve import Checkpoint, CheckpointUsageError, resolve_checkpoint
 from forge.runs import PROJECT_RUNS, RunRecord
-from forge.wrappers import class_label
 
 if TYPE_CHECKING:
     import torch
@@ -51,15 +53,22 @@ class CheckpointReader:
 
     ``path``: a checkpoint, run, ``checkpoints/`` or project directory, or a Hugging Face
     model or adapter directory; ``best``: the run's best checkpoint; ``allow``: more module
-    roots the run's config may call (as ``--allow``). The checkpoint's manifest, sizes and
+    roots the run's config may call (as ``--allow``); ``models=False`` refuses a model directory
+    outside any run (what only a run can give: ``evaluate``). The checkpoint's manifest, sizes and
     hashes are checked here, once; ``CheckpointNotFound`` says what is wrong with ``path``.
     """
 
     def __init__(
-        self, path: str | os.PathLike, *, best: bool = False, allow: list[str] = ()
+        self,
+        path: str | os.PathLike,
+        *,
+        best: bool = False,
+        allow: list[str] = (),
+        models: bool = True,
     ) -> None:
+        self.asked = Path(path)
         self.checkpoint: Checkpoint = resolve_checkpoint(
-            path, best=best, models=True, runs=PROJECT_RUNS
+            path, best=best, models=models, runs=PROJECT_RUNS
         )
         self.allow = list(allow)
 
@@ -204,6 +213,36 @@ class CheckpointReader:
             model.to(device=device, dtype=_dtype(dtype))
         return model.eval()
 
+    # ------------------------------------------------------------------ what commands do
+    def export(self, output: str | os.PathLike, **options: Any) -> Path:
+        """Write the checkpoint's model to ``output`` as a Hugging Face model directory (or a
+        LoRA adapter, or a plain module's state dict): forge.read.export, whose
+        ``export_model`` documents ``options``."""
+        from forge.read.export import export_checkpoint
+
+        return export_checkpoint(self.path, output, asked=self.asked, **options)
+
+    def evaluate(self, split: str = "eval", *, ema: bool = False) -> dict[str, float]:
+        """The metrics of the checkpoint on its run's ``split``, as its run's trainer computes
+        them (forge.read.predict.evaluate_checkpoint)."""
+        from forge.read.predict import evaluate_checkpoint
+
+        return evaluate_checkpoint(self.path, split, self.allow, ema=ema)
+
+    def predict(self, inputs: str | os.PathLike, output: str | os.PathLike, **options: Any) -> int:
+        """One JSON line of prediction per line of ``inputs``, written to ``output``; returns
+        how many (forge.read.predict.predict_file documents ``options``)."""
+        from forge.read.predict import predict_file
+
+        return predict_file(self.path, Path(inputs), Path(output), allow=self.allow, **options)
+
+    def generate(self, prompt: str, **options: Any) -> list[str]:
+        """Texts sampled for ``prompt`` from the checkpoint's model and tokenizer
+        (forge.read.generate.generate_text documents ``options``)."""
+        from forge.read.generate import generate_text
+
+        return generate_text(self.path, prompt, allow=self.allow, **options)
+
     # ------------------------------------------------------------------ helpers
     def _check_options(self, *, ema: bool, merge_lora: bool) -> None:
         if merge_lora and not self.is_adapter:
@@ -261,32 +300,10 @@ class CheckpointReader:
         return load_pretrained(self.path, auto_class_of(self.path))
 
     def _run_model(self) -> nn.Module:
-        """The run's model as its training built it, before any weights are loaded: the
-        config's ``model`` target when the trainer takes it, else the trainer's model."""
-        from torch import nn
+        """The run's model as its training built it, before any weights are loaded."""
+        from forge.read.run_model import build_run_model
 
-        from forge.config.graph import CallNode
-        from forge.launch.worker import TRAINER_TARGET, build_variables
-
-        cfg = self.config
-        trainer = cfg.targets.get(TRAINER_TARGET)
-        given = trainer.kwargs.get("model") if isinstance(trainer, CallNode) else None
-        alone = given is not None and cfg.targets.get("model") is given
-        # the objects' own files (a trainer's logs) go to a scratch directory, not to the run
-        with tempfile.TemporaryDirectory(prefix="forge-read-") as scratch:
-            variables = build_variables(Path(scratch), self.project, self.record.get("config", ""))
-            if alone:  # only the model and what it needs
-                built = cfg.build("model", variables)
-            else:
-                built = cfg.build(TRAINER_TARGET, variables)
-                built = built.model if built.model is not None else built.model_init
-            model = built if isinstance(built, nn.Module) else built()
-        if not isinstance(model, nn.Module):
-            raise CheckpointError(
-                f"{self.run_dir}/config.yaml: the trainer's model built a {class_label(model)}, "
-                "not a torch.nn.Module"
-            )
-        return model
+        return build_run_model(self.run_dir, self.config, self.project, self.record)
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

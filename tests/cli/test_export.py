@@ -10,8 +10,8 @@ from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from forge.checkpoint import CheckpointWriter
-from forge.cli.exits import RuntimeFailure, UsageError
-from forge.cli.export import export_model
+from forge.read.errors import ReadFailure, ReadUsageError
+from forge.read.export import export_model
 from tests.train.common import tiny_llama_config
 
 
@@ -94,7 +94,7 @@ def test_a_non_empty_output_is_refused_without_force(model, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
     (out / "notes.txt").write_text("keep me")
-    with pytest.raises(UsageError, match="exists and is not empty; .* pass --force"):
+    with pytest.raises(ReadUsageError, match="exists and is not empty; .* pass --force"):
         export_model(ckpt, out)
     assert (out / "notes.txt").read_text() == "keep me"
     export_model(ckpt, out, force=True)
@@ -132,7 +132,7 @@ def test_a_plain_module_exports_its_state_dict_that_loads_strictly(tmp_path, sha
         load_torch_model(fresh, out, strict=True)
     for name, tensor in net.state_dict().items():
         assert torch.equal(fresh.state_dict()[name], tensor), name
-    with pytest.raises(UsageError, match="holds no transformers model"):
+    with pytest.raises(ReadUsageError, match="holds no transformers model"):
         export_model(ckpt, tmp_path / "sub", submodule="body")
 
 
@@ -185,7 +185,7 @@ def test_a_wrapper_with_weights_of_its_own_exports_its_model_only_when_asked(tmp
 
     wrapper = LMWrapper(tiny_gpt2(), head=True)
     ckpt = wrapper_checkpoint(wrapper, tmp_path / "ckpt", "whole")
-    with pytest.raises(UsageError) as refused:  # it needs --submodule: exit 2
+    with pytest.raises(ReadUsageError) as refused:  # it needs --submodule: exit 2
         export_model(ckpt, tmp_path / "out")
     message = str(refused.value)
     assert "holds a GPT2LMHeadModel as 'lm' and weights outside it" in message
@@ -195,7 +195,7 @@ def test_a_wrapper_with_weights_of_its_own_exports_its_model_only_when_asked(tmp
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
     ids = torch.randint(0, 96, (1, 8))
     assert torch.equal(gpt2_logits(loaded, ids), gpt2_logits(wrapper.lm, ids))
-    with pytest.raises(UsageError, match="no weights under 'head'"):
+    with pytest.raises(ReadUsageError, match="no weights under 'head'"):
         export_model(ckpt, tmp_path / "other", submodule="head")
 
 
@@ -205,7 +205,7 @@ def test_a_config_json_that_does_not_name_the_weights_is_refused(model, tmp_path
     ckpt = tmp_path / "ckpt"  # a directory another tool wrote: GPT-2's config, Llama's weights
     model.save_pretrained(ckpt)
     tiny_gpt2().config.save_pretrained(ckpt)
-    with pytest.raises(RuntimeFailure) as refused:
+    with pytest.raises(ReadFailure) as refused:
         export_model(ckpt, tmp_path / "out")
     message = str(refused.value)
     assert "its config describes a GPT2LMHeadModel, but the checkpoint's weights are not" in (
@@ -361,7 +361,7 @@ def test_merge_lora_of_a_plain_module_writes_the_merged_state_dict(plain_lora_ru
     import shutil
 
     alone = shutil.copytree(ckpt, tmp_path / "alone" / "checkpoint-000004")
-    with pytest.raises(UsageError, match="is no Hugging Face model directory .* not inside a"):
+    with pytest.raises(ReadUsageError, match="is no Hugging Face model directory .* not inside a"):
         export_model(alone, tmp_path / "refused", merge_lora=True)
     assert not (tmp_path / "refused").exists()
 
@@ -397,8 +397,8 @@ def test_merge_lora_of_a_loss_adapted_module_writes_the_modules_own_names(
 def test_predict_and_generate_use_a_plain_modules_lora_checkpoint(plain_lora_run, tmp_path):
     from transformers import AutoTokenizer
 
-    from forge.cli.generate import generate_text
-    from forge.cli.predict import continue_with_module, predict_file
+    from forge.read.generate import generate_text
+    from forge.read.predict import continue_with_module, predict_file
 
     ckpt = plain_lora_run / "checkpoints" / "checkpoint-000004"
     tokenizer = AutoTokenizer.from_pretrained(ckpt)

@@ -1,4 +1,4 @@
-"""forge.cli.predict on Hugging Face model directories: a causal LM continues each input, a model
+"""forge.read.predict on Hugging Face model directories: a causal LM continues each input, a model
 that is neither a classifier nor a generating model is refused, and inputs are read with located
 errors; lines of model inputs serve models without a tokenizer, and a seq2seq model generates. (A classifier's labels are tested end to end in tests/cli/test_evaluate_predict.py.)"""
 
@@ -11,9 +11,9 @@ import pytest
 import torch
 from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
-from forge.cli.exits import RuntimeFailure, UsageError
-from forge.cli.predict import predict_file, read_inputs
 from forge.data.tokenizer import train_bpe_tokenizer
+from forge.read.errors import ReadFailure, ReadUsageError
+from forge.read.predict import predict_file, read_inputs
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 20
 
@@ -68,17 +68,17 @@ def test_a_model_that_neither_classifies_nor_generates_is_refused(tmp_path):
         BertConfig(hidden_size=8, num_hidden_layers=1, num_attention_heads=1, intermediate_size=8)
     ).save_pretrained(tmp_path)
     (tmp_path / "in.jsonl").write_text('{"text": "x"}\n')
-    with pytest.raises(UsageError, match="holds a BertModel; forge predict handles sequence"):
+    with pytest.raises(ReadUsageError, match="holds a BertModel; forge predict handles sequence"):
         predict_file(tmp_path, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
 
 
 def test_inputs_are_read_with_located_errors(tmp_path):
     path = tmp_path / "in.jsonl"
     path.write_text('{"text": "a"}\n\n"b"\n{"text": 3}\n')
-    with pytest.raises(UsageError, match=r"in.jsonl:4: needs a string field 'text'"):
+    with pytest.raises(ReadUsageError, match=r"in.jsonl:4: needs a string field 'text'"):
         read_inputs(path, "text")
     path.write_text('{"text": "a"}\n{oops\n')
-    with pytest.raises(RuntimeFailure, match=r"in.jsonl:2: not a JSON line"):
+    with pytest.raises(ReadFailure, match=r"in.jsonl:2: not a JSON line"):
         read_inputs(path, "text")
     path.write_text('{"text": "a"}\n"b"\n')
     assert read_inputs(path, "text") == [{"text": "a"}, {"text": "b"}]
@@ -137,7 +137,7 @@ def greedy(model, tokenizer, text, n):
 
 
 def test_a_plain_causal_lm_is_built_from_its_run_and_continues_each_text(plain_runs, tmp_path):
-    from forge.cli.generate import generate_text
+    from forge.read.generate import generate_text
 
     run_dir = plain_runs["lm"]
     ckpt = newest(run_dir)
@@ -185,7 +185,7 @@ def test_a_plain_classifier_labels_each_input_with_its_own_label_names(plain_run
 @pytest.mark.parametrize("config", ["lm", "pipeline"])
 def test_evaluate_gives_the_checkpoints_metrics_at_its_step(plain_runs, config, caplog):
     from forge.checkpoint import read_manifest
-    from forge.cli.predict import evaluate_checkpoint
+    from forge.read.predict import evaluate_checkpoint
 
     ckpt = newest(plain_runs[config])
     saved = read_manifest(ckpt).metrics  # the evaluation at step 4, before this save
@@ -211,7 +211,7 @@ def test_evaluate_says_which_weights_it_evaluates(ema_run, plain_runs, caplog):
     evaluates the trained weights, which give another loss, and names --ema; with --ema it
     says it evaluates the average and gives the run's number."""
     from forge.checkpoint import read_manifest
-    from forge.cli.predict import evaluate_checkpoint
+    from forge.read.predict import evaluate_checkpoint
 
     ckpt = newest(ema_run)
     reported = read_manifest(ckpt).metrics["eval_loss"]
@@ -344,13 +344,13 @@ def test_a_wrong_key_or_text_without_a_tokenizer_is_refused_at_once(torch_runs, 
     assert refused.returncode == 2, refused.stderr
     assert "holds no tokenizer" in refused.stderr and "forge predict" in refused.stderr
     short = write_lines(tmp_path / "short.jsonl", {"x": [[1.0, 2.0]]})
-    with pytest.raises(RuntimeFailure, match=r"short.jsonl:1: the model failed on this line"):
+    with pytest.raises(ReadFailure, match=r"short.jsonl:1: the model failed on this line"):
         predict_file(ckpt, short, tmp_path / "o.jsonl")
     mixed = write_lines(tmp_path / "mixed.jsonl", {"x": [[1.0, 2.0, 3.0]]}, {"text": "a"})
-    with pytest.raises(UsageError, match=r"mixed.jsonl:2: a row of text \(text\) after rows"):
+    with pytest.raises(ReadUsageError, match=r"mixed.jsonl:2: a row of text \(text\) after rows"):
         read_inputs(mixed, "text")
     named = write_lines(tmp_path / "named.jsonl", {"review": "good"})  # text under another name
-    with pytest.raises(UsageError, match=r"named.jsonl:1: needs a string field 'text'"):
+    with pytest.raises(ReadUsageError, match=r"named.jsonl:1: needs a string field 'text'"):
         read_inputs(named, "text")
 
 
@@ -437,7 +437,7 @@ def test_a_seq2seq_model_generates_and_without_a_tokenizer_is_told_what_to_use(t
 
     from transformers import T5ForConditionalGeneration
 
-    from forge.cli.generate import generate_text
+    from forge.read.generate import generate_text
     from tests.helpers import run_forge
 
     directory, tokenizer = t5_dir

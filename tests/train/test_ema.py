@@ -12,8 +12,8 @@ import torch
 from torch import nn
 
 from forge.checkpoint import CheckpointError, read_manifest
-from forge.cli.exits import UsageError
-from forge.cli.export import export_model
+from forge.read.errors import ReadUsageError
+from forge.read.export import export_model
 from forge.train import (
     AccelTrainer,
     PipelineTrainer,
@@ -334,7 +334,7 @@ def test_export_ema_writes_the_average_and_refuses_a_checkpoint_without_one(tmp_
         assert not torch.equal(param, dict(raw.named_parameters())[name]), name
 
     make_trainer(make_args(tmp_path / "plain", max_steps=2)).train()
-    with pytest.raises(UsageError, match="holds no moving average of the weights"):
+    with pytest.raises(ReadUsageError, match="holds no moving average of the weights"):
         export_model(checkpoint_dir(tmp_path / "plain", 2), tmp_path / "none", ema=True)
     assert not (tmp_path / "none").exists()
 

@@ -25,9 +25,9 @@ from transformers import (
 
 from forge.checkpoint import CheckpointError, validate_checkpoint
 from forge.checkpoint.adapter import BaseChanged
-from forge.cli.exits import UsageError
-from forge.cli.export import export_model
 from forge.data import CausalLMCollator
+from forge.read.errors import ReadUsageError
+from forge.read.export import export_model
 from forge.train import AccelTrainer, AccelTrainingArguments, Trainer, TrainingArgumentsError
 from forge.train.lora import LoraUsageError, default_target_modules, load_base_model
 from tests.train.common import (
@@ -202,7 +202,7 @@ def test_merged_export_loads_without_peft_and_gives_the_same_logits(trained, bas
 
 def test_merge_lora_is_refused_for_a_checkpoint_without_an_adapter(tmp_path):
     make_trainer(make_args(tmp_path, max_steps=1, save_strategy="steps", save_steps=1)).train()
-    with pytest.raises(UsageError, match="--merge-lora"):
+    with pytest.raises(ReadUsageError, match="--merge-lora"):
         export_model(checkpoint_dir(tmp_path, 1), tmp_path / "out", merge_lora=True)
 
 
@@ -409,7 +409,9 @@ def test_merge_lora_ema_merges_the_adapters_moving_average(base_dir, tmp_path):
     assert all(torch.equal(got[name], expected[name]) for name in got)
     trained = load_file(tmp_path / "trained" / "model.safetensors")
     assert any(not torch.equal(got[name], trained[name]) for name in got)
-    with pytest.raises(UsageError, match="add --merge-lora to export the base with the average"):
+    with pytest.raises(
+        ReadUsageError, match="add --merge-lora to export the base with the average"
+    ):
         export_model(ckpt, tmp_path / "adapter", ema=True)
     export_model(ckpt, tmp_path / "adapter")  # its config names the base it belongs to
     config = json.loads((tmp_path / "adapter" / "adapter_config.json").read_text())

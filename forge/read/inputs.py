@@ -15,7 +15,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from forge.cli.exits import RuntimeFailure, UsageError
+from forge.read.errors import ReadFailure, ReadUsageError
 from forge.wrappers import class_label
 
 __all__ = [
@@ -58,14 +58,14 @@ def read_rows(path: Path, field: str) -> InputRows:
     try:
         lines = Path(path).read_text(encoding="utf-8").splitlines()
     except OSError as err:
-        raise RuntimeFailure(f"cannot read {path}: {err.strerror or err}") from None
+        raise ReadFailure(f"cannot read {path}: {err.strerror or err}") from None
     for number, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
             row = json.loads(line)
         except ValueError as err:
-            raise RuntimeFailure(f"{path}:{number}: not a JSON line ({err})") from None
+            raise ReadFailure(f"{path}:{number}: not a JSON line ({err})") from None
         if isinstance(row, str):
             row = {field: row}
         # a string is no model input: a row holding one is text under another name
@@ -75,16 +75,18 @@ def read_rows(path: Path, field: str) -> InputRows:
             else any(isinstance(value, str) for value in row.values())
         ):
             keys = ", ".join(row) if isinstance(row, dict) else type(row).__name__
-            raise UsageError(
+            raise ReadUsageError(
                 f"{path}:{number}: needs a string field {field!r} (found {keys}); "
                 "name the text field with --text-field, or give the model's inputs without "
                 f"it, e.g. {EXAMPLE}"
             )
         if not row:
-            raise UsageError(f"{path}:{number}: an empty object; give a {field!r} or the inputs")
+            raise ReadUsageError(
+                f"{path}:{number}: an empty object; give a {field!r} or the inputs"
+            )
         if rows and (field in row) != (field in rows[0]):
             first = "text" if field in rows[0] else "model inputs"
-            raise UsageError(
+            raise ReadUsageError(
                 f"{path}:{number}: a row of {'text' if field in row else 'model inputs'} "
                 f"({', '.join(row)}) after rows of {first} (line {numbers[0]}); give every line "
                 f"its text as {field!r}, or every line the model's inputs"
@@ -92,7 +94,7 @@ def read_rows(path: Path, field: str) -> InputRows:
         rows.append(row)
         numbers.append(number)
     if not rows:
-        raise UsageError(f"{path} has no input lines")
+        raise ReadUsageError(f"{path} has no input lines")
     return InputRows(Path(path), rows, numbers, text=field in rows[0])
 
 
@@ -126,14 +128,14 @@ def check_input_keys(model: Any, inputs: InputRows, *, needs: str | None = None)
     for index, row in enumerate(inputs.rows):
         unknown = [key for key in row if key not in names]
         if unknown:
-            raise UsageError(
+            raise ReadUsageError(
                 f"{inputs.where(index)}: {signature} takes no {unknown[0]!r}; name each of a "
                 "line's model inputs as forward does (one example, no batch dimension), or give "
                 "a line of text as 'text' (--text-field names another field)"
             )
         missing = [name for name in required if name not in row]
         if missing:
-            raise UsageError(
+            raise ReadUsageError(
                 f"{inputs.where(index)}: {signature} needs {missing[0]!r}, which the line "
                 f"lacks (it has {', '.join(row)})"
             )
@@ -160,7 +162,7 @@ def row_tensors(inputs: InputRows, index: int, dtype: Any = None) -> dict[str, A
             tensor = torch.tensor(value)
         except (TypeError, ValueError, RuntimeError) as err:
             kind = type(value).__name__
-            raise UsageError(
+            raise ReadUsageError(
                 f"{inputs.where(index)}: {key!r} is no tensor ({kind}: {err}); a line of model "
                 "inputs holds numbers or equal-length lists of them, one example each"
             ) from None
@@ -176,9 +178,9 @@ def _has_float(value: Any) -> bool:
     return isinstance(value, float)
 
 
-def no_tokenizer(checkpoint: Path, label: str, instead: str) -> UsageError:
+def no_tokenizer(checkpoint: Path, label: str, instead: str) -> ReadUsageError:
     """The refusal for text given to a model whose checkpoint holds no tokenizer."""
-    return UsageError(
+    return ReadUsageError(
         f"{checkpoint} holds no tokenizer (no tokenizer.json or tokenizer_config.json) to turn "
         f"text into the token ids of its {label}; {instead} (a trainer given a tokenizer "
         "saves it in each checkpoint)"

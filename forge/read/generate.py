@@ -5,7 +5,7 @@ built from its config and filled by forge's weights reader (forge.checkpoint.wei
 transformers' ``generate`` samples: a causal LM continues the prompt, an encoder-decoder (T5,
 BART) reads the prompt with its encoder and writes with its decoder. A LoRA checkpoint's model
 is its base with the adapter merged in (forge.checkpoint.adapter). Any other model is
-built through its run's config (forge.cli.predict). A checkpoint of a model that does not generate
+built through its run's config (forge.read.predict). A checkpoint of a model that does not generate
 (a classifier) is refused with a pointer to ``forge predict``, and so is one without a tokenizer
 (``forge predict`` generates from token ids).
 """
@@ -16,9 +16,9 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from forge.cli.exits import UsageError
-from forge.cli.inputs import has_tokenizer, no_tokenizer
-from forge.cli.predict import (
+from forge.read.errors import ReadUsageError
+from forge.read.inputs import has_tokenizer, no_tokenizer
+from forge.read.predict import (
     auto_class,
     checkpoint_model_label,
     continue_with_module,
@@ -116,7 +116,7 @@ def _generate_with_module(
     model = model_through_run(checkpoint, problem, allow)
     ids = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
     if module_logits(model, ids[:, -1:]).dim() != 3:
-        raise UsageError(
+        raise ReadUsageError(
             f"{checkpoint} holds a {class_label(model)} whose logits are not a causal LM's "
             "[batch, tokens, vocabulary]: it does not generate text; `forge predict CKPT "
             "--input FILE.jsonl --output OUT.jsonl` writes its predictions"
@@ -140,4 +140,4 @@ def check_generative(checkpoint: Path) -> tuple[str, str]:
         if kind == "classifier"
         else ""
     )
-    raise UsageError(f"{checkpoint} holds a {architecture}, which does not generate text{hint}")
+    raise ReadUsageError(f"{checkpoint} holds a {architecture}, which does not generate text{hint}")

@@ -32,7 +32,7 @@ from typing import Any
 from forge.checkpoint.hf import CONFIG_NAME, GENERATION_CONFIG_NAME
 from forge.checkpoint.io import ADAPTER_CONFIG, ADAPTER_WEIGHTS, WEIGHTS_INDEX_NAME
 from forge.checkpoint.layout import MANIFEST_NAME
-from forge.cli.exits import RuntimeFailure, UsageError
+from forge.read.errors import ReadFailure, ReadUsageError
 from forge.wrappers import class_label, unwrap_model
 
 logger = logging.getLogger(__name__)
@@ -64,43 +64,74 @@ def export_model(
     trainable weights, each in its saved dtype; a checkpoint without one is refused.
     """
     from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.runs import PROJECT_RUNS, damaged_final_weights
+    from forge.runs import PROJECT_RUNS
 
     source = resolve_checkpoint(checkpoint, models=True, runs=PROJECT_RUNS).path
-    if Path(checkpoint).resolve() != source.resolve():  # a run's (or project's) newest
+    return export_checkpoint(
+        source,
+        output,
+        asked=checkpoint,
+        force=force,
+        max_shard_size=max_shard_size,
+        submodule=submodule,
+        ema=ema,
+        merge_lora=merge_lora,
+    )
+
+
+def export_checkpoint(
+    source: Path,
+    output: str | os.PathLike,
+    *,
+    asked: str | os.PathLike | None = None,
+    force: bool = False,
+    max_shard_size: str | int = "5GB",
+    submodule: str | None = None,
+    ema: bool = False,
+    merge_lora: bool = False,
+) -> Path:
+    """``export_model`` of the checkpoint directory ``source``, already found (and checked) by
+    forge.checkpoint.resolve from ``asked``, the path the caller gave: when that is a run or a
+    project, its newest checkpoint's weights must not be a damaged final save."""
+    from forge.runs import damaged_final_weights
+
+    source = Path(source)
+    if asked is not None and Path(asked).resolve() != source.resolve():  # a run's newest
         damaged = damaged_final_weights(source.parent.parent, source)
         if damaged is not None:
-            raise RuntimeFailure(f"{damaged}; or export {source} for the earlier weights")
+            raise ReadFailure(f"{damaged}; or export {source} for the earlier weights")
     output = Path(output)
     if output.exists() and (not output.is_dir() or any(output.iterdir())) and not force:
-        raise UsageError(
+        raise ReadUsageError(
             f"{output} exists and is not empty; choose a new directory or pass --force to "
             "replace its contents"
         )
     average = _read_average(source) if ema else None
     if (source / ADAPTER_CONFIG).is_file():  # a LoRA checkpoint, or an adapter export
         if ema and not merge_lora:
-            raise UsageError(
+            raise ReadUsageError(
                 f"--ema: {source} is a LoRA checkpoint, whose moving average covers the adapter: "
                 "add --merge-lora to export the base with the average merged in, or leave out "
                 "--ema to export the adapter's own weights"
             )
         if submodule is not None:
-            raise UsageError(f"--submodule: {source} holds a LoRA adapter, not a model's weights")
+            raise ReadUsageError(
+                f"--submodule: {source} holds a LoRA adapter, not a model's weights"
+            )
         _stage_and_replace(
             output,
             lambda staging: _write_adapter(source, staging, merge_lora, max_shard_size, average),
         )
         return source
     if merge_lora:
-        raise UsageError(
+        raise ReadUsageError(
             f"--merge-lora merges a LoRA adapter into its base, and {source} holds no adapter "
             f"(no {ADAPTER_CONFIG}: it is a full model); export it without --merge-lora"
         )
     weight_files, extras = _classify(source)
     if not _is_transformers_checkpoint(source):
         if submodule is not None:
-            raise UsageError(
+            raise ReadUsageError(
                 f"--submodule {submodule}: {source}'s model {_class_name(source)}holds no "
                 "transformers model to export alone; leave out --submodule to export its state "
                 "dict"
@@ -196,12 +227,12 @@ def _plain_base_model(source: Path, base: Path, problem: str, average: Any = Non
     """A LoRA checkpoint's base that is no Hugging Face model directory, with the adapter
     merged: the module its run's config builds, given the base's weights. Refused, saying why,
     for an adapter outside its run (nothing else can build the module)."""
-    from forge.cli.predict import build_checkpoint_model, run_of_checkpoint
+    from forge.read.predict import build_checkpoint_model, run_of_checkpoint
 
     try:
         run_of_checkpoint(source)
-    except UsageError:
-        raise UsageError(
+    except ReadUsageError:
+        raise ReadUsageError(
             f"--merge-lora: the base of {source}'s adapter, {base}, is no Hugging Face model "
             f"directory ({problem}): it is a module only its run's config builds, and {source} "
             "is not inside a forge run. Merge from the run's checkpoint, or export the adapter "
@@ -270,18 +301,18 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
         found = weight_shapes(weight_files)
     except Unverifiable as exc:
         if not (source / CONFIG_NAME).is_file() or submodule is not None:
-            raise RuntimeFailure(f"{source}: cannot export its model: {exc}") from None
+            raise ReadFailure(f"{source}: cannot export its model: {exc}") from None
         logger.warning(
             "%s: the weights' names are not checked against config.json: %s", source, exc
         )
         return _Plan(None, "model", "", True)
     except ArchitectureError as exc:
-        raise RuntimeFailure(f"{source}: cannot export its model: {exc}") from None
+        raise ReadFailure(f"{source}: cannot export its model: {exc}") from None
     architecture = expected.architecture
     if submodule is not None:
         prefix = submodule.strip(".")
         if not any(name.startswith(f"{prefix}.") for name in found):
-            raise UsageError(
+            raise ReadUsageError(
                 f"--submodule {submodule}: the checkpoint's model has no weights under "
                 f"{prefix!r}" + (f"; its {architecture} is {hint!r}" if hint else "")
             )
@@ -295,14 +326,14 @@ def _plan(source: Path, weight_files: list[Path], submodule: str | None) -> _Pla
     problem = expected.mismatch(under)
     if problem is not None:
         inside = f" (under {prefix!r})" if prefix else ""
-        raise RuntimeFailure(
+        raise ReadFailure(
             f"{source}: its config describes a {architecture}, but the checkpoint's weights"
             f"{inside} are not that class's: {problem}. from_pretrained would load such a "
             "directory as an untrained model, so nothing was exported"
         )
     outside = [name for name in found if prefix and not name.startswith(f"{prefix}.")]
     if outside and submodule is None:
-        raise UsageError(  # the export it asks for needs --submodule
+        raise ReadUsageError(  # the export it asks for needs --submodule
             f"{source}: the checkpoint's model holds a {architecture} as {prefix!r} and weights "
             f"outside it ({few(outside)}), which a {architecture} directory cannot hold; pass "
             f"--submodule {prefix} to export the {architecture} alone, without them"
@@ -464,7 +495,7 @@ def _read_average(source: Path) -> dict[str, Any]:
     try:
         return read_ema_state(source)
     except CheckpointError as exc:
-        raise UsageError(f"--ema: {exc}") from None
+        raise ReadUsageError(f"--ema: {exc}") from None
 
 
 def _write_weights(

@@ -21,8 +21,9 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from forge.cli.exits import RuntimeFailure, UsageError
-from forge.cli.inputs import (
+from forge.read.errors import ReadFailure, ReadUsageError
+from forge.read.generation import DEFAULT_NEW_TOKENS, run_generation_keywords
+from forge.read.inputs import (
     InputRows,
     check_input_keys,
     has_tokenizer,
@@ -30,7 +31,6 @@ from forge.cli.inputs import (
     read_rows,
     row_tensors,
 )
-from forge.cli.run_generation import DEFAULT_NEW_TOKENS, run_generation_keywords
 from forge.wrappers import class_label
 
 logger = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def model_kind(checkpoint: Path) -> tuple[str, str]:
     )
 
     if not (checkpoint / "config.json").is_file():
-        raise RuntimeFailure(
+        raise ReadFailure(
             f"{checkpoint} has no config.json: it is not a Hugging Face model directory "
             "(a model without a transformers config is used through its project's config)"
         )
@@ -81,7 +81,7 @@ def run_of_checkpoint(checkpoint: Path) -> Path:
     """The run directory holding ``checkpoint`` (``RUN/checkpoints/checkpoint-N``)."""
     run_dir = Path(checkpoint).resolve().parent.parent
     if not (run_dir / "run.json").is_file() or not (run_dir / "config.yaml").is_file():
-        raise UsageError(
+        raise ReadUsageError(
             f"{checkpoint} is not inside a forge run (no run.json and config.yaml two levels "
             "up); forge rebuilds the model, datasets and metrics from the run's config"
         )
@@ -122,7 +122,7 @@ def evaluate_checkpoint(
         try:
             average = read_ema_state(checkpoint)
         except CheckpointError as exc:
-            raise UsageError(f"--ema: {exc}") from None
+            raise ReadUsageError(f"--ema: {exc}") from None
 
     record, project, cfg = _load_run(checkpoint, allow)
     # the trainer's own files (metrics.jsonl, ...) go to a scratch directory, not to the run
@@ -211,26 +211,10 @@ def build_checkpoint_model(
 
 def _build_run_model(checkpoint: Path, allow: list[str]) -> Any:
     """The run's model as its training built it, before any weights are loaded."""
-    from torch import nn
-
-    from forge.config.graph import CallNode
-    from forge.launch.worker import build_variables
+    from forge.read.run_model import build_run_model
 
     record, project, cfg = _load_run(checkpoint, allow)
-    trainer_node = cfg.targets.get("trainer")
-    model_node = trainer_node.kwargs.get("model") if isinstance(trainer_node, CallNode) else None
-    with tempfile.TemporaryDirectory(prefix="forge-predict-") as scratch:
-        variables = build_variables(Path(scratch), project, record.data.get("config", "config"))
-        target = cfg.targets.get("model")
-        if model_node is not None and target is model_node:
-            built = cfg.build("model", variables)  # only the model (and what it needs)
-        else:  # the model is written inside the trainer: build the trainer, as training did
-            trainer = cfg.build("trainer", variables)
-            built = trainer.model if trainer.model is not None else trainer.model_init
-        model = built if isinstance(built, nn.Module) else built()
-    if not isinstance(model, nn.Module):
-        raise RuntimeFailure(f"the run's trainer.model built a {class_label(model)}, no module")
-    return model
+    return build_run_model(run_of_checkpoint(checkpoint), cfg, project, record.data)
 
 
 def _split_dataset(cfg: Any, trainer: Any, split: str, variables: dict[str, Any]) -> Any:
@@ -242,7 +226,7 @@ def _split_dataset(cfg: Any, trainer: Any, split: str, variables: dict[str, Any]
         return cfg.build(target, variables)
     splits = [name for name, dataset in own.items() if dataset is not None]
     splits += [t.removesuffix("_dataset") for t in cfg.public_targets if t.endswith("_dataset")]
-    raise UsageError(
+    raise ReadUsageError(
         f"the run's config has no {split!r} split (no {target} target); splits: "
         + ", ".join(dict.fromkeys(splits))
     )
@@ -250,7 +234,7 @@ def _split_dataset(cfg: Any, trainer: Any, split: str, variables: dict[str, Any]
 
 def read_inputs(path: Path, field: str) -> list[dict[str, Any]]:
     """JSON Lines: each line an object with ``field`` (a plain JSON string is taken as it), or
-    each line an object of model inputs (forge.cli.inputs)."""
+    each line an object of model inputs (forge.read.inputs)."""
     return read_rows(path, field).rows
 
 
@@ -273,12 +257,12 @@ def predict_file(
 
     Lines of text need the checkpoint's tokenizer; lines of model inputs (``{"input_ids":
     [...]}``, ``{"x": [...]}``) are given to the model as they are, one at a time, and a
-    generating model's prediction is then the token ids it adds (forge.cli.inputs).
+    generating model's prediction is then the token ids it adds (forge.read.inputs).
 
     A generating model adds ``max_new_tokens`` tokens (50 when None); where the checkpoint's run
     evaluated by generating (``predict_with_generate``), it generates as that evaluation did:
     ``generation_num_beams`` beams, and ``generation_max_length`` unless ``max_new_tokens`` is
-    given (forge/cli/run_generation.py).
+    given (forge/read/generation.py).
 
     A model that is not a Hugging Face directory's is built from its run's config and fed one
     input at a time (``input_ids``, and ``attention_mask`` when its forward takes one), so its
@@ -297,7 +281,7 @@ def predict_file(
     if problem is None:
         kind, architecture = model_kind(described)
         if kind == "other":
-            raise UsageError(
+            raise ReadUsageError(
                 f"{checkpoint} holds a {architecture}; forge predict handles sequence "
                 "classifiers (class labels), causal LMs and encoder-decoder models such as T5 "
                 "(generated text)"
@@ -454,7 +438,7 @@ def _run(call: Any, kwargs: dict[str, Any], rows: InputRows, index: int) -> Any:
             for key, value in kwargs.items()
             if torch.is_tensor(value)
         )
-        raise RuntimeFailure(
+        raise ReadFailure(
             f"{rows.where(index)}: the model failed on this line's inputs ({shapes}): "
             f"{str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__}; "
             "each value is one example without a batch dimension (forge adds it); a key whose "
@@ -516,8 +500,8 @@ def model_through_run(checkpoint: Path, problem: str, allow: list[str]) -> Any:
     """The checkpoint's model through its run's config (it is no Hugging Face directory)."""
     try:
         run_of_checkpoint(checkpoint)
-    except UsageError:
-        raise UsageError(
+    except ReadUsageError:
+        raise ReadUsageError(
             f"{checkpoint} is not a Hugging Face model directory ({problem}) and is not inside "
             "a forge run whose config.yaml builds its model"
         ) from None
@@ -537,7 +521,7 @@ def module_logits(model: Any, input_ids: Any) -> Any:
     if "input_ids" not in parameters and not any(
         p.kind is p.VAR_KEYWORD for p in parameters.values()
     ):
-        raise UsageError(
+        raise ReadUsageError(
             f"{class_label(model)}.forward takes no input_ids (it takes "
             f"{', '.join(parameters)}); forge predict feeds a tokenized text as input_ids"
         )
@@ -555,7 +539,7 @@ def module_output(model: Any, kwargs: dict[str, Any]) -> Any:
         output = output[0]
     logits = output if torch.is_tensor(output) else _get(output, "logits")
     if not torch.is_tensor(logits):
-        raise UsageError(
+        raise ReadUsageError(
             f"{class_label(model)}.forward returned {type(output).__name__} without logits; "
             "forge predict reads its logits (a tensor, or a 'logits' entry)"
         )
@@ -585,7 +569,7 @@ def _module_prediction(
             model, tokenizer, ids, max_new_tokens, temperature, logits if fits else None
         )
         return {"prediction": tokenizer.decode(new, skip_special_tokens=True)}
-    raise UsageError(
+    raise ReadUsageError(
         f"{class_label(model)} returned logits of shape {list(logits.shape)}, neither a "
         "classifier's [batch, classes] nor a causal LM's [batch, tokens, vocabulary of "
         f"{len(tokenizer)}]"
