@@ -22,6 +22,7 @@ from __future__ import annotations
 import atexit
 import multiprocessing
 import os
+import runpy
 import select
 import signal
 import subprocess
@@ -182,10 +183,23 @@ def _run_trial(argv: list[str], env: dict[str, str], log: str | None, sweep: int
         import torch
 
         torch.set_num_threads(int(threads))
-    from forge.cli import main
-
-    code = main(argv)
+    code = _run_forge_command(argv)
     atexit._run_exitfuncs()  # a forked child leaves by os._exit: what a process runs at exit
     sys.stdout.flush()
     sys.stderr.flush()
     sys.exit(code)
+
+
+def _run_forge_command(argv: list[str]) -> int:
+    """Run ``forge ARGV`` in this (forked) process, as the fresh-process path runs
+    ``python -m forge.cli ARGV``: the command module is run by name, so the sweep, which the
+    command line drives, does not import the command line itself."""
+    sys.argv = ["forge", *argv]
+    try:
+        runpy.run_module("forge.cli", run_name="__main__", alter_sys=True)
+    except SystemExit as stop:
+        if stop.code is None or isinstance(stop.code, int):
+            return int(stop.code or 0)
+        print(stop.code, file=sys.stderr)
+        return 1
+    return 0
