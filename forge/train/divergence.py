@@ -26,8 +26,11 @@ from __future__ import annotations
 import logging
 import math
 from collections import deque
+from collections.abc import Collection
 from typing import Any
 
+from forge.suggest import suggestion
+from forge.text import short_list
 from forge.train.callbacks import TrainerCallback, is_train_summary
 
 logger = logging.getLogger(__name__)
@@ -436,6 +439,19 @@ class DivergenceDetector(TrainerCallback):
         rollbacks goes on from before it."""
         self.rollbacks = [*self._history, entry]
         self.alarms = [False] * len(self.detectors)
+
+    def unseen_eval_metrics(self, metrics: Collection[str]) -> list[str]:
+        """The sanity pass's check: each evaluation metric a detector watches must be one the
+        run's evaluation gives (``metrics``: what its evaluation batches produced)."""
+        problems = []
+        for detector in self.detectors:
+            metric = detector.metric
+            if metric.startswith("eval_") and metric not in metrics:
+                problems.append(
+                    f"{detector.name} watches {metric!r}, which the evaluation does not give "
+                    f"(it gives {short_list(sorted(metrics))}){suggestion(metric, metrics)}"
+                )
+        return problems
 
     def on_train_end(self, args, state, control, **kwargs):
         if not state.is_world_process_zero:

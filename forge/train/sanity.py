@@ -141,6 +141,7 @@ def _evaluate(trainer: Any, batches: int) -> None:
     try:
         datasets = trainer.eval_dataset
         parts = datasets if isinstance(datasets, dict) else {None: datasets}
+        given: set[str] = set()
         with trainer._evaluation_weights():
             for name, dataset in parts.items():
                 prefix = "eval" if name is None else f"eval_{name}"
@@ -153,6 +154,16 @@ def _evaluate(trainer: Any, batches: int) -> None:
                     )
                 with _part("args", "checking metric_for_best_model"):
                     trainer._check_best_metric(output.metrics)
+                given.update(output.metrics)
+        with _part("callbacks", "checking the evaluation metrics the callbacks watch"):
+            problems = [
+                problem
+                for callback in trainer.callback_handler.callbacks
+                if callable(getattr(callback, "unseen_eval_metrics", None))
+                for problem in callback.unseen_eval_metrics(given)
+            ]
+            if problems:
+                raise ValueError("; ".join(problems))
     finally:
         args.max_eval_batches = limit
 

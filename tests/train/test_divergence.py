@@ -202,6 +202,33 @@ def test_a_detector_of_a_metric_the_run_never_produces_is_refused_when_built(tmp
         spiking_trainer(tmp_path, DivergenceDetector(), logging_strategy="no")
 
 
+def test_an_evaluation_metric_the_evaluation_does_not_give_fails_the_sanity_pass(tmp_path):
+    """A misspelled evaluation metric fails before training, with the near name (the sanity
+    pass's evaluation batches show what the evaluation gives)."""
+    from forge.train.sanity import SanityFailure, run_sanity_pass
+
+    trainer = spiking_trainer(
+        tmp_path,
+        DivergenceDetector([MetricRise("eval_los")]),
+        eval_size=16,
+        eval_strategy="steps",
+        eval_steps=2,
+    )
+    with pytest.raises(SanityFailure) as info:
+        run_sanity_pass(trainer, 1)
+    assert info.value.part == "callbacks"
+    message = str(info.value.error)
+    assert "MetricRise watches 'eval_los'" in message and "did you mean 'eval_loss'?" in message
+    right = spiking_trainer(
+        tmp_path / "right",
+        DivergenceDetector([MetricRise("eval_loss")]),
+        eval_size=16,
+        eval_strategy="steps",
+        eval_steps=2,
+    )
+    run_sanity_pass(right, 1)  # the metric it gives passes
+
+
 class PoisonedRegression(Regression):
     """``Regression`` with one item whose target is 1e4 times too large: the batch that holds
     it blows the loss up."""
