@@ -93,8 +93,13 @@ def _run(command, args: argparse.Namespace, verbose: bool) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # every failure becomes a message and an exit code
+        from forge.train.signals import TrainingInterrupted
+
         if verbose:
             raise
+        if isinstance(err, TrainingInterrupted):  # a stop signal before any training began
+            print(f"{err}: stopped before training started", file=sys.stderr)
+            return 128 + err.signum
         from forge.train.topology import Topology
 
         rank = Topology.from_env().rank
