@@ -51,6 +51,8 @@ TRAINERS = {
     "accel": ("accel.yaml", ()),
     "pipeline": ("pipeline.yaml", ("-D", "num_layers=4")),  # 2 stages of 2 layers
     "fsdp": ("train.yaml", ("--set", "trainer.args.fsdp=full_shard")),
+    # a moving average resumed from the checkpoint must continue the straight run's
+    "ema": ("train.yaml", ("--set", "trainer.args.ema_decay=0.9")),
 }
 
 
@@ -136,7 +138,7 @@ def end_state(run_dir: Path) -> dict[str, Any]:
     state: dict[str, Any] = {
         file.name: load_file(file) for file in sorted(checkpoint.glob("model*.safetensors"))
     }
-    for file in sorted(checkpoint.glob("optimizer*.pt")):
+    for file in sorted([*checkpoint.glob("optimizer*.pt"), *checkpoint.glob("ema*.pt")]):
         state[file.name] = torch.load(file, weights_only=True)
     assert any(name.startswith("optimizer") for name in state), sorted(state)
     return state
@@ -144,7 +146,7 @@ def end_state(run_dir: Path) -> dict[str, Any]:
 
 def assert_same_end(straight: Path, resumed: Path) -> None:
     a, b = end_state(straight), end_state(resumed)
-    assert sorted(a) == sorted(b)
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     assert_same_tensors(a, b, "checkpoint")
 
 
@@ -230,6 +232,7 @@ OTHERS = [
     pytest.param("pipeline", "cli", signal.SIGTERM, id="pipeline-cli-sigterm"),
     pytest.param("fsdp", "group", signal.SIGINT, id="fsdp-group-sigint"),
     pytest.param("plain", "every", signal.SIGUSR1, id="plain-every-sigusr1"),
+    pytest.param("ema", "group", signal.SIGTERM, id="ema-group-sigterm"),
 ]
 
 
