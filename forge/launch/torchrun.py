@@ -38,6 +38,7 @@ from typing import Any
 from forge.launch.cluster import ONE_NODE, Nodes
 from forge.launch.endpoint import Here, meet_for_torchrun
 from forge.launch.errors import LaunchUsageError
+from forge.launch.scheduler import stopped_codes
 from forge.lifetime import scheduler_signal, signal_on_parent_death, stop_signals
 from forge.runs import EXIT_DIVERGED, RunError, go_on_note, now_iso
 from forge.train.signals import launched_children
@@ -511,8 +512,7 @@ def _announce_restarts() -> None:
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             failed = result.state == WorkerState.FAILED and result.failures
-            stopped = {128 + int(signum) for signum in stop_signals()}
-            if failed and all(f.exitcode in stopped for f in result.failures.values()):
+            if failed and all(f.exitcode in stopped_codes() for f in result.failures.values()):
                 # the ranks stopped on a signal after saving (forge's 128 + N; a rank killed by
                 # a signal has a negative code): a stop the job asked for, never restarted
                 self._remaining_restarts = 0
@@ -620,6 +620,8 @@ def main(argv: list[str] | None = None) -> int:
         rank, first = failure.get_first_failure()
         what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
         details = {"rank": rank, "pid": first.pid, "exitcode": first.exitcode}
+        if all(f.exitcode in stopped_codes() for f in failure.failures.values()):
+            return first.exitcode  # the ranks stopped on a signal; rank 0's record says so
         if run_dir is None:  # a node that joined: node 0 keeps the record
             _tell(f"error: {what}{_NODE_NOTE}")
         elif settle_failure(run_dir, what, details):
