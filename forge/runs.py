@@ -535,8 +535,8 @@ def find_run(
 
 
 def discard_unstarted_run(run_dir: Path) -> bool:
-    """Remove a run that a config error or a stop signal stopped before it trained a step or
-    wrote anything but its record.
+    """Remove a run that a config error stopped before it trained a step or wrote anything
+    but its record.
 
     A run whose record says it trained (``reached_step``), saved a checkpoint (its trainer's
     ``output_dir`` may lie outside the run), resumed or restarted, or that ended any other way
@@ -550,7 +550,7 @@ def discard_unstarted_run(run_dir: Path) -> bool:
     except RunError:
         return False
     if (
-        data.get("status") not in ("created", "failed", "interrupted")
+        data.get("status") not in ("created", "failed")
         or data.get("reached_step", 0) != 0
         or data.get("step", 0) != 0
         or any(data.get(key) for key in ("checkpoints", "resumes", "restarts", "best"))

@@ -344,10 +344,10 @@ def train_run(
         if rank == 0 and stop.step is None and not began:  # before the first step: no save
             record = RunRecord.load(run_dir)
             name = signal.Signals(stop.signum).name
-            if resume_from is not None and not restart and previous in ENDED:
-                record.update(status=previous)  # the run is as the resume found it
-            else:
+            if restart:
                 record.set_status("interrupted", signal=name, reached_step=reached_step(trainer))
+            else:  # the run is as this job found it: a new one (removed) or a resumed one
+                record.update(status=previous)
             logger.info("stopped by %s before training started: nothing to save", name)
         elif rank == 0:
             record = RunRecord.load(run_dir)

@@ -317,12 +317,23 @@ def test_a_stop_while_node_0_waits_for_node_1_exits_quietly_and_leaves_no_run(pr
 # ------------------------------------------------------------------ a stop before the loop
 
 
+def catches_stops(pid: int) -> bool:
+    """Whether ``pid`` handles SIGTERM (its SigCgt mask): the Python interpreter has started
+    and runs forge's code; before that no program can answer a signal."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
 def wait_for_ranks(job: Job, nproc: int) -> dict[int, int]:
-    """The job's training processes by rank, once all ``nproc`` have started (None: never)."""
+    """The job's training processes by rank, once all ``nproc`` run forge's code."""
     deadline = time.monotonic() + HANG_S
     while time.monotonic() < deadline and job.proc.poll() is None:
         ranks = worker_pids(job.proc.pid)
-        if len(ranks) == nproc:
+        if len(ranks) == nproc and all(map(catches_stops, ranks.values())):
             return ranks
         time.sleep(0.05)
     raise AssertionError(f"the job's {nproc} ranks never started:\n{job.text()}")
