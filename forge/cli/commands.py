@@ -345,9 +345,9 @@ def cmd_train(args: argparse.Namespace) -> int:
     if topology.distributed:  # every rank of a job another launcher started runs this
         return _train_in_launched_job(project, make_run, topology, args)
     run_dir = make_run()
-    print(run_dir, flush=True)
-    logger.info("run directory: %s", run_dir)
     try:
+        print(run_dir, flush=True)
+        logger.info("run directory: %s", run_dir)
         with claimed_new_run(run_dir):
             code = launch_training(
                 project,

@@ -464,6 +464,11 @@ def rendezvous_message(
     )
 
 
+def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank that ended first and its ``ProcessFailure`` (torch stops the others then)."""
+    return min(failures.items(), key=lambda item: item[1].timestamp)
+
+
 def _launcher_died(signum: int, frame: Any) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -512,12 +517,13 @@ def _announce_restarts() -> None:
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
             failed = result.state == WorkerState.FAILED and result.failures
-            if failed and all(f.exitcode in stopped_codes() for f in result.failures.values()):
-                # the ranks stopped on a signal after saving (forge's 128 + N; a rank killed by
-                # a signal has a negative code): a stop the job asked for, never restarted
+            if failed and _first_failure(result.failures)[1].exitcode in stopped_codes():
+                # the first rank to end stopped on a signal after saving (forge's 128 + N; a
+                # rank killed by a signal has a negative code; torch stops the others as it
+                # sees it): a stop the job asked for, never restarted
                 self._remaining_restarts = 0
             elif failed and self._remaining_restarts:
-                rank, first = min(result.failures.items(), key=lambda item: item[1].timestamp)
+                rank, first = _first_failure(result.failures)
                 what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
                 done = worker_group.spec.max_restarts - self._remaining_restarts + 1
                 os.environ[RESTART_CAUSE_ENV] = what  # the restarted workers inherit it
@@ -620,8 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         rank, first = failure.get_first_failure()
         what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
         details = {"rank": rank, "pid": first.pid, "exitcode": first.exitcode}
-        if all(f.exitcode in stopped_codes() for f in failure.failures.values()):
-            return first.exitcode  # the ranks stopped on a signal; rank 0's record says so
+        if first.exitcode in stopped_codes():  # stopped on a signal; rank 0's record says so
+            return first.exitcode
         if run_dir is None:  # a node that joined: node 0 keeps the record
             _tell(f"error: {what}{_NODE_NOTE}")
         elif settle_failure(run_dir, what, details):
