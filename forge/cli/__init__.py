@@ -16,6 +16,11 @@ import argparse
 import logging
 import sys
 
+if sys.argv[1:2] == ["_worker"]:  # a rank torchrun started: a stop while forge loads is noted
+    from forge.train.signals import note_stops_while_loading
+
+    note_stops_while_loading()
+
 from forge.cli.commands import COMMANDS
 from forge.cli.exits import EXIT_USAGE, exit_code_for, is_expected
 from forge.cli.parser import build_parser, split_torchrun_args
@@ -93,11 +98,17 @@ def _run(command, args: argparse.Namespace, verbose: bool) -> int:
         print("interrupted", file=sys.stderr)
         return 130
     except Exception as err:  # every failure becomes a message and an exit code
+        from forge.train.signals import TrainingInterrupted
+
         if verbose:
             raise
         from forge.train.topology import Topology
 
         rank = Topology.from_env().rank
+        if isinstance(err, TrainingInterrupted):  # a stop signal before any training began
+            if rank == 0:
+                print(f"{err}: stopped before training started", file=sys.stderr)
+            return 128 + err.signum
         prefix = f"[rank {rank}] " if rank else ""
         if is_expected(err):
             # every rank sees the same config error: one message is enough; a runtime failure

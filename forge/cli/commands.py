@@ -254,9 +254,11 @@ def cmd_train(args: argparse.Namespace) -> int:
     from forge.launch.torchrun import launch_training, resolve_max_restarts, resolve_nproc
     from forge.launch.worker import build_variables
     from forge.runs import config_output_dir, discard_unstarted_run
+    from forge.train.signals import TrainingInterrupted, stop_while_starting
 
     memory = _memory_option(args)
     use_stop_signal(args.stop_signal)
+    stop_while_starting()  # a stop before the loop ends the job cleanly (no step to save)
     check_requeue(args.requeue)
     project = _project(args)
     name, cfg = _load(args, project)
@@ -343,20 +345,23 @@ def cmd_train(args: argparse.Namespace) -> int:
     if topology.distributed:  # every rank of a job another launcher started runs this
         return _train_in_launched_job(project, make_run, topology, args)
     run_dir = make_run()
-    print(run_dir, flush=True)
-    logger.info("run directory: %s", run_dir)
-    with claimed_new_run(run_dir):
-        code = launch_training(
-            project,
-            run_dir,
-            nproc,
-            torchrun_args=torchrun_args,
-            nodes=nodes,
-            allow=args.allow or [],
-            verbose=args.verbose,
-            max_restarts=max_restarts,
-            here=Here("train", name, run_dir / "config.yaml") if nodes.multinode else None,
-        )
+    try:
+        print(run_dir, flush=True)
+        logger.info("run directory: %s", run_dir)
+        with claimed_new_run(run_dir):
+            code = launch_training(
+                project,
+                run_dir,
+                nproc,
+                torchrun_args=torchrun_args,
+                nodes=nodes,
+                allow=args.allow or [],
+                verbose=args.verbose,
+                max_restarts=max_restarts,
+                here=Here("train", name, run_dir / "config.yaml") if nodes.multinode else None,
+            )
+    except TrainingInterrupted as stop:  # stopped before the job was launched
+        code = 128 + stop.signum
     if code == EXIT_USAGE:
         discard_if_unstarted(run_dir)
     elif code in stopped_codes() and discard_unstarted_run(run_dir):
@@ -395,8 +400,10 @@ def cmd_resume(args: argparse.Namespace) -> int:
     from forge.launch.scheduler import check_requeue, use_stop_signal
     from forge.launch.torchrun import resolve_max_restarts
     from forge.runs import find_run
+    from forge.train.signals import stop_while_starting
 
     use_stop_signal(args.stop_signal)
+    stop_while_starting()  # a stop before the loop ends the job cleanly (no step to save)
     check_requeue(args.requeue)
     project = _project(args)
     max_restarts = resolve_max_restarts(args.max_restarts)
@@ -497,8 +504,10 @@ def _resume_claimed(
 def cmd_worker(args: argparse.Namespace) -> int:
     from forge.launch.torchrun import stop_with_parent
     from forge.launch.worker import run_worker
+    from forge.train.signals import stop_while_starting
 
     stop_with_parent(signal.SIGKILL)  # a worker whose torchrun is gone stops at once
+    stop_while_starting()  # a stop before its loop begins ends this rank cleanly
     project = load_project(Path(args.project).resolve())
     run_dir = Path(args.run_dir) if args.run_dir else None
     resume = args.resume_from

@@ -38,8 +38,10 @@ from typing import Any
 from forge.launch.cluster import ONE_NODE, Nodes
 from forge.launch.endpoint import Here, meet_for_torchrun
 from forge.launch.errors import LaunchUsageError
+from forge.launch.scheduler import stopped_codes
 from forge.lifetime import scheduler_signal, signal_on_parent_death, stop_signals
 from forge.runs import EXIT_DIVERGED, RunError, go_on_note, now_iso
+from forge.train.signals import launched_children
 from forge.train.topology import Topology
 
 logger = logging.getLogger(__name__)
@@ -196,6 +198,7 @@ def launch_training(
         # (pytorch/pytorch#135712). A store per attempt avoids that.
         env.setdefault("TORCH_DISABLE_SHARE_RDZV_TCP_STORE", "1")
     env[PARENT_ENV] = str(os.getpid())  # torchrun and its workers stop when this process dies
+    launched_children()  # from now on a stop is passed on to torchrun (forward below)
     launched = now_iso()
     child = subprocess.Popen(command, start_new_session=True, env=env)
 
@@ -461,6 +464,11 @@ def rendezvous_message(
     )
 
 
+def _first_failure(failures: dict[int, Any]) -> tuple[int, Any]:
+    """The rank that ended first and its ``ProcessFailure`` (torch stops the others then)."""
+    return min(failures.items(), key=lambda item: item[1].timestamp)
+
+
 def _launcher_died(signum: int, frame: Any) -> None:
     from torch.distributed.elastic.multiprocessing.api import SignalException
 
@@ -508,8 +516,14 @@ def _announce_restarts() -> None:
     class RestartNamingAgent(LocalElasticAgent):
         def _monitor_workers(self, worker_group):
             result = super()._monitor_workers(worker_group)
-            if result.state == WorkerState.FAILED and result.failures and self._remaining_restarts:
-                rank, first = min(result.failures.items(), key=lambda item: item[1].timestamp)
+            failed = result.state == WorkerState.FAILED and result.failures
+            if failed and _first_failure(result.failures)[1].exitcode in stopped_codes():
+                # the first rank to end stopped on a signal after saving (forge's 128 + N; a
+                # rank killed by a signal has a negative code; torch stops the others as it
+                # sees it): a stop the job asked for, never restarted
+                self._remaining_restarts = 0
+            elif failed and self._remaining_restarts:
+                rank, first = _first_failure(result.failures)
                 what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
                 done = worker_group.spec.max_restarts - self._remaining_restarts + 1
                 os.environ[RESTART_CAUSE_ENV] = what  # the restarted workers inherit it
@@ -554,6 +568,9 @@ def _forge_options(argv: list[str]) -> tuple[dict[str, str], list[str]]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    early: list[int] = []  # a stop before the agent's own handlers are in place (torch loads)
+    for signum in stop_signals():
+        signal.signal(signum, lambda signum, _: early.append(signum))
     # torch's C++ store client prints a warning with a native stack trace for every failed
     # read once a node is gone; forge says it once. Read when libtorch loads, so set before the
     # import and taken back before the workers start (they inherit this environment).
@@ -574,6 +591,8 @@ def main(argv: list[str] | None = None) -> int:
     _quiet_torchelastic()
     _announce_restarts()
     _pass_stops_on_once()
+    if early:  # no worker has started: nothing to pass the stop on to
+        return 128 + early[0]
     os.environ.setdefault("TORCH_ELASTIC_SHUTDOWN_TIMEOUT", str(SHUTDOWN_TIMEOUT_S))
     args = parse_args(argv)
     warning = scheduler_signal().name
@@ -607,6 +626,8 @@ def main(argv: list[str] | None = None) -> int:
         rank, first = failure.get_first_failure()
         what = f"rank {rank} (pid {first.pid}) {exit_text(first.exitcode)}"
         details = {"rank": rank, "pid": first.pid, "exitcode": first.exitcode}
+        if first.exitcode in stopped_codes():  # stopped on a signal; rank 0's record says so
+            return first.exitcode
         if run_dir is None:  # a node that joined: node 0 keeps the record
             _tell(f"error: {what}{_NODE_NOTE}")
         elif settle_failure(run_dir, what, details):

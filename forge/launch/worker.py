@@ -344,7 +344,16 @@ def train_run(
             else:
                 record.set_status("completed", finished=now_iso(), step=trainer.state.global_step)
     except TrainingInterrupted as stop:
-        if rank == 0:
+        began = getattr(callback, "began", False)
+        if rank == 0 and stop.step is None and not began:  # before the first step: no save
+            record = RunRecord.load(run_dir)
+            name = signal.Signals(stop.signum).name
+            if restart:
+                record.set_status("interrupted", signal=name, reached_step=reached_step(trainer))
+            else:  # the run is as this job found it: a new one (removed) or a resumed one
+                record.update(status=previous)
+            logger.info("stopped by %s before training started: nothing to save", name)
+        elif rank == 0:
             record = RunRecord.load(run_dir)
             record.set_status(
                 "interrupted",

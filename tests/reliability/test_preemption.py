@@ -26,6 +26,7 @@ import shutil
 import signal
 import stat
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,8 @@ from safetensors.torch import load_file
 from forge.checkpoint import find_latest_checkpoint, parse_checkpoint_step
 from tests.helpers import run_forge
 from tests.integration.conftest import SMALL
-from tests.reliability.kill_harness import Job
-from tests.reliability.procs import alive, descendants
+from tests.reliability.kill_harness import HANG_S, Job
+from tests.reliability.procs import alive, descendants, worker_pids
 from tests.train.common import assert_same_tensors
 
 pytestmark = pytest.mark.integration
@@ -50,6 +51,8 @@ TRAINERS = {
     "accel": ("accel.yaml", ()),
     "pipeline": ("pipeline.yaml", ("-D", "num_layers=4")),  # 2 stages of 2 layers
     "fsdp": ("train.yaml", ("--set", "trainer.args.fsdp=full_shard")),
+    # a moving average resumed from the checkpoint must continue the straight run's
+    "ema": ("train.yaml", ("--set", "trainer.args.ema_decay=0.9")),
 }
 
 
@@ -135,7 +138,7 @@ def end_state(run_dir: Path) -> dict[str, Any]:
     state: dict[str, Any] = {
         file.name: load_file(file) for file in sorted(checkpoint.glob("model*.safetensors"))
     }
-    for file in sorted(checkpoint.glob("optimizer*.pt")):
+    for file in sorted([*checkpoint.glob("optimizer*.pt"), *checkpoint.glob("ema*.pt")]):
         state[file.name] = torch.load(file, weights_only=True)
     assert any(name.startswith("optimizer") for name in state), sorted(state)
     return state
@@ -143,7 +146,7 @@ def end_state(run_dir: Path) -> dict[str, Any]:
 
 def assert_same_end(straight: Path, resumed: Path) -> None:
     a, b = end_state(straight), end_state(resumed)
-    assert sorted(a) == sorted(b)
+    assert sorted(a) == sorted(b), (sorted(a), sorted(b))
     assert_same_tensors(a, b, "checkpoint")
 
 
@@ -229,6 +232,7 @@ OTHERS = [
     pytest.param("pipeline", "cli", signal.SIGTERM, id="pipeline-cli-sigterm"),
     pytest.param("fsdp", "group", signal.SIGINT, id="fsdp-group-sigint"),
     pytest.param("plain", "every", signal.SIGUSR1, id="plain-every-sigusr1"),
+    pytest.param("ema", "group", signal.SIGTERM, id="ema-group-sigterm"),
 ]
 
 
@@ -308,3 +312,89 @@ def test_a_stop_while_node_0_waits_for_node_1_exits_quietly_and_leaves_no_run(pr
     assert code == 128 + sig, job.text()
     assert "Traceback" not in job.text() and "KeyboardInterrupt" not in job.text(), job.text()
     assert not list((project / "output" / "train").glob("run_*")), job.text()
+
+
+# ------------------------------------------------------------------ a stop before the loop
+
+
+def catches_stops(pid: int) -> bool:
+    """Whether ``pid`` handles SIGTERM (its SigCgt mask): the Python interpreter has started
+    and runs forge's code; before that no program can answer a signal."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = int(re.search(r"^SigCgt:\s*([0-9a-f]+)", status, re.M).group(1), 16)
+    return bool(caught >> (signal.SIGTERM - 1) & 1)
+
+
+def wait_for_ranks(job: Job, nproc: int) -> dict[int, int]:
+    """The job's training processes by rank, once all ``nproc`` run forge's code."""
+    deadline = time.monotonic() + HANG_S
+    while time.monotonic() < deadline and job.proc.poll() is None:
+        ranks = worker_pids(job.proc.pid)
+        if len(ranks) == nproc and all(map(catches_stops, ranks.values())):
+            return ranks
+        time.sleep(0.05)
+    raise AssertionError(f"the job's {nproc} ranks never started:\n{job.text()}")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "nproc,sig,target",
+    [
+        (1, signal.SIGUSR1, "cli"),
+        (1, signal.SIGTERM, "group"),
+        (2, signal.SIGUSR1, "every"),
+        (2, signal.SIGTERM, "ranks"),
+    ],
+    ids=["1proc-sigusr1-cli", "1proc-sigterm-group", "2proc-sigusr1-every", "2proc-sigterm-ranks"],
+)
+def test_a_stop_before_the_loop_starts_ends_the_job_cleanly(project, nproc, sig, target):
+    """A stop while the job starts (the model and the data being built): nothing to save, so
+    the job ends at once, exit 128 + N, without a traceback, and leaves no run behind (it never
+    trained). ``ranks``: the signal reaches only the training processes (not the agent)."""
+    job = Job(["train", "-p", str(project), *SMALL, "--nproc", str(nproc)])
+    run_dir = Path(job.proc.stdout.readline().strip())
+    assert run_dir.is_dir(), job.text()
+    if nproc == 1:
+        send(job, sig, target)
+    else:
+        ranks = wait_for_ranks(job, nproc)  # each rank is importing or building its model
+        if target == "ranks":
+            for pid in ranks.values():
+                os.kill(pid, sig)
+        else:
+            send(job, sig, target)
+    code = wait_until_gone(job, descendants(job.proc.pid))
+    text = job.text()
+    assert code == 128 + sig, text
+    for wrong in ("Traceback", "killed by signal", "SignalException", "error:"):
+        assert wrong not in text, text
+    assert not run_dir.exists(), text  # removed: it never trained a step
+    assert "step 1/" not in text, text
+
+
+# ------------------------------------------------------------------ ranks stopped, restarts on
+
+
+@pytest.mark.slow
+def test_ranks_stopped_on_a_signal_after_saving_are_not_restarted(project):
+    """``--max-restarts``: torchrun restarts ranks that fail. Ranks that a scheduler stopped
+    (SIGTERM to the training processes only, not to the agent) saved and exited 143: the job
+    stops there, interrupted, exit 143, and is not restarted."""
+    job = Job(
+        ["train", "-p", str(project), *SMALL, *LOG_EVERY_STEP, "--nproc", "2"]
+        + ["--max-restarts", "1"]
+    )
+    run_dir = Path(job.proc.stdout.readline().strip())
+    aim = random.randrange(2, MAX_STEPS - 12)
+    assert job.wait_for_line(rf"^step {aim}/{MAX_STEPS} "), job.text()
+    processes = descendants(job.proc.pid)
+    for pid in worker_pids(job.proc.pid).values():
+        os.kill(pid, signal.SIGTERM)
+    code = wait_until_gone(job, processes)
+    step = assert_stopped_once(job, code, run_dir, signal.SIGTERM, aim)
+    assert "restarting the workers" not in job.text(), job.text()
+    assert not record(run_dir).get("restarts"), record(run_dir)
+    resume_to_the_end(project, run_dir, step)
