@@ -350,6 +350,7 @@ class ShardedStream(IterableDataset):
         reader = SlotStream(self, slot, slots)
         if slot in self.carry:
             reader.carry(self.carry[slot])
+        self.reader = reader  # what this process reads (a worker's: ``SeededCollate``)
         return reader
 
     def __repr__(self) -> str:
@@ -531,6 +532,32 @@ def slot_states(state: dict[str, Any]) -> list[dict[str, Any]]:
     return found
 
 
+class SeededCollate:
+    """``collate_fn`` as a loader worker runs it: Python's, numpy's and torch's generators are
+    first seeded from (seed, the reader's slot, its epoch, the items it has given out), which
+    name the batch, so what a collator draws is the same in a resumed run (a worker's
+    generators are otherwise seeded once per worker, and a resume replays no draws)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, seed: int) -> None:
+        from torch.utils.data import default_collate
+
+        self.collate_fn, self.seed = collate_fn or default_collate, seed
+
+    def __call__(self, items: list[Any]) -> Any:
+        info = get_worker_info()
+        reader = getattr(getattr(info, "dataset", None), "reader", None)
+        if isinstance(reader, SlotStream):
+            from forge.data.loader import seed_generators
+
+            text = (
+                f"{self.seed}:{reader.slot}:{reader.epoch}:{reader.yielded}:{len(reader.pending)}"
+            )
+            seed_generators(
+                int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+            )
+        return self.collate_fn(items)
+
+
 def build_stream_loader(
     dataset: Any,
     *,
@@ -567,6 +594,7 @@ def build_stream_loader(
             "multiprocessing_context": multiprocessing_context,
             "worker_init_fn": worker_init_fn,
         }
+        collate_fn = SeededCollate(collate_fn, seed)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StreamLoader(
