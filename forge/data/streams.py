@@ -97,12 +97,22 @@ class SlotStream:
         self.draws = 0
         self.yielded = 0  # items this slot gave out in the epoch
         self.restored = False
+        # shards dealt to this slot from a position saved by another count of readers
+        # (``deal_positions``): each {"epoch", "shard", "position"}, read before its own
+        self.pending: list[dict[str, Any]] = []
+        self.carried = False  # its epoch is one continued from another count of readers
         self._items: Iterator[Any] | None = None
         self._cursor: ShardCursor | None = None
 
     # ------------------------------------------------------------------ Stateful
     def state_dict(self) -> dict[str, Any]:
-        position = self._cursor.position() if self._cursor is not None else self.position
+        position, pending = self.position, copy.deepcopy(self.pending)
+        if self._cursor is not None:  # inside a dealt shard while any is pending
+            where = self._cursor.position()
+            if pending:
+                pending[0]["position"] = copy.deepcopy(where)
+            else:
+                position = where
         return {
             "epoch": self.epoch,
             "shard": self.shard,
@@ -115,6 +125,8 @@ class SlotStream:
             "slots": self.slots,
             "split": "shards" if self.stream.by_shards(self.slots) else "items",
             "source": self.stream.source.state(),
+            "pending": pending,
+            "carried": self.carried,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -129,7 +141,20 @@ class SlotStream:
         self.buffer, self.draws = _unpacked(state["buffer"]), int(state["draws"])
         self._plain = list(state["buffer"])
         self.yielded, self.restored = int(state["yielded"]), True
+        self.pending = copy.deepcopy(list(state.get("pending") or []))
+        self.carried = bool(state.get("carried", False))
         self.stream.source.restore(state.get("source"))
+        self._items = None
+
+    def carry(self, dealt: dict[str, Any]) -> None:
+        """Start from what ``deal_positions`` dealt this slot: the saved epoch's shards it
+        reads first (``pending``) and the saved shuffle buffers' items it was given; then on
+        with the next epoch, as this job's readers split it."""
+        self.epoch, self.pending = int(dealt["epoch"]), copy.deepcopy(list(dealt["pending"]))
+        self.shard = len(self._shards())  # its own shards of the saved epoch: none
+        self.position, self.seen, self.draws, self.yielded = None, 0, 0, 0
+        self.buffer, self._plain = _unpacked(dealt["buffer"]), list(dealt["buffer"])
+        self.carried = self.restored = True
         self._items = None
 
     # ------------------------------------------------------------------ iteration
@@ -153,12 +178,13 @@ class SlotStream:
                 else "its current shard",
             )
         while True:
-            given = self.yielded
+            given, carried = self.yielded, self.carried
             yield from self._epoch()
-            if self.yielded == 0 and given == 0:
+            if self.yielded == 0 and given == 0 and not carried:
                 return  # nothing for this slot in a whole epoch: it ends (others go on)
             self.epoch += 1
             self.shard, self.position, self.seen, self.draws, self.yielded = 0, None, 0, 0, 0
+            self.carried = False
 
     def _shards(self) -> list[int]:
         stream = self.stream
@@ -169,39 +195,49 @@ class SlotStream:
 
     def _epoch(self) -> Iterator[Any]:
         stream, shards = self.stream, self._shards()
-        by_items = not stream.by_shards(self.slots)
         size = stream.shuffle_buffer if stream.shuffle else 0
+        while self.pending:  # shards dealt from another count of readers, read whole
+            piece = self.pending[0]
+            cursor = self._open(piece["shard"], piece["epoch"], piece["position"])
+            yield from self._read(cursor, piece["shard"], False, size)
+            self._cursor = None
+            self.pending.pop(0)
+        by_items = not stream.by_shards(self.slots)
         while self.shard < len(shards):
-            cursor = self._open(shards[self.shard])
-            name, read = stream.source.shard_name(shards[self.shard]), 0
-            while True:
-                try:
-                    item = next(cursor.items)
-                except StopIteration:
-                    break
-                except Exception as exc:
-                    where = "resumed " if self.restored else ""
-                    raise StreamError(
-                        f"reading {name} (epoch {self.epoch}, after {read} item(s) of this "
-                        f"{where}read of it): {type(exc).__name__}: {exc}"
-                    ) from exc
-                read += 1
-                index, self.seen = self.seen, self.seen + 1
-                if by_items and index % self.slots != self.slot:
-                    continue
-                if size <= 1:
-                    self.yielded += 1
-                    yield item
-                    continue
-                if len(self.buffer) < size:
-                    self.buffer.append(item)
-                    self._plain.append(None)
-                    continue
-                yield self._take(item)
+            cursor = self._open(shards[self.shard], self.epoch, self.position)
+            yield from self._read(cursor, shards[self.shard], by_items, size)
             self._cursor, self.position = None, None
             self.shard += 1
         while self.buffer:  # the epoch's last items, in a seeded order
             yield self._take(None)
+
+    def _read(self, cursor: ShardCursor, shard: int, by_items: bool, size: int) -> Iterator[Any]:
+        """The items of one shard this slot keeps, through the shuffle buffer."""
+        name, read = self.stream.source.shard_name(shard), 0
+        while True:
+            try:
+                item = next(cursor.items)
+            except StopIteration:
+                return
+            except Exception as exc:
+                where = "resumed " if self.restored else ""
+                raise StreamError(
+                    f"reading {name} (epoch {self.epoch}, after {read} item(s) of this "
+                    f"{where}read of it): {type(exc).__name__}: {exc}"
+                ) from exc
+            read += 1
+            index, self.seen = self.seen, self.seen + 1
+            if by_items and index % self.slots != self.slot:
+                continue
+            if size <= 1 and not self.buffer:
+                self.yielded += 1
+                yield item
+                continue
+            if len(self.buffer) < size:
+                self.buffer.append(item)
+                self._plain.append(None)
+                continue
+            yield self._take(item)
 
     def _take(self, replacement: Any) -> Any:
         pick = _draw(self.stream.seed, self.epoch, self.slot, self.draws, len(self.buffer))
@@ -224,10 +260,10 @@ class SlotStream:
                 plain[index] = _plain(self.buffer[index])
         return list(plain)
 
-    def _open(self, shard: int) -> ShardCursor:
+    def _open(self, shard: int, epoch: int, position: Any) -> ShardCursor:
         stream = self.stream
         try:
-            cursor = stream.source.open(shard, self.epoch, self.position)
+            cursor = stream.source.open(shard, epoch, position)
         except Exception as exc:
             raise StreamError(
                 f"opening {stream.source.shard_name(shard)}: {type(exc).__name__}: {exc}"
@@ -296,6 +332,7 @@ class ShardedStream(IterableDataset):
         self.rank, self.world_size = rank, world_size
         self.seed, self.shuffle, self.shuffle_buffer = seed, shuffle, shuffle_buffer
         self.start_epoch = 0
+        self.carry: dict[int, dict[str, Any]] = {}  # slot -> what ``deal_positions`` dealt it
 
     def by_shards(self, slots: int) -> bool:
         """Whether ``slots`` readers split the stream by shards (else by items): where the
@@ -310,7 +347,11 @@ class ShardedStream(IterableDataset):
         slot, slots = self.rank * workers + worker, self.world_size * workers
         if callable(getattr(self.dataset, "slot_stream", None)):  # a MixedStream
             return self.dataset.slot_stream(self, slot, slots)
-        return SlotStream(self, slot, slots)
+        reader = SlotStream(self, slot, slots)
+        if slot in self.carry:
+            reader.carry(self.carry[slot])
+        self.reader = reader  # what this process reads (a worker's: ``SeededCollate``)
+        return reader
 
     def __repr__(self) -> str:
         return (
@@ -372,6 +413,105 @@ class StreamLoader(StatefulDataLoader):
             "items": sum(s["yielded"] for s in now),
         }
 
+    def continue_from(self, ranks: list[dict[str, Any]], batch_size: int) -> dict[str, int]:
+        """Continue the stream from the loader states ``ranks`` (one per saved rank) saved by
+        another count of readers (ranks x loader workers): the saved epochs' shards not read
+        yet, and the shuffle buffers' items, are dealt to this job's readers
+        (``deal_positions``); this rank's go to its slots. ``batch_size``: the saved one.
+        Raises ValueError where that cannot be exact."""
+        stream = self.dataset
+        saved = [
+            slot
+            for rank, state in enumerate(ranks)
+            for slot in current_slots(stream, state, rank, len(ranks), batch_size)
+        ]
+        workers = max(self.num_workers, 1)
+        dealt = deal_positions(stream, saved, stream.world_size * workers)
+        first = stream.rank * workers
+        stream.carry = {slot: dealt[slot] for slot in range(first, first + workers)}
+        return {
+            "epoch": dealt[0]["epoch"],
+            "slots": saved[0]["slots"],
+            "shards": sum(len(d["pending"]) for d in dealt),
+            "buffered": sum(len(d["buffer"]) for d in dealt),
+        }
+
+
+def current_slots(
+    stream: ShardedStream, state: dict[str, Any], rank: int, world: int, batch_size: int
+) -> list[dict[str, Any]]:
+    """The slot states of one saved rank's loader ``state`` as of the last batch the rank
+    took: a loader worker's state is its last snapshot, so it is read on (here, in this
+    process) by the batches it gave since (``StatefulDataLoader`` deals batches to its
+    workers in turn, after the one that gave the snapshot's last)."""
+    found = slot_states(state)
+    if not found:
+        return []
+    slots = int(found[0]["slots"])
+    workers = max(slots // world, 1)
+    since = int(state.get("_steps_since_snapshot", 0) or 0)
+    last = int((state.get("_snapshot") or {}).get("_last_yielded_worker_id", workers - 1))
+    given = [0] * workers
+    for step in range(since):
+        given[(last + 1 + step) % workers] += 1
+    current = []
+    for saved in found:
+        count = given[int(saved["slot"]) - rank * workers] * batch_size
+        if count:
+            reader = SlotStream(stream, int(saved["slot"]), slots)
+            reader.load_state_dict(saved)
+            for _ in range(count):
+                next(reader)
+            saved = reader.state_dict()
+        current.append(saved)
+    return current
+
+
+def deal_positions(
+    stream: ShardedStream, saved: list[dict[str, Any]], slots: int
+) -> list[dict[str, Any]]:
+    """What each of ``slots`` new readers takes over from the ``saved`` readers' states
+    (every saved slot's, as of the same step): in the latest saved epoch, the shards no saved
+    reader finished (from the saved offset of one it was reading) and the items in the saved
+    shuffle buffers, dealt in turn; the epochs after it are split as the new readers split
+    them. Every item of those epochs reaches one new reader once. Raises ValueError where the
+    saved readers kept 1 item in N of each shard (a split by items) or carried state between
+    shards (a packed stream's tokens): those cannot be dealt exactly."""
+    if not saved:
+        raise ValueError("the checkpoint holds no reader's position")
+    count = int(saved[0]["slots"])
+    if sorted(int(s["slot"]) for s in saved) != list(range(count)):
+        raise ValueError(f"the checkpoint holds {len(saved)} of its {count} readers' positions")
+    if any(s.get("split") != "shards" for s in saved):
+        raise ValueError(
+            f"its {count} readers split the stream by items (each kept 1 item in {count}; "
+            f"{stream.source.num_shards} shard(s) do not deal evenly to them), which another "
+            "count of readers cannot continue"
+        )
+    if any(s.get("source") is not None for s in saved):
+        raise ValueError(
+            "its readers carry state from shard to shard (a packed stream's tokens), which "
+            "another count of readers cannot continue"
+        )
+    saved = sorted(saved, key=lambda s: int(s["slot"]))
+    last = max(int(s["epoch"]) for s in saved)
+    pieces = [dict(piece) for s in saved for piece in s.get("pending") or []]
+    for epoch in range(min(int(s["epoch"]) for s in saved), last + 1):
+        order = shard_order(stream.source.num_shards, stream.seed, epoch, stream.shuffle)
+        for s in saved:
+            own, at = order[int(s["slot"]) :: count], int(s["epoch"])
+            if at > epoch:
+                continue  # this reader finished its shards of the epoch
+            start = int(s["shard"]) if at == epoch else 0
+            for index, shard in enumerate(own[start:]):
+                where = s["position"] if at == epoch and index == 0 else None
+                pieces.append({"epoch": epoch, "shard": shard, "position": where})
+    buffered = [item for s in saved for item in s["buffer"]]
+    return [
+        {"epoch": last, "pending": pieces[slot::slots], "buffer": buffered[slot::slots]}
+        for slot in range(slots)
+    ]
+
 
 def slot_states(state: dict[str, Any]) -> list[dict[str, Any]]:
     """The :class:`SlotStream` states inside a ``StatefulDataLoader`` state."""
@@ -390,6 +530,32 @@ def slot_states(state: dict[str, Any]) -> list[dict[str, Any]]:
 
     walk(state)
     return found
+
+
+class SeededCollate:
+    """``collate_fn`` as a loader worker runs it: Python's, numpy's and torch's generators are
+    first seeded from (seed, the reader's slot, its epoch, the items it has given out), which
+    name the batch, so what a collator draws is the same in a resumed run (a worker's
+    generators are otherwise seeded once per worker, and a resume replays no draws)."""
+
+    def __init__(self, collate_fn: Callable[[list[Any]], Any] | None, seed: int) -> None:
+        from torch.utils.data import default_collate
+
+        self.collate_fn, self.seed = collate_fn or default_collate, seed
+
+    def __call__(self, items: list[Any]) -> Any:
+        info = get_worker_info()
+        reader = getattr(getattr(info, "dataset", None), "reader", None)
+        if isinstance(reader, SlotStream):
+            from forge.data.loader import seed_generators
+
+            text = (
+                f"{self.seed}:{reader.slot}:{reader.epoch}:{reader.yielded}:{len(reader.pending)}"
+            )
+            seed_generators(
+                int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+            )
+        return self.collate_fn(items)
 
 
 def build_stream_loader(
@@ -428,6 +594,7 @@ def build_stream_loader(
             "multiprocessing_context": multiprocessing_context,
             "worker_init_fn": worker_init_fn,
         }
+        collate_fn = SeededCollate(collate_fn, seed)
     with warnings.catch_warnings():  # torchdata 0.11 calls torch.set_vital, deprecated in torch
         warnings.filterwarnings("ignore", message="'set_vital' is deprecated")
         return StreamLoader(

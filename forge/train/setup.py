@@ -498,8 +498,8 @@ class TrainerSetup:
                 save=args.save_dataloader_state,
                 restore=args.restore_dataloader_state,
                 fix=f"set {key}.restore_dataloader_state: false to restart the epoch",
-                # a map-style position deals the rest of its epoch to the new ranks; a stream's
-                # refuses another data-parallel size (its shards are not re-dealt yet)
+                # a position (map-style or a stream's) deals the rest of its epoch to the new
+                # ranks, or refuses where that cannot be exact
                 reshape=getattr(data, "reshape", None),
                 on_reshape=getattr(data, "on_reshape", None),
             )

@@ -103,7 +103,7 @@ class StreamPosition:
         self.passes = float(position["epoch"])
         if self._on_saved is not None:
             self._on_saved(dict(position))
-        return {"stream": state, "position": position}
+        return {"stream": state, "position": position, "batch_size": self.loader.batch_size}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         saved = state.get("stream")
@@ -114,6 +114,14 @@ class StreamPosition:
             )
         slots = {s["slots"] for s in slot_states(saved)}
         workers = max(self.loader.num_workers, 1)
+        if slots and slots != {self._slots(workers)} and self.loader.dataset.world_size == 1:
+            # this one rank saved every reader's position: they are dealt to its workers
+            self.reshape(
+                f"the stream position was saved for {slots.pop()} loader worker(s), this job "
+                f"has {workers}",
+                [state],
+            )
+            return
         if slots and slots != {self._slots(workers)}:
             raise CheckpointError(
                 f"the stream position was saved for {slots.pop()} readers (ranks x loader "
@@ -134,10 +142,45 @@ class StreamPosition:
     def _or_fix(self) -> str:
         return f", or {self._fix}" if self._fix else ""
 
-    def on_reshape(self, description: str) -> None:
-        """Another data-parallel size: a stream's per-rank positions are not dealt to the new
-        ranks; refused (unless ``ignore_data_skip``, which restarts the stream)."""
-        raise CheckpointError(
-            f"{description}: the training stream's position is per rank and cannot be continued "
-            f"exactly by another number of ranks; resume with the saved process count{self._or_fix()}"
-        )
+    def reshape(self, description: str, states: list[dict[str, Any]]) -> None:
+        """Another count of readers (data-parallel ranks x loader workers) saved ``states``
+        (one per saved rank): the shards of the saved epoch no reader finished, and the items
+        in the saved shuffle buffers, are dealt to this job's readers, each once (a partly
+        read shard goes on from its saved offset); the epochs after it are split as this job
+        splits them. Refused where that cannot be exact: a mixture, a packed stream's carried
+        tokens, or readers that kept 1 item in N of each shard (too few shards to deal)."""
+        loader, stream = self.loader, self.loader.dataset
+        readers = stream.world_size * max(loader.num_workers, 1)
+        cannot = f"{description}: the training stream cannot be continued exactly by {readers} "
+        cannot += "reader(s) (ranks x loader workers)"
+        keep = f"resume with the saved process count and dataloader_num_workers{self._or_fix()}"
+        if any(state.get("stream") is None for state in states):
+            raise CheckpointError(
+                "the saved data position is not a stream's (the training dataset was map-style "
+                f"when it was saved); resume with that dataset{self._or_fix()}"
+            )
+        if callable(getattr(stream.dataset, "slot_stream", None)):
+            raise CheckpointError(
+                f"{cannot}: a mixture's readers each draw from every source; {keep}"
+            )
+        batch_size = int(states[0].get("batch_size") or loader.batch_size)
+        try:
+            dealt = loader.continue_from([state["stream"] for state in states], batch_size)
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CheckpointError(f"{cannot}: {exc}; {keep}") from None
+        self._saved = dict(states[0].get("position") or {})
+        self.passes = float(dealt["epoch"])
+        self.restored = True
+        if self._is_main:
+            logger.warning(
+                "%s: the stream continues in its epoch %d: %d shard(s) not finished by the %d "
+                "saved reader(s) and %d item(s) of their shuffle buffers are dealt to %d "
+                "reader(s) (ranks x loader workers), each once; later epochs are split over "
+                "them",
+                description,
+                dealt["epoch"],
+                dealt["shards"],
+                dealt["slots"],
+                dealt["buffered"],
+                readers,
+            )

@@ -134,3 +134,23 @@ def test_a_stream_run_killed_with_sigkill_resumes_bit_identical(
     weights = [load_file(end / "model.safetensors") for end in ends]
     assert_same_tensors(*weights, "weights")
     assert_same_tensors(*(component_state(end, "optimizer") for end in ends), "optimizer")
+
+
+def test_a_stream_run_of_one_process_continues_on_two(project, tmp_path):
+    """Killed on 1 process, resumed on 2: the shards of the epoch the one reader had not
+    finished, and its shuffle buffer, are dealt to the 2 ranks, which train to max_steps."""
+    extra = [
+        "stream", "-p", str(project), "-D", "source=jsonl", "-D", "workers=0",
+        "-D", f"shard_dir={tmp_path / 'shards'}", "--nproc", "1",
+    ]  # fmt: skip
+    proc = start_forge("train", *extra, cwd=project)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(run_dir / "checkpoints" / "checkpoint-000012", proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=300)
+    resumed = run_forge(
+        "resume", "-p", str(project), "--run-dir", str(run_dir), "--nproc", "2", timeout=600
+    )
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert "saved reader(s)" in resumed.stderr and "dealt to 2 reader(s)" in resumed.stderr
+    assert (run_dir / "checkpoints" / "checkpoint-000024" / "model.safetensors").exists()

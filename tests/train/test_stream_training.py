@@ -9,7 +9,6 @@ import signal
 import pytest
 from torch.utils.data import IterableDataset
 
-from forge.checkpoint import CheckpointError
 from forge.data.streams import StreamError
 from forge.train import TrainingInterrupted
 from forge.train.args import TrainingArgumentsError
@@ -74,13 +73,17 @@ def test_a_stream_needs_max_steps(tmp_path):
         trainer.train()
 
 
-def test_resuming_a_stream_with_other_loader_workers_is_refused(tmp_path):
+@pytest.mark.slow  # loader worker processes
+def test_a_stream_resumed_with_other_loader_workers_deals_its_position(tmp_path, caplog):
+    """Saved by one reader, continued by 2 loader workers: the rest of the saved shard and
+    the shuffle buffer are dealt to them, and training goes on to max_steps."""
     first = stream_trainer(stream_args(tmp_path), callbacks=[SignalAtStep(6)])
     with pytest.raises(TrainingInterrupted):
         first.train()
-    again = stream_trainer(stream_args(tmp_path, dataloader_num_workers=3))
-    with pytest.raises(CheckpointError, match="dataloader_num_workers.*ignore_data_skip"):
-        again.train(resume_from_checkpoint=True)
+    again = stream_trainer(stream_args(tmp_path, dataloader_num_workers=2))
+    assert again.train(resume_from_checkpoint=True).global_step == 16
+    assert "1 shard(s) not finished by the 1 saved reader(s)" in caplog.text
+    assert "dealt to 2 reader(s)" in caplog.text
 
 
 def test_ignore_data_skip_starts_the_stream_again(tmp_path, caplog):
