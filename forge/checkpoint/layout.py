@@ -600,7 +600,7 @@ def best_checkpoints(
     for step, path in _checkpoint_dirs(checkpoints_dir):
         try:
             value = read_manifest(path).metrics.get(metric)
-        except (OSError, ValueError, KeyError):
+        except (OSError, ValueError, KeyError, CheckpointError):
             continue  # incomplete or damaged: never a best one
         if isinstance(value, (int, float)) and math.isfinite(value):
             ranked.append((-value if greater_is_better else value, step, path))
