@@ -58,7 +58,9 @@ def train(output_dir: Path, fail_at: int | None, resume: bool = False, **overrid
 
 def test_a_metric_that_fails_leaves_its_step_saved_and_resumable(tmp_path, caplog):
     straight = train(tmp_path / "straight", None)
-    with pytest.raises(ZeroDivisionError):
+    from forge.train.user_code import UserCodeFailure
+
+    with pytest.raises(UserCodeFailure, match="ZeroDivisionError: a metric divided by zero"):
         train(tmp_path / "run", 6)
     saved = [info.path.name for info in find_checkpoints(tmp_path / "run" / "checkpoints")]
     assert saved == ["checkpoint-000006"]
