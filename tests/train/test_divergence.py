@@ -309,12 +309,6 @@ class LogKeeper(TrainerCallback):
             self.losses.append(logs["loss"])
 
 
-@pytest.mark.xfail(
-    reason="open: on the merged tree (after the SGD-resume fix and the stream/elastic merges) the "
-    "rolled-back run's weights differ from the run that never saw the dropped items; it passed "
-    "on its branch. Issue 34 stays open until this is explained",
-    strict=False,
-)
 def test_a_rolled_back_run_ends_as_a_run_that_never_saw_the_dropped_batches(tmp_path):
     # in order, 16 items a step: the poisoned item 100 is in step 7's batch
     run = dict(train_sampling_strategy="sequential", max_steps=16)
@@ -328,7 +322,7 @@ def test_a_rolled_back_run_ends_as_a_run_that_never_saw_the_dropped_batches(tmp_
     assert (skipped["first_batch"], skipped["batches"]) == (6, 2)  # steps 7 and 8: items 96-127
     # the same data without those items, in the same order, from the start: the same weights
     kept = [i for i in range(320) if not 96 <= i < 128]
-    values = {**SMALL_RUN, "optim": "adamw_torch", **run}
+    values = {**SMALL_RUN, **run}  # the rolled run's optimizer (plain SGD), as rollback_trainer
     torch.manual_seed(0)
     clean = Trainer(
         LinearModel,
