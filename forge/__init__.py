@@ -26,6 +26,7 @@ _EXPORTS = {
     "load": "api",
     "TrainedRun": "api",
     "CheckpointReader": "read.reader",
+    "RunReader": "read.run",
 }
 
 __all__ = sorted([*_EXPORTS, "train"])

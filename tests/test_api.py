@@ -1,8 +1,9 @@
 """The Python API (forge/api.py) and the read side (forge/read/reader.py): render and build
 from Python, train and resume in this process, and ``forge.load``'s model giving bit for bit
 the logits ``forge evaluate``'s code path computes from the same checkpoint (a plain module,
-a Hugging Face model, a LoRA run merged and not, a moving average; FSDP and pipeline runs of 2
-processes in the slow tests)."""
+a Hugging Face model, a LoRA run's best checkpoint merged and not, a moving average; the best
+checkpoints of an FSDP run and of a pipeline run with a moving average, of 2 processes each, in
+the slow tests)."""
 
 from __future__ import annotations
 
@@ -37,6 +38,14 @@ LORA_CONFIG = """\
 """
 
 EMA = ["trainer.args.ema_decay=0.5"]
+# a checkpoint at steps 2 and 4, ranked by the higher evaluation loss: the best is likely not the
+# newest, so a load with best=True must read the one run.json names
+BEST = [
+    "trainer.args.save_steps=2",
+    "trainer.args.eval_steps=2",
+    "trainer.args.metric_for_best_model=eval_loss",
+    "trainer.args.greater_is_better=true",
+]
 
 
 @pytest.fixture(scope="module")
@@ -67,7 +76,7 @@ def hf_runs(project):
         "lora",
         project=project,
         variables={"base_model": str(base.run_dir), "lora_target_modules": ["q_proj", "v_proj"]},
-        overrides=EMA,
+        overrides=EMA + BEST,
     )
     return base, lora
 
@@ -75,7 +84,6 @@ def hf_runs(project):
 def evaluate_path(checkpoint, monkeypatch, ema: bool = False):
     """``forge evaluate``'s code path in this process: its metrics and the trainer it
     evaluated with (whose ``model`` holds the weights it evaluated)."""
-    from forge.read.predict import evaluate_checkpoint
     from forge.train.loop import BaseTrainer
 
     seen = []
@@ -86,7 +94,7 @@ def evaluate_path(checkpoint, monkeypatch, ema: bool = False):
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(BaseTrainer, "evaluate", evaluate)
-    metrics = evaluate_checkpoint(checkpoint, "eval", ema=ema)
+    metrics = forge.CheckpointReader(checkpoint).evaluate("eval", ema=ema)
     monkeypatch.setattr(BaseTrainer, "evaluate", original)
     return metrics, seen[0]
 
@@ -214,6 +222,30 @@ def test_load_with_ema_gives_evaluate_emas_logits(plain_run, monkeypatch):
     assert all(torch.equal(state[k], v) for k, v in averaged.state_dict().items())
 
 
+def test_a_run_is_read_without_a_valid_checkpoint(plain_run, tmp_path):
+    import shutil
+
+    from forge.checkpoint.resolve import CheckpointNotFound
+
+    run = forge.RunReader(plain_run.run_dir)
+    summary = run.summary()
+    assert (summary.config, summary.status, summary.step) == ("lm.yaml", "completed", 4)
+    assert summary.checkpoints == 1 and summary.best is None and summary.stream == ""
+    [entry] = run.checkpoints(verify=True)
+    assert (entry.step, entry.kept, entry.valid) == (4, "last", True)
+    assert entry.size == sum(f.stat().st_size for f in entry.path.iterdir())
+    assert forge.CheckpointReader(plain_run.run_dir).run.run_dir == run.run_dir
+    # a copy whose only checkpoint is damaged: no checkpoint to open, the run still read
+    damaged = tmp_path / "output" / "lm" / "run_001"
+    shutil.copytree(plain_run.run_dir, damaged)
+    (damaged / "checkpoints" / entry.path.name / "trainer.pt").write_bytes(b"")
+    with pytest.raises(CheckpointNotFound):
+        forge.CheckpointReader(damaged)
+    [broken] = forge.RunReader(damaged).checkpoints()
+    assert not broken.valid and "trainer.pt" in broken.problems[0]
+    assert forge.RunReader(damaged).summary().step == 4
+
+
 def test_load_on_a_device_in_a_dtype(plain_run):
     model = forge.load(plain_run.run_dir, device="cpu", dtype="bfloat16")
     assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
@@ -243,18 +275,19 @@ def test_load_of_a_hugging_face_model_run_gives_evaluates_logits(hf_runs, monkey
 
 @pytest.mark.slow  # two runs trained here (~10 s); the plain module's test is the fast one
 def test_load_of_a_lora_run_merged_and_not(hf_runs, monkeypatch, tmp_path):
-    from forge.read.export import export_model
+    from forge.read.reader import export_model
     from forge.wrappers import is_peft_model
 
     _, lora = hf_runs
-    reader = forge.CheckpointReader(lora.run_dir)
+    reader = forge.CheckpointReader(lora.run_dir, best=True)
+    assert reader.path.name == reader.record["best"]["checkpoint"]
     assert reader.is_adapter and reader.has_ema
-    adapter = reader.model()
+    adapter = forge.load(lora.run_dir, best=True)
     assert is_peft_model(adapter) and not adapter.training
     assert_same_logits(adapter, reader.path, monkeypatch)
-    averaged = reader.model(ema=True)
+    averaged = forge.load(lora.run_dir, best=True, ema=True)
     assert_same_logits(averaged, reader.path, monkeypatch, ema=True)
-    merged = forge.load(lora.run_dir, merge_lora=True)
+    merged = forge.load(lora.run_dir, best=True, merge_lora=True)
     assert not is_peft_model(merged) and type(merged).__name__ == "LlamaForCausalLM"
     # merging changes the arithmetic (W + BA, not Wx + BAx): close to the adapter's logits,
     # and bit for bit the weights `forge export --merge-lora` writes
@@ -267,6 +300,11 @@ def test_load_of_a_lora_run_merged_and_not(hf_runs, monkeypatch, tmp_path):
     exported = load_file(tmp_path / "merged" / "model.safetensors")
     state = reader.state_dict(merge_lora=True)
     assert all(torch.equal(state[name], tensor) for name, tensor in exported.items())
+    from transformers import AutoModelForCausalLM
+
+    from_export = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
+    with torch.no_grad():  # what a user of the export gets: the same logits, bit for bit
+        assert torch.equal(merged(ids).logits, from_export(ids).logits)
     assert set(reader.state_dict()) == set(load_file(reader.path / "adapter_model.safetensors"))
 
 
@@ -287,21 +325,31 @@ def test_resume_in_process_continues_the_run(project, regress_run):
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    ("config", "extra"),
+    ("config", "overrides"),
     [
-        ("pipeline", []),
-        ("hf", ["--set", "trainer.args.fsdp=full_shard"]),
+        ("pipeline", EMA),
+        ("hf", ["trainer.args.fsdp=full_shard"]),
     ],
-    ids=["pipeline", "fsdp"],
+    ids=["pipeline-ema", "fsdp"],
 )
-def test_load_of_a_two_process_run_gives_evaluates_logits(project, config, extra, monkeypatch):
-    result = run_forge("train", config, "-p", str(project), "--nproc", "2", *extra, timeout=600)
+def test_load_of_a_two_process_runs_best_checkpoint_gives_evaluates_logits(
+    project, config, overrides, monkeypatch
+):
+    sets = [word for override in overrides + BEST for word in ("--set", override)]
+    result = run_forge("train", config, "-p", str(project), "--nproc", "2", *sets, timeout=600)
     assert result.returncode == 0, f"forge train {config} --nproc 2 failed:\n{result.stderr}"
-    run_dir = forge.CheckpointReader(result.stdout.strip().splitlines()[-1]).run_dir
-    reader = forge.CheckpointReader(run_dir)
-    assert reader.step == 4
-    loaded = reader.model()
-    assert_same_logits(loaded, reader.path, monkeypatch)
+    run_dir = result.stdout.strip().splitlines()[-1]
+    reader = forge.CheckpointReader(run_dir, best=True)
+    assert reader.path.name == reader.record["best"]["checkpoint"]
+    assert_same_logits(forge.load(run_dir, best=True), reader.path, monkeypatch)
+    # the command itself prints the metrics that code path gave
+    printed = run_forge("evaluate", run_dir, "--best", "--json", timeout=300)
+    assert printed.returncode == 0, printed.stderr
+    assert json.loads(printed.stdout)["eval_loss"] == reader.evaluate()["eval_loss"]
+    assert reader.has_ema == (EMA[0] in overrides)
+    if reader.has_ema:  # the pipeline run: its moving average, put back whole from its stages
+        averaged = forge.load(run_dir, best=True, ema=True)
+        assert_same_logits(averaged, reader.path, monkeypatch, ema=True)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -522,43 +522,30 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def cmd_runs(args: argparse.Namespace) -> int:
-    from forge.runs import (
-        RunError,
-        all_run_dirs,
-        checkpoint_count,
-        current_record,
-        newest_step,
-        run_is_live,
-        stream_position_text,
-    )
+    from forge.read.run import RunReader
+    from forge.runs import RunError, all_run_dirs
 
     project = _project(args)
     rows, damaged = [], []
     for run_dir in all_run_dirs(project.output_dir):
         name = str(run_dir.relative_to(project.output_dir))
         try:
-            data = current_record(run_dir).data  # caught up with its committed checkpoints
+            run = RunReader(run_dir).summary()
         except RunError as err:
             damaged.append(str(err))
             rows.append([name, "?", "damaged", "", "", "", "", ""])
             continue
-        status = data.get("status", "?")
-        if status == "running" and not run_is_live(run_dir):
-            status = "killed"  # its record says running, but no process holds the run
-        best = data.get("best") or {}
-        best_text = ""
-        if best.get("metric") and isinstance(best.get("value"), (int, float)):
-            best_text = f"{best['metric']}={best['value']:.4g}"
+        best = f"{run.best[0]}={run.best[1]:.4g}" if run.best else ""
         rows.append(
             [
                 name,
-                data.get("config", "?"),
-                status,
-                str(newest_step(run_dir, data)),
-                str(checkpoint_count(run_dir)),
-                best_text,
-                data.get("created", "")[:19],
-                stream_position_text(data),
+                run.config,
+                run.status,
+                str(run.step),
+                str(run.checkpoints),
+                best,
+                run.created[:19],
+                run.stream,
             ]
         )
     if not rows:
@@ -573,32 +560,10 @@ def cmd_runs(args: argparse.Namespace) -> int:
     return EXIT_FAILURE if damaged else EXIT_OK
 
 
-def _kept_reasons(run_dir: Path) -> dict[Path, str]:
-    """Why rotation keeps each of a run's checkpoints (forge.checkpoint.layout.kept_reasons),
-    ranked as run.json's ``best`` entry says."""
-    from forge.checkpoint.layout import kept_reasons
-    from forge.runs import RunError, RunRecord
-
-    try:
-        data = RunRecord.load(run_dir).data
-    except RunError:
-        data = {}  # forge runs reports a damaged record
-    best = data.get("best") or {}
-    top_k = best.get("top_k", 1)
-    anchor_before = data.get("rollback_anchor_before")
-    return kept_reasons(
-        run_dir / "checkpoints",
-        best.get("metric"),
-        bool(best.get("greater_is_better", False)),
-        top_k if isinstance(top_k, int) else 1,
-        anchor_before=anchor_before if isinstance(anchor_before, int) else None,
-    )
-
-
 def cmd_checkpoints(args: argparse.Namespace) -> int:
-    from forge.checkpoint.layout import find_checkpoints, find_leftovers
     from forge.launch.job_plan import human_bytes  # binary units, as the plan prints them
-    from forge.runs import all_run_dirs, find_run, run_is_live
+    from forge.read.run import RunReader
+    from forge.runs import all_run_dirs, find_run
 
     project = _project(args)
     if args.run is not None or args.run_dir:
@@ -614,28 +579,30 @@ def cmd_checkpoints(args: argparse.Namespace) -> int:
         runs = all_run_dirs(project.output_dir)
     rows, invalid = [], 0
     for run_dir in runs:
-        kept = _kept_reasons(run_dir)
-        for info in find_checkpoints(run_dir / "checkpoints", verify_hashes=args.verify):
-            epoch = info.manifest.epoch if info.manifest else None
-            status = "valid" if info.valid else "INVALID: " + "; ".join(info.problems)
-            invalid += not info.valid
+        run = RunReader(run_dir)
+        for entry in run.checkpoints(verify=args.verify):
+            status = "valid" if entry.valid else "INVALID: " + "; ".join(entry.problems)
+            invalid += not entry.valid
             rows.append(
                 [
-                    _shown_path(info.path, project),
-                    str(info.step),
-                    "" if epoch is None else f"{epoch:.2f}",
-                    human_bytes(_tree_bytes(info.path)),
-                    kept.get(info.path, "-"),
+                    _shown_path(entry.path, project),
+                    str(entry.step),
+                    "" if entry.epoch is None else f"{entry.epoch:.2f}",
+                    human_bytes(entry.size),
+                    entry.kept or "-",
                     status,
                 ]
             )
-        live = run_is_live(run_dir)
-        for path, what in find_leftovers(run_dir / "checkpoints"):
-            status = "being written (the run is training)" if live else f"leftover: {what}"
+        leftovers = run.leftovers()
+        live = bool(leftovers) and run.is_live
+        for entry in leftovers:
+            status = (
+                "being written (the run is training)" if live else f"leftover: {entry.leftover}"
+            )
             if not live:
                 status += "; never loaded, the next save removes it"
             rows.append(
-                [_shown_path(path, project), "", "", human_bytes(_tree_bytes(path)), "", status]
+                [_shown_path(entry.path, project), "", "", human_bytes(entry.size), "", status]
             )
     if not rows:
         print("no checkpoints", file=sys.stderr)
@@ -651,18 +618,6 @@ def _shown_path(path: Path, project: Project) -> str:
         return str(path.relative_to(project.output_dir))
     except ValueError:  # a --run-dir outside the project
         return str(path)
-
-
-def _tree_bytes(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    total = 0
-    for file in path.rglob("*"):
-        try:
-            total += file.stat().st_size if file.is_file() else 0
-        except OSError:  # removed while we looked (a live run's rotation)
-            continue
-    return total
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -687,10 +642,11 @@ def cmd_generate(args: argparse.Namespace) -> int:
 
 def cmd_export(args: argparse.Namespace) -> int:
     from forge.read.export import loading_hint
-    from forge.read.reader import CheckpointReader
+    from forge.read.reader import export_model
 
     output = Path(args.output)
-    CheckpointReader(args.checkpoint).export(
+    export_model(  # one call: the checkpoint goes down to the reader and does not come back
+        args.checkpoint,
         output,
         force=args.force,
         max_shard_size=args.max_shard_size,

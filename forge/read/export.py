@@ -40,63 +40,24 @@ logger = logging.getLogger(__name__)
 _STATE_SUFFIXES = (".pt",)
 
 
-def export_model(
-    checkpoint: str | os.PathLike,
-    output: str | os.PathLike,
-    *,
-    force: bool = False,
-    max_shard_size: str | int = "5GB",
-    submodule: str | None = None,
-    ema: bool = False,
-    merge_lora: bool = False,
-) -> Path:
-    """Write ``checkpoint``'s model to ``output``; returns the checkpoint exported.
-
-    A LoRA checkpoint (forge.checkpoint.adapter) exports its adapter in peft's layout, or with
-    ``merge_lora`` its base with the adapter merged in: a plain model directory that
-    ``from_pretrained`` loads without peft. ``merge_lora`` on any other checkpoint is refused.
-
-    ``checkpoint`` is what forge.checkpoint.resolve takes: a checkpoint, a run directory (its
-    newest valid checkpoint), a project, or a Hugging Face model directory. A non-empty ``output`` is refused unless ``force``; then it is replaced only
-    once the export is complete. ``submodule`` names the transformers model inside the
-    checkpoint's model to export alone (``lm`` for a wrapper's ``self.lm``). ``ema`` exports
-    the moving average of the weights the checkpoint holds (``ema_decay``) in place of the
-    trainable weights, each in its saved dtype; a checkpoint without one is refused.
-    """
-    from forge.checkpoint.resolve import resolve_checkpoint
-    from forge.runs import PROJECT_RUNS
-
-    source = resolve_checkpoint(checkpoint, models=True, runs=PROJECT_RUNS).path
-    return export_checkpoint(
-        source,
-        output,
-        asked=checkpoint,
-        force=force,
-        max_shard_size=max_shard_size,
-        submodule=submodule,
-        ema=ema,
-        merge_lora=merge_lora,
-    )
-
-
 def export_checkpoint(
-    source: Path,
+    reader: Any,
     output: str | os.PathLike,
     *,
-    asked: str | os.PathLike | None = None,
     force: bool = False,
     max_shard_size: str | int = "5GB",
     submodule: str | None = None,
     ema: bool = False,
     merge_lora: bool = False,
 ) -> Path:
-    """``export_model`` of the checkpoint directory ``source``, already found (and checked) by
-    forge.checkpoint.resolve from ``asked``, the path the caller gave: when that is a run or a
-    project, its newest checkpoint's weights must not be a damaged final save."""
+    """Write the model of the ``reader``'s checkpoint (a forge.read.reader.CheckpointReader,
+    whose ``export`` documents the options) to ``output``; returns the checkpoint exported.
+    When the path the reader was given is a run or a project, its newest checkpoint's weights
+    must not be a damaged final save."""
     from forge.runs import damaged_final_weights
 
-    source = Path(source)
-    if asked is not None and Path(asked).resolve() != source.resolve():  # a run's newest
+    source = reader.path
+    if reader.asked.resolve() != source.resolve():  # a run's newest
         damaged = damaged_final_weights(source.parent.parent, source)
         if damaged is not None:
             raise ReadFailure(f"{damaged}; or export {source} for the earlier weights")
@@ -120,7 +81,7 @@ def export_checkpoint(
             )
         _stage_and_replace(
             output,
-            lambda staging: _write_adapter(source, staging, merge_lora, max_shard_size, average),
+            lambda staging: _write_adapter(reader, staging, merge_lora, max_shard_size, average),
         )
         return source
     if merge_lora:
@@ -172,7 +133,7 @@ def _stage_and_replace(output: Path, write: Any) -> None:
 
 
 def _write_adapter(
-    source: Path,
+    reader: Any,
     directory: Path,
     merge: bool,
     max_shard_size: str | int,
@@ -190,6 +151,7 @@ def _write_adapter(
     from forge.checkpoint.io import save_model_weights
     from forge.checkpoint.weights import hf_directory_problem
 
+    source = reader.path
     keep = [
         p.name
         for p in source.iterdir()
@@ -203,9 +165,7 @@ def _write_adapter(
             save_model_weights(merged, directory, max_shard_size=max_shard_size)
             what = ""
         else:  # a module of the user's own: built by its run's config, exported as a state dict
-            model = unwrap_model(
-                _plain_base_model(source, base, problem, average)
-            )  # a LossAdapter's
+            model = unwrap_model(_plain_base_model(reader, base, problem, average))
             _save_state_dict(model.state_dict(), directory, max_shard_size)
             what = f" (a {class_label(model)}, no transformers model: its state dict)"
         keep = [name for name in keep if name not in (ADAPTER_WEIGHTS, ADAPTER_CONFIG)]
@@ -223,23 +183,20 @@ def _write_adapter(
         (directory / ADAPTER_CONFIG).write_text(json.dumps(named, indent=2, sort_keys=True))
 
 
-def _plain_base_model(source: Path, base: Path, problem: str, average: Any = None) -> Any:
-    """A LoRA checkpoint's base that is no Hugging Face model directory, with the adapter
-    merged: the module its run's config builds, given the base's weights. Refused, saying why,
-    for an adapter outside its run (nothing else can build the module)."""
-    from forge.read.predict import build_checkpoint_model, run_of_checkpoint
-
-    try:
-        run_of_checkpoint(source)
-    except ReadUsageError:
+def _plain_base_model(reader: Any, base: Path, problem: str, average: Any = None) -> Any:
+    """A LoRA checkpoint's base that is no Hugging Face model directory, with the adapter (or
+    its moving ``average``) merged: the reader's model, built by its run's config. Refused,
+    saying why, for an adapter outside its run (nothing else can build the module)."""
+    source = reader.path
+    if reader.run_dir is None:
         raise ReadUsageError(
             f"--merge-lora: the base of {source}'s adapter, {base}, is no Hugging Face model "
             f"directory ({problem}): it is a module only its run's config builds, and {source} "
             "is not inside a forge run. Merge from the run's checkpoint, or export the adapter "
             "without --merge-lora and merge it with PeftModel.from_pretrained(model, OUT)"
             ".merge_and_unload() on the model holding the base's weights"
-        ) from None
-    return build_checkpoint_model(source, average=average)
+        )
+    return reader.model(merge_lora=True, ema=average is not None)
 
 
 class _Plan:

@@ -1,11 +1,12 @@
-"""Sampling text from a checkpoint (``forge generate``; forge.checkpoint.resolve finds it).
+"""Sampling text from a checkpoint (``forge generate``): what its reader (forge.read.reader) does
+for it.
 
 A forge checkpoint of a transformers model is a Hugging Face model directory: its model is
 built from its config and filled by forge's weights reader (forge.checkpoint.weights), then
 transformers' ``generate`` samples: a causal LM continues the prompt, an encoder-decoder (T5,
 BART) reads the prompt with its encoder and writes with its decoder. A LoRA checkpoint's model
-is its base with the adapter merged in (forge.checkpoint.adapter). Any other model is
-built through its run's config (forge.read.predict). A checkpoint of a model that does not generate
+is its base with the adapter merged in (forge.checkpoint.adapter). Any other model is the
+reader's, built through its run's config. A checkpoint of a model that does not generate
 (a classifier) is refused with a pointer to ``forge predict``, and so is one without a tokenizer
 (``forge predict`` generates from token ids).
 """
@@ -23,8 +24,8 @@ from forge.read.predict import (
     checkpoint_model_label,
     continue_with_module,
     model_kind,
-    model_through_run,
     module_logits,
+    run_module,
 )
 from forge.wrappers import class_label
 
@@ -37,7 +38,7 @@ FROM_IDS = (
 
 
 def generate_text(
-    checkpoint: Path,
+    reader: Any,
     prompt: str,
     *,
     num: int = 1,
@@ -45,9 +46,8 @@ def generate_text(
     temperature: float = 0.8,
     top_k: int = 50,
     seed: int = 0,
-    allow: list[str] = (),
 ) -> list[str]:
-    """Sample ``num`` texts for ``prompt`` from a checkpoint's model and tokenizer: a causal
+    """Sample ``num`` texts for ``prompt`` from the ``reader``'s checkpoint's model and tokenizer: a causal
     LM's prompt and continuation, or what an encoder-decoder writes for the prompt.
 
     A checkpoint that is no Hugging Face model directory (a plain module's, a wrapper's, a LoRA
@@ -63,6 +63,7 @@ def generate_text(
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
 
+    checkpoint = reader.path
     adapter = is_adapter_directory(checkpoint)
     described = adapter_base(checkpoint, verify=False) if adapter else checkpoint
     problem = hf_directory_problem(described)
@@ -70,8 +71,8 @@ def generate_text(
         if not has_tokenizer(checkpoint):
             raise no_tokenizer(checkpoint, checkpoint_model_label(checkpoint), FROM_IDS)
         return _generate_with_module(
-            checkpoint, AutoTokenizer.from_pretrained(checkpoint), problem, prompt, num,
-            max_new_tokens, temperature, top_k, seed, allow,
+            reader, AutoTokenizer.from_pretrained(checkpoint), problem, prompt, num,
+            max_new_tokens, temperature, top_k, seed,
         )  # fmt: skip
     kind, architecture = check_generative(described)
     if not has_tokenizer(checkpoint):
@@ -100,7 +101,7 @@ def generate_text(
 
 
 def _generate_with_module(
-    checkpoint: Path,
+    reader: Any,
     tokenizer: Any,
     problem: str,
     prompt: str,
@@ -109,15 +110,14 @@ def _generate_with_module(
     temperature: float,
     top_k: int,
     seed: int,
-    allow: list[str],
 ) -> list[str]:
     import torch
 
-    model = model_through_run(checkpoint, problem, allow)
+    model = run_module(reader, problem)
     ids = tokenizer(prompt or tokenizer.bos_token or "", return_tensors="pt")["input_ids"]
     if module_logits(model, ids[:, -1:]).dim() != 3:
         raise ReadUsageError(
-            f"{checkpoint} holds a {class_label(model)} whose logits are not a causal LM's "
+            f"{reader.path} holds a {class_label(model)} whose logits are not a causal LM's "
             "[batch, tokens, vocabulary]: it does not generate text; `forge predict CKPT "
             "--input FILE.jsonl --output OUT.jsonl` writes its predictions"
         )

@@ -1,12 +1,13 @@
-"""``forge evaluate`` and ``forge predict``: use a trained checkpoint from the command line.
+"""``forge evaluate`` and ``forge predict``: what a checkpoint's reader (forge.read.reader) does
+for them.
 
 ``evaluate_checkpoint`` rebuilds the run's trainer from its saved ``config.yaml`` (the same
 datasets, collator, ``compute_metrics`` and arguments), loads the checkpoint's weights and
 returns ``trainer.evaluate()``'s metrics for one split, reported at the checkpoint's step.
 ``predict_file`` labels or continues each input line. A checkpoint that is a Hugging Face model
 directory is used through transformers (``id2label`` classes, ``generate``); any other model
-(a plain ``nn.Module``, a wrapper) is built as its run's training built it, from the run's
-config, and given the checkpoint's weights.
+(a plain ``nn.Module``, a wrapper) is the reader's: built as its run's training built it, from
+the run's config, and given the checkpoint's weights.
 """
 
 from __future__ import annotations
@@ -37,16 +38,14 @@ logger = logging.getLogger(__name__)
 
 __all__ = [
     "auto_class",
-    "build_checkpoint_model",
     "checkpoint_model_label",
     "continue_with_module",
     "evaluate_checkpoint",
     "model_kind",
-    "model_through_run",
     "module_logits",
     "module_output",
     "predict_file",
-    "run_of_checkpoint",
+    "run_module",
 ]
 
 
@@ -77,33 +76,8 @@ def model_kind(checkpoint: Path) -> tuple[str, str]:
     return "other", architecture
 
 
-def run_of_checkpoint(checkpoint: Path) -> Path:
-    """The run directory holding ``checkpoint`` (``RUN/checkpoints/checkpoint-N``)."""
-    run_dir = Path(checkpoint).resolve().parent.parent
-    if not (run_dir / "run.json").is_file() or not (run_dir / "config.yaml").is_file():
-        raise ReadUsageError(
-            f"{checkpoint} is not inside a forge run (no run.json and config.yaml two levels "
-            "up); forge rebuilds the model, datasets and metrics from the run's config"
-        )
-    return run_dir
-
-
-def _load_run(checkpoint: Path, allow: list[str]) -> tuple[Any, Any, Any]:
-    """The run's record, project and checked config."""
-    from forge.config import load_project
-    from forge.launch.worker import load_run_config
-    from forge.runs import RunRecord
-
-    run_dir = run_of_checkpoint(checkpoint)
-    record = RunRecord.load(run_dir)
-    project = load_project(Path(record.data.get("project") or run_dir.parents[2]))
-    return record, project, load_run_config(run_dir, project, list(allow))
-
-
-def evaluate_checkpoint(
-    checkpoint: Path, split: str = "eval", allow: list[str] = (), *, ema: bool = False
-) -> dict[str, float]:
-    """The metrics of ``checkpoint`` on the run's ``split``: ``eval`` (the trainer's eval
+def evaluate_checkpoint(reader: Any, split: str = "eval", *, ema: bool = False) -> dict[str, float]:
+    """The metrics of the ``reader``'s checkpoint on its run's ``split``: ``eval`` (the trainer's eval
     dataset), ``train``, or any other NAME whose ``NAME_dataset`` target the config has.
 
     Metrics are prefixed with the split (``eval_loss``, ``test_accuracy``). Nothing is written
@@ -117,17 +91,23 @@ def evaluate_checkpoint(
     from forge.launch.worker import build_variables
     from forge.train.ema import load_ema_weights, read_ema_state
 
+    checkpoint = reader.path
     average = None
     if ema:  # before anything is built: a checkpoint without an average is refused at once
         try:
             average = read_ema_state(checkpoint)
         except CheckpointError as exc:
             raise ReadUsageError(f"--ema: {exc}") from None
-
-    record, project, cfg = _load_run(checkpoint, allow)
+    if reader.run_dir is None:
+        raise ReadUsageError(
+            f"{checkpoint} is not inside a forge run (no run.json and config.yaml two levels "
+            "up); forge rebuilds the model, datasets and metrics from the run's config"
+        )
+    cfg = reader.config
     # the trainer's own files (metrics.jsonl, ...) go to a scratch directory, not to the run
     with tempfile.TemporaryDirectory(prefix="forge-evaluate-") as scratch:
-        variables = build_variables(Path(scratch), project, record.data.get("config", "config"))
+        name = reader.record.get("config", "config")
+        variables = build_variables(Path(scratch), reader.project, name)
         trainer = _one_process_trainer(cfg.build("trainer", variables))
         dataset = _split_dataset(cfg, trainer, split, variables)
         trainer.load_weights(checkpoint)
@@ -188,35 +168,6 @@ def _at_checkpoint_step(trainer: Any, checkpoint: Path) -> None:
     trainer.state.epoch = float(manifest.epoch or 0.0)
 
 
-def build_checkpoint_model(
-    checkpoint: Path, allow: list[str] = (), *, average: dict | None = None
-) -> Any:
-    """The model of the run that wrote ``checkpoint``, built as its training built it (the
-    trainer's ``model`` in the run's ``config.yaml``: the module, or what its builder
-    returns), holding the checkpoint's weights by name, in eval mode.
-
-    A LoRA checkpoint's model is the run's base (the weights of the base directory its manifest
-    records, their hash checked) with the checkpoint's adapter merged in: the module as built,
-    no peft needed to use it (``average``: the adapter's moving average merged in its place)."""
-    from forge.checkpoint import load_model_weights
-    from forge.checkpoint.adapter import adapter_base, is_adapter_directory, merge_adapter
-
-    model = _build_run_model(checkpoint, allow)
-    if is_adapter_directory(checkpoint):
-        load_model_weights(model, adapter_base(checkpoint), strict=True)
-        return merge_adapter(model, checkpoint, average)
-    load_model_weights(model, checkpoint, strict=True)
-    return model.eval()
-
-
-def _build_run_model(checkpoint: Path, allow: list[str]) -> Any:
-    """The run's model as its training built it, before any weights are loaded."""
-    from forge.read.run_model import build_run_model
-
-    record, project, cfg = _load_run(checkpoint, allow)
-    return build_run_model(run_of_checkpoint(checkpoint), cfg, project, record.data)
-
-
 def _split_dataset(cfg: Any, trainer: Any, split: str, variables: dict[str, Any]) -> Any:
     own = {"eval": trainer.eval_dataset, "train": trainer.train_dataset}
     if own.get(split) is not None:
@@ -239,7 +190,7 @@ def read_inputs(path: Path, field: str) -> list[dict[str, Any]]:
 
 
 def predict_file(
-    checkpoint: Path,
+    reader: Any,
     inputs: Path,
     output: Path,
     *,
@@ -248,9 +199,8 @@ def predict_file(
     max_new_tokens: int | None = None,
     temperature: float = 0.0,
     seed: int = 0,
-    allow: list[str] = (),
 ) -> int:
-    """Write one JSON line per input line to ``output``: the input's fields plus
+    """Write one JSON line per input line of the ``reader``'s checkpoint to ``output``: the input's fields plus
     ``prediction`` (a class label, labels for a multi-label classifier, a number for a
     regressor, the continuation for a causal LM, the generated text for an encoder-decoder)
     and, for a classifier, ``score``. Returns the number of lines written.
@@ -276,6 +226,7 @@ def predict_file(
 
     transformers.logging.set_verbosity_error()
     transformers.logging.disable_progress_bar()
+    checkpoint = reader.path
     described = _model_directory(checkpoint)
     problem = hf_directory_problem(described)
     if problem is None:
@@ -303,7 +254,7 @@ def predict_file(
         )  # fmt: skip
     else:
         max_new_tokens = DEFAULT_NEW_TOKENS if max_new_tokens is None else max_new_tokens
-        model = model_through_run(checkpoint, problem, allow)
+        model = run_module(reader, problem)
         torch.manual_seed(seed)
         if rows.text:
             tokenizer = checkpoint_tokenizer(checkpoint)
@@ -496,17 +447,16 @@ def _load_model(checkpoint: Path, auto_class: Any) -> Any:
     return load_pretrained(checkpoint, auto_class)
 
 
-def model_through_run(checkpoint: Path, problem: str, allow: list[str]) -> Any:
-    """The checkpoint's model through its run's config (it is no Hugging Face directory)."""
-    try:
-        run_of_checkpoint(checkpoint)
-    except ReadUsageError:
+def run_module(reader: Any, problem: str) -> Any:
+    """The reader's model built through its run's config (its checkpoint is no Hugging Face
+    directory: ``problem`` says why), a LoRA adapter merged into its base."""
+    if reader.run_dir is None:
         raise ReadUsageError(
-            f"{checkpoint} is not a Hugging Face model directory ({problem}) and is not inside "
+            f"{reader.path} is not a Hugging Face model directory ({problem}) and is not inside "
             "a forge run whose config.yaml builds its model"
-        ) from None
+        )
     logger.info("building the model as its run did (%s)", problem)
-    return build_checkpoint_model(checkpoint, allow)
+    return reader.model(merge_lora=reader.is_adapter)
 
 
 def module_logits(model: Any, input_ids: Any) -> Any:

@@ -16,8 +16,10 @@ checked) with the adapter, as a peft model or merged into the base's weights
 (``ema_decay``) in place of the trained weights it covers.
 
 What the reading commands do is asked of it too: ``export``, ``evaluate``, ``predict`` and
-``generate`` (forge.read.export, .predict, .generate beside it); forge/cli parses, prints and
-picks exit codes around them.
+``generate`` (forge.read.export, .predict, .generate beside it, each given the reader); forge/cli
+parses, prints and picks exit codes around them. Its ``run`` (forge.read.run.RunReader) reads
+the run that wrote it: its record and config, and what ``forge runs`` and ``forge checkpoints``
+list.
 
 It lives above forge.checkpoint (which reads files and knows no config or trainer) because
 building a run's model needs the run's config (forge.config), the run's record (forge.runs)
@@ -35,17 +37,18 @@ from typing import TYPE_CHECKING, Any
 from forge.checkpoint.adapter import adapter_base, is_adapter_directory
 from forge.checkpoint.io import ADAPTER_WEIGHTS
 from forge.checkpoint.resolve import Checkpoint, CheckpointUsageError, resolve_checkpoint
-from forge.runs import PROJECT_RUNS, RunRecord
+from forge.runs import PROJECT_RUNS
 
 if TYPE_CHECKING:
     import torch
     from torch import nn
 
     from forge.config import Config, Project
+    from forge.read.run import RunReader
 
 logger = logging.getLogger(__name__)
 
-__all__ = ["CheckpointReader"]
+__all__ = ["CheckpointReader", "export_model"]
 
 
 class CheckpointReader:
@@ -70,17 +73,13 @@ class CheckpointReader:
         self.checkpoint: Checkpoint = resolve_checkpoint(
             path, best=best, models=models, runs=PROJECT_RUNS
         )
+        self.path: Path = self.checkpoint.path  # the checkpoint directory read
         self.allow = list(allow)
 
     def __repr__(self) -> str:
         return f"CheckpointReader({str(self.path)!r})"
 
     # ------------------------------------------------------------------ what it is
-    @property
-    def path(self) -> Path:
-        """The checkpoint directory read."""
-        return self.checkpoint.path
-
     @property
     def step(self) -> int | None:
         """The optimizer step the checkpoint was saved at (None for a model directory)."""
@@ -106,37 +105,37 @@ class CheckpointReader:
         return manifest is not None and bool((manifest.components or {}).get(EMA_COMPONENT))
 
     @functools.cached_property
-    def run_dir(self) -> Path | None:
-        """The run that wrote the checkpoint (``RUN/checkpoints/checkpoint-N``), or None."""
+    def run(self) -> RunReader | None:
+        """The run that wrote the checkpoint (``RUN/checkpoints/checkpoint-N``) opened for
+        reading (forge.read.run), or None outside a run."""
+        from forge.read.run import RunReader
+
         run_dir = self.path.resolve().parent.parent
         if (run_dir / "run.json").is_file() and (run_dir / "config.yaml").is_file():
-            return run_dir
+            return RunReader(run_dir, allow=self.allow)
         return None
 
-    @functools.cached_property
+    @property
+    def run_dir(self) -> Path | None:
+        """The run's directory, or None."""
+        return self.run.run_dir if self.run is not None else None
+
+    @property
     def record(self) -> dict[str, Any]:
         """The run's ``run.json`` (empty outside a run)."""
-        return RunRecord.load(self.run_dir).data if self.run_dir is not None else {}
+        return self.run.record if self.run is not None else {}
 
-    @functools.cached_property
+    @property
     def project(self) -> Project | None:
         """The project the run belongs to (None outside a run)."""
-        from forge.config import load_project
+        return self.run.project if self.run is not None else None
 
-        if self.run_dir is None:
-            return None
-        return load_project(Path(self.record.get("project") or self.run_dir.parents[2]))
-
-    @functools.cached_property
+    @property
     def config(self) -> Config | None:
         """The config the run trained with (its ``config.yaml``, parsed and checked: a
         ``ConfigError`` lists every problem), or None outside a run. ``config.text`` is the
         YAML, ``config.build(target)`` builds its objects."""
-        from forge.launch.worker import load_run_config
-
-        if self.run_dir is None:
-            return None
-        return load_run_config(self.run_dir, self.project, self.allow)
+        return self.run.config if self.run is not None else None
 
     @functools.cached_property
     def tokenizer(self) -> Any:
@@ -214,34 +213,60 @@ class CheckpointReader:
         return model.eval()
 
     # ------------------------------------------------------------------ what commands do
-    def export(self, output: str | os.PathLike, **options: Any) -> Path:
-        """Write the checkpoint's model to ``output`` as a Hugging Face model directory (or a
-        LoRA adapter, or a plain module's state dict): forge.read.export, whose
-        ``export_model`` documents ``options``."""
+    def export(
+        self,
+        output: str | os.PathLike,
+        *,
+        force: bool = False,
+        max_shard_size: str | int = "5GB",
+        submodule: str | None = None,
+        ema: bool = False,
+        merge_lora: bool = False,
+    ) -> Path:
+        """Write the checkpoint's model to ``output`` (``forge export``; forge.read.export):
+        a Hugging Face model directory, or a plain module's state dict. Returns the checkpoint
+        exported.
+
+        A LoRA checkpoint exports its adapter in peft's layout, or with ``merge_lora`` its base
+        with the adapter merged in: a plain model directory that ``from_pretrained`` loads
+        without peft (``merge_lora`` on any other checkpoint is refused). A non-empty
+        ``output`` is refused unless ``force``; then it is replaced only once the export is
+        complete. ``submodule`` names the transformers model inside the checkpoint's model to
+        export alone (``lm`` for a wrapper's ``self.lm``). ``ema`` exports the moving average
+        of the weights the checkpoint holds (``ema_decay``) in place of the trainable
+        weights, each in its saved dtype; a checkpoint without one is refused."""
         from forge.read.export import export_checkpoint
 
-        return export_checkpoint(self.path, output, asked=self.asked, **options)
+        return export_checkpoint(
+            self,
+            output,
+            force=force,
+            max_shard_size=max_shard_size,
+            submodule=submodule,
+            ema=ema,
+            merge_lora=merge_lora,
+        )
 
     def evaluate(self, split: str = "eval", *, ema: bool = False) -> dict[str, float]:
         """The metrics of the checkpoint on its run's ``split``, as its run's trainer computes
         them (forge.read.predict.evaluate_checkpoint)."""
         from forge.read.predict import evaluate_checkpoint
 
-        return evaluate_checkpoint(self.path, split, self.allow, ema=ema)
+        return evaluate_checkpoint(self, split, ema=ema)
 
     def predict(self, inputs: str | os.PathLike, output: str | os.PathLike, **options: Any) -> int:
         """One JSON line of prediction per line of ``inputs``, written to ``output``; returns
         how many (forge.read.predict.predict_file documents ``options``)."""
         from forge.read.predict import predict_file
 
-        return predict_file(self.path, Path(inputs), Path(output), allow=self.allow, **options)
+        return predict_file(self, Path(inputs), Path(output), **options)
 
     def generate(self, prompt: str, **options: Any) -> list[str]:
         """Texts sampled for ``prompt`` from the checkpoint's model and tokenizer
         (forge.read.generate.generate_text documents ``options``)."""
         from forge.read.generate import generate_text
 
-        return generate_text(self.path, prompt, allow=self.allow, **options)
+        return generate_text(self, prompt, **options)
 
     # ------------------------------------------------------------------ helpers
     def _check_options(self, *, ema: bool, merge_lora: bool) -> None:
@@ -304,6 +329,13 @@ class CheckpointReader:
         from forge.read.run_model import build_run_model
 
         return build_run_model(self.run_dir, self.config, self.project, self.record)
+
+
+def export_model(checkpoint: str | os.PathLike, output: str | os.PathLike, **options: Any) -> Path:
+    """``forge export`` in one call: ``CheckpointReader(checkpoint).export(output, **options)``
+    (its ``export`` documents ``options``). ``checkpoint`` is a checkpoint, a run directory (its
+    newest valid checkpoint), a project, or a Hugging Face model directory."""
+    return CheckpointReader(checkpoint).export(output, **options)
 
 
 def _dtype(dtype: str | torch.dtype | None) -> torch.dtype | None:

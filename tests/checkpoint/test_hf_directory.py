@@ -129,7 +129,7 @@ def test_the_expected_names_are_the_classes_own_with_tied_and_ignored_ones():
 
 
 def test_a_config_forge_cannot_check_is_kept_and_exported_as_it_is(tmp_path, caplog):
-    from forge.read.export import export_model
+    from forge.read.reader import export_model
 
     custom = {  # a model with its own code (trust_remote_code), which forge never runs
         "model_type": "my_custom_lm",

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
 from forge.checkpoint import CheckpointWriter
 from forge.read.errors import ReadFailure, ReadUsageError
-from forge.read.export import export_model
+from forge.read.reader import CheckpointReader, export_model
 from tests.train.common import tiny_llama_config
 
 
@@ -397,8 +397,7 @@ def test_merge_lora_of_a_loss_adapted_module_writes_the_modules_own_names(
 def test_predict_and_generate_use_a_plain_modules_lora_checkpoint(plain_lora_run, tmp_path):
     from transformers import AutoTokenizer
 
-    from forge.read.generate import generate_text
-    from forge.read.predict import continue_with_module, predict_file
+    from forge.read.predict import continue_with_module
 
     ckpt = plain_lora_run / "checkpoints" / "checkpoint-000004"
     tokenizer = AutoTokenizer.from_pretrained(ckpt)
@@ -407,9 +406,9 @@ def test_predict_and_generate_use_a_plain_modules_lora_checkpoint(plain_lora_run
     expected = tokenizer.decode(continue_with_module(oracle, tokenizer, ids, 4, 0.0))
     inputs = tmp_path / "in.jsonl"
     inputs.write_text('"def add"\n')
-    predict_file(ckpt, inputs, tmp_path / "out.jsonl", max_new_tokens=4)
+    CheckpointReader(ckpt).predict(inputs, tmp_path / "out.jsonl", max_new_tokens=4)
     assert json.loads((tmp_path / "out.jsonl").read_text())["prediction"] == expected
-    [text] = generate_text(ckpt, "def add", max_new_tokens=4, temperature=0.0)
+    [text] = CheckpointReader(ckpt).generate("def add", max_new_tokens=4, temperature=0.0)
     assert text == tokenizer.decode(
         ids[0].tolist() + continue_with_module(oracle, tokenizer, ids, 4, 0.0)
     )

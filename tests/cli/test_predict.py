@@ -4,6 +4,7 @@ errors; lines of model inputs serve models without a tokenizer, and a seq2seq mo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 
@@ -13,9 +14,30 @@ from transformers import BertConfig, BertModel, LlamaConfig, LlamaForCausalLM
 
 from forge.data.tokenizer import train_bpe_tokenizer
 from forge.read.errors import ReadFailure, ReadUsageError
-from forge.read.predict import predict_file, read_inputs
+from forge.read.predict import read_inputs
+from forge.read.reader import CheckpointReader
 
 TEXTS = ["def add(a, b):\n    return a + b\n", "import os\nprint(os.getcwd())\n"] * 20
+
+
+def relist(checkpoint):
+    """Rewrite ``checkpoint``'s manifest to list the files it holds now (sizes, hashes), the
+    model's files as the model component's: a checkpoint a test changed, valid again."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    model = manifest["components"]["model"]
+    present = {p.name for p in checkpoint.iterdir() if p.name != "manifest.json"}
+    for name in list(manifest["files"]):
+        if name not in present:
+            del manifest["files"][name]
+    for name in sorted(present - set(manifest["files"])):
+        written = (checkpoint / name).read_bytes()
+        manifest["files"][name] = {
+            "size": len(written),
+            "sha256": hashlib.sha256(written).hexdigest(),
+        }
+        model["files"].append(name)
+    model["files"] = [name for name in model["files"] if name in present]
+    (checkpoint / "manifest.json").write_text(json.dumps(manifest))
 
 
 @pytest.fixture(scope="module")
@@ -45,14 +67,13 @@ def test_a_causal_lm_continues_each_text_greedily(causal_lm_dir, tmp_path):
         json.dumps({"prompt": "def "}) + "\n" + json.dumps({"prompt": "import"}) + "\n"
     )
     output = tmp_path / "out.jsonl"
-    count = predict_file(
-        causal_lm_dir, inputs, output, text_field="prompt", batch_size=2, max_new_tokens=5
+    count = CheckpointReader(causal_lm_dir).predict(
+        inputs, output, text_field="prompt", batch_size=2, max_new_tokens=5
     )
     rows = [json.loads(line) for line in output.read_text().splitlines()]
     assert count == 2 and [r["prompt"] for r in rows] == ["def ", "import"]
     assert all(isinstance(r["prediction"], str) and r["prediction"] for r in rows)
-    predict_file(
-        causal_lm_dir,
+    CheckpointReader(causal_lm_dir).predict(
         inputs,
         tmp_path / "again.jsonl",
         text_field="prompt",
@@ -69,7 +90,7 @@ def test_a_model_that_neither_classifies_nor_generates_is_refused(tmp_path):
     ).save_pretrained(tmp_path)
     (tmp_path / "in.jsonl").write_text('{"text": "x"}\n')
     with pytest.raises(ReadUsageError, match="holds a BertModel; forge predict handles sequence"):
-        predict_file(tmp_path, tmp_path / "in.jsonl", tmp_path / "out.jsonl")
+        CheckpointReader(tmp_path).predict(tmp_path / "in.jsonl", tmp_path / "out.jsonl")
 
 
 def test_inputs_are_read_with_located_errors(tmp_path):
@@ -137,20 +158,19 @@ def greedy(model, tokenizer, text, n):
 
 
 def test_a_plain_causal_lm_is_built_from_its_run_and_continues_each_text(plain_runs, tmp_path):
-    from forge.read.generate import generate_text
 
     run_dir = plain_runs["lm"]
     ckpt = newest(run_dir)
     assert not (ckpt / "config.json").exists()
     inputs = tmp_path / "in.jsonl"
     inputs.write_text('{"text": "def add"}\n"import os"\n')
-    predict_file(ckpt, inputs, tmp_path / "out.jsonl", max_new_tokens=4)
+    CheckpointReader(ckpt).predict(inputs, tmp_path / "out.jsonl", max_new_tokens=4)
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     model, tokenizer = trained(run_dir, "TinyLM")
     for row in rows:
         expected = greedy(model, tokenizer, row["text"], 4)
         assert row["prediction"] == tokenizer.decode(expected, skip_special_tokens=True)
-    [text] = generate_text(ckpt, "def add", max_new_tokens=4, temperature=0.0)
+    [text] = CheckpointReader(ckpt).generate("def add", max_new_tokens=4, temperature=0.0)
     ids = tokenizer("def add")["input_ids"]
     assert text == tokenizer.decode(ids + greedy(model, tokenizer, "def add", 4))
     # a config.json that does not name the weights (as older pipeline checkpoints of wrappers
@@ -159,10 +179,12 @@ def test_a_plain_causal_lm_is_built_from_its_run_and_continues_each_text(plain_r
 
     from tests.checkpoint.checkpoint_helpers import tiny_gpt2
 
-    other = ckpt.with_name("checkpoint-000008")
-    shutil.copytree(ckpt, other)
+    other_run = run_dir.with_name("run_099")  # a copy of the run, its checkpoint given one
+    shutil.copytree(run_dir, other_run)
+    other = other_run / "checkpoints" / ckpt.name
     tiny_gpt2().config.save_pretrained(other)
-    predict_file(other, inputs, tmp_path / "again.jsonl", max_new_tokens=4)
+    relist(other)  # listed in its manifest, so it is a valid checkpoint
+    CheckpointReader(other).predict(inputs, tmp_path / "again.jsonl", max_new_tokens=4)
     assert (tmp_path / "again.jsonl").read_text() == (tmp_path / "out.jsonl").read_text()
 
 
@@ -170,7 +192,7 @@ def test_a_plain_classifier_labels_each_input_with_its_own_label_names(plain_run
     run_dir = plain_runs["cls"]
     inputs = tmp_path / "in.jsonl"
     inputs.write_text('{"text": "print(i * i)", "id": 1}\n{"text": "def add(a, b)", "id": 2}\n')
-    predict_file(newest(run_dir), inputs, tmp_path / "out.jsonl")
+    CheckpointReader(newest(run_dir)).predict(inputs, tmp_path / "out.jsonl")
     rows = [json.loads(line) for line in (tmp_path / "out.jsonl").read_text().splitlines()]
     model, tokenizer = trained(run_dir, "TinyClassifier")
     for row in rows:
@@ -185,12 +207,11 @@ def test_a_plain_classifier_labels_each_input_with_its_own_label_names(plain_run
 @pytest.mark.parametrize("config", ["lm", "pipeline"])
 def test_evaluate_gives_the_checkpoints_metrics_at_its_step(plain_runs, config, caplog):
     from forge.checkpoint import read_manifest
-    from forge.read.predict import evaluate_checkpoint
 
     ckpt = newest(plain_runs[config])
     saved = read_manifest(ckpt).metrics  # the evaluation at step 4, before this save
     with caplog.at_level(logging.INFO):
-        metrics = evaluate_checkpoint(ckpt)
+        metrics = CheckpointReader(ckpt).evaluate()
     assert metrics["eval_loss"] == pytest.approx(saved["eval_loss"], rel=1e-5)
     assert "eval at step 4 |" in caplog.text and "eval at step 0" not in caplog.text
 
@@ -211,22 +232,23 @@ def test_evaluate_says_which_weights_it_evaluates(ema_run, plain_runs, caplog):
     evaluates the trained weights, which give another loss, and names --ema; with --ema it
     says it evaluates the average and gives the run's number."""
     from forge.checkpoint import read_manifest
-    from forge.read.predict import evaluate_checkpoint
 
     ckpt = newest(ema_run)
     reported = read_manifest(ckpt).metrics["eval_loss"]
     with caplog.at_level(logging.INFO):
-        trained_loss = evaluate_checkpoint(ckpt)["eval_loss"]
+        trained_loss = CheckpointReader(ckpt).evaluate()["eval_loss"]
     assert trained_loss != pytest.approx(reported, rel=1e-5)
     assert "evaluating its trained weights, not the moving average of the weights" in caplog.text
     assert "eval_with_ema" in caplog.text and "--ema evaluates the average" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO):
-        assert evaluate_checkpoint(ckpt, ema=True)["eval_loss"] == pytest.approx(reported, rel=1e-5)
+        assert CheckpointReader(ckpt).evaluate(ema=True)["eval_loss"] == pytest.approx(
+            reported, rel=1e-5
+        )
     assert "evaluating the moving average of the weights it holds (--ema)" in caplog.text
     caplog.clear()
     with caplog.at_level(logging.INFO):  # a run without an average: its weights, said plainly
-        evaluate_checkpoint(newest(plain_runs["lm"]))
+        CheckpointReader(newest(plain_runs["lm"])).evaluate()
     assert "evaluating its trained weights" in caplog.text and "--ema" not in caplog.text
 
 
@@ -296,7 +318,7 @@ def test_plain_pytorch_models_predict_from_lines_of_their_inputs(torch_runs, tmp
     inputs = write_lines(
         tmp_path / "x.jsonl", {"input": [1.0, 2.0, 3.0, 4.0]}, {"input": [0, 0, 1, 0]}
     )
-    predict_file(newest(run_dir), inputs, tmp_path / "out.jsonl")
+    CheckpointReader(newest(run_dir)).predict(inputs, tmp_path / "out.jsonl")
     rows = read_lines(tmp_path / "out.jsonl")
     model = torch_model(run_dir, "regressor")
     with torch.no_grad():  # [0, 0, 1, 0] beside floats is floats too
@@ -307,7 +329,7 @@ def test_plain_pytorch_models_predict_from_lines_of_their_inputs(torch_runs, tmp
     run_dir = torch_runs["gru"]
     steps = [[[0.5, -1.0, 2.0], [1.0, 0.0, 0.25]], [[0.0, 0.0, 0.0]]]  # two lengths
     inputs = write_lines(tmp_path / "seq.jsonl", *({"x": x} for x in steps))
-    predict_file(newest(run_dir), inputs, tmp_path / "gru.jsonl")
+    CheckpointReader(newest(run_dir)).predict(inputs, tmp_path / "gru.jsonl")
     model = torch_model(run_dir, "GRUClassifier")
     for row, x in zip(read_lines(tmp_path / "gru.jsonl"), steps, strict=True):
         with torch.no_grad():
@@ -345,7 +367,7 @@ def test_a_wrong_key_or_text_without_a_tokenizer_is_refused_at_once(torch_runs, 
     assert "holds no tokenizer" in refused.stderr and "forge predict" in refused.stderr
     short = write_lines(tmp_path / "short.jsonl", {"x": [[1.0, 2.0]]})
     with pytest.raises(ReadFailure, match=r"short.jsonl:1: the model failed on this line"):
-        predict_file(ckpt, short, tmp_path / "o.jsonl")
+        CheckpointReader(ckpt).predict(short, tmp_path / "o.jsonl")
     mixed = write_lines(tmp_path / "mixed.jsonl", {"x": [[1.0, 2.0, 3.0]]}, {"text": "a"})
     with pytest.raises(ReadUsageError, match=r"mixed.jsonl:2: a row of text \(text\) after rows"):
         read_inputs(mixed, "text")
@@ -379,7 +401,7 @@ def test_a_causal_lm_continues_input_ids_without_a_tokenizer(causal_lm_dir, plai
         causal_lm_dir, directory, ignore=shutil.ignore_patterns("tokenizer*", "special*")
     )
     inputs = write_lines(tmp_path / "ids.jsonl", {"input_ids": [5, 6, 7]}, {"input_ids": [9]})
-    predict_file(directory, inputs, tmp_path / "out.jsonl", max_new_tokens=5)
+    CheckpointReader(directory).predict(inputs, tmp_path / "out.jsonl", max_new_tokens=5)
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM.from_pretrained(causal_lm_dir).eval()
@@ -388,11 +410,13 @@ def test_a_causal_lm_continues_input_ids_without_a_tokenizer(causal_lm_dir, plai
             model, row["input_ids"], 5, model.config.eos_token_id
         )
 
-    ckpt = newest(plain_runs["lm"]).with_name("checkpoint-000012")
+    run_dir = plain_runs["lm"].with_name("run_098")  # a copy of the run, without tokenizer files
     shutil.copytree(
-        newest(plain_runs["lm"]), ckpt, ignore=shutil.ignore_patterns("tokenizer*", "special*")
+        plain_runs["lm"], run_dir, ignore=shutil.ignore_patterns("tokenizer*", "special*")
     )
-    predict_file(ckpt, inputs, tmp_path / "tiny.jsonl", max_new_tokens=4)
+    ckpt = newest(run_dir)
+    relist(ckpt)
+    CheckpointReader(ckpt).predict(inputs, tmp_path / "tiny.jsonl", max_new_tokens=4)
     tiny, _ = trained(plain_runs["lm"], "TinyLM")
     for row in read_lines(tmp_path / "tiny.jsonl"):
         assert row["prediction"] == greedy_ids(tiny, row["input_ids"], 4, None)
@@ -437,7 +461,6 @@ def test_a_seq2seq_model_generates_and_without_a_tokenizer_is_told_what_to_use(t
 
     from transformers import T5ForConditionalGeneration
 
-    from forge.read.generate import generate_text
     from tests.helpers import run_forge
 
     directory, tokenizer = t5_dir
@@ -460,7 +483,9 @@ def test_a_seq2seq_model_generates_and_without_a_tokenizer_is_told_what_to_use(t
     tokenizer.save_pretrained(with_tokenizer)
     ids = tokenizer("def add")["input_ids"]
     expected = tokenizer.decode(greedy_decoder(model, ids, 6), skip_special_tokens=True)
-    assert generate_text(with_tokenizer, "def add", max_new_tokens=6, temperature=0.0) == [expected]
+    assert CheckpointReader(with_tokenizer).generate(
+        "def add", max_new_tokens=6, temperature=0.0
+    ) == [expected]
     text = write_lines(tmp_path / "text.jsonl", {"text": "def add"})
-    predict_file(with_tokenizer, text, tmp_path / "t.jsonl", max_new_tokens=6)
+    CheckpointReader(with_tokenizer).predict(text, tmp_path / "t.jsonl", max_new_tokens=6)
     assert read_lines(tmp_path / "t.jsonl")[0]["prediction"] == expected

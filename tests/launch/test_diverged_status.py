@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 from safetensors.torch import load_file
 
-from forge.cli.commands import _kept_reasons
+from forge.read.run import RunReader
 from forge.runs import EXIT_DIVERGED
 from tests.helpers import run_forge
 from tests.plain_project import write_project
@@ -88,7 +88,7 @@ def test_rollbacks_are_recorded_and_after_max_rollbacks_the_run_stops(tmp_path):
     assert all(r["skipped"]["batches"] >= 1 for r in rollbacks)
     # forge checkpoints' KEPT column says why rotation keeps both
     assert record["rollback_anchor_before"] == 1
-    reasons = {path.name: why for path, why in _kept_reasons(run_dir).items()}
+    reasons = {e.path.name: e.kept for e in RunReader(run_dir).checkpoints() if e.kept}
     assert reasons == {
         "checkpoint-000002": "rollback anchor",
         "checkpoint-000004": "last, rollback anchor",

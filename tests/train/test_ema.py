@@ -13,7 +13,7 @@ from torch import nn
 
 from forge.checkpoint import CheckpointError, read_manifest
 from forge.read.errors import ReadUsageError
-from forge.read.export import export_model
+from forge.read.reader import export_model
 from forge.train import (
     AccelTrainer,
     PipelineTrainer,

@@ -360,7 +360,7 @@ def test_a_pipeline_checkpoint_of_two_replicas_is_written_once_by_each_stage_own
 def test_export_of_a_sharded_checkpoint_gives_the_models_logits(straight, tmp_path):
     from transformers import AutoModelForCausalLM, LlamaForCausalLM
 
-    from forge.read.export import export_model
+    from forge.read.reader import export_model
     from tests.train.common import tiny_llama_config
 
     checkpoint = checkpoint_dir(straight / "fsdp", STEPS)

@@ -27,7 +27,7 @@ from forge.checkpoint import CheckpointError, validate_checkpoint
 from forge.checkpoint.adapter import BaseChanged
 from forge.data import CausalLMCollator
 from forge.read.errors import ReadUsageError
-from forge.read.export import export_model
+from forge.read.reader import export_model
 from forge.train import AccelTrainer, AccelTrainingArguments, Trainer, TrainingArgumentsError
 from forge.train.lora import LoraUsageError, default_target_modules, load_base_model
 from tests.train.common import (
