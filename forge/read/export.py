@@ -50,10 +50,18 @@ def export_checkpoint(
     ema: bool = False,
     merge_lora: bool = False,
 ) -> Path:
-    """Write the model of the ``reader``'s checkpoint (a forge.read.reader.CheckpointReader,
-    whose ``export`` documents the options) to ``output``; returns the checkpoint exported.
-    When the path the reader was given is a run or a project, its newest checkpoint's weights
-    must not be a damaged final save."""
+    """Write the model of the ``reader``'s checkpoint (a forge.read.reader.CheckpointReader)
+    to ``output``; returns the checkpoint exported.
+
+    A LoRA checkpoint exports its adapter in peft's layout, or with ``merge_lora`` its base
+    with the adapter merged in: a plain model directory that ``from_pretrained`` loads without
+    peft (``merge_lora`` on any other checkpoint is refused). A non-empty ``output`` is refused
+    unless ``force``; then it is replaced only once the export is complete. ``submodule`` names
+    the transformers model inside the checkpoint's model to export alone (``lm`` for a
+    wrapper's ``self.lm``). ``ema`` exports the moving average of the weights the checkpoint
+    holds (``ema_decay``) in place of the trainable weights, each in its saved dtype; a
+    checkpoint without one is refused. When the path the reader was given is a run or a
+    project, its newest checkpoint's weights must not be a damaged final save."""
     from forge.runs import damaged_final_weights
 
     source = reader.path

@@ -213,39 +213,15 @@ class CheckpointReader:
         return model.eval()
 
     # ------------------------------------------------------------------ what commands do
-    def export(
-        self,
-        output: str | os.PathLike,
-        *,
-        force: bool = False,
-        max_shard_size: str | int = "5GB",
-        submodule: str | None = None,
-        ema: bool = False,
-        merge_lora: bool = False,
-    ) -> Path:
-        """Write the checkpoint's model to ``output`` (``forge export``; forge.read.export):
-        a Hugging Face model directory, or a plain module's state dict. Returns the checkpoint
-        exported.
-
-        A LoRA checkpoint exports its adapter in peft's layout, or with ``merge_lora`` its base
-        with the adapter merged in: a plain model directory that ``from_pretrained`` loads
-        without peft (``merge_lora`` on any other checkpoint is refused). A non-empty
-        ``output`` is refused unless ``force``; then it is replaced only once the export is
-        complete. ``submodule`` names the transformers model inside the checkpoint's model to
-        export alone (``lm`` for a wrapper's ``self.lm``). ``ema`` exports the moving average
-        of the weights the checkpoint holds (``ema_decay``) in place of the trainable
-        weights, each in its saved dtype; a checkpoint without one is refused."""
+    def export(self, output: str | os.PathLike, **options: Any) -> Path:
+        """Write the checkpoint's model to ``output`` (``forge export``): a Hugging Face model
+        directory, a LoRA adapter (or with ``merge_lora`` its base with the adapter merged in),
+        or a plain module's state dict; returns the checkpoint exported.
+        forge.read.export.export_checkpoint documents ``options`` (``force``,
+        ``max_shard_size``, ``submodule``, ``ema``, ``merge_lora``)."""
         from forge.read.export import export_checkpoint
 
-        return export_checkpoint(
-            self,
-            output,
-            force=force,
-            max_shard_size=max_shard_size,
-            submodule=submodule,
-            ema=ema,
-            merge_lora=merge_lora,
-        )
+        return export_checkpoint(self, output, **options)
 
     def evaluate(self, split: str = "eval", *, ema: bool = False) -> dict[str, float]:
         """The metrics of the checkpoint on its run's ``split``, as its run's trainer computes
