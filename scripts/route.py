@@ -119,29 +119,33 @@ class Route:
         }
 
 
+def follow_export(checkpoint: Path, output: Path) -> dict[str, object]:
+    """The figures of a real ``forge export CHECKPOINT OUTPUT`` in this process."""
+    import forge
+    from forge.cli import main as forge_main
+
+    route = Route(checkpoint, Path(forge.__file__).parent)
+    sys.setprofile(route.profile)
+    try:
+        code = forge_main(["export", str(checkpoint), str(output)])
+    finally:
+        sys.setprofile(None)
+    if code != 0:
+        raise RuntimeError(f"forge export {checkpoint} {output} exited {code}")
+    return route.figures()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="the checkpoint to export (default: a tiny one)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
-    import forge
-    from forge.cli import main as forge_main
-
     with tempfile.TemporaryDirectory(prefix="forge-route-") as scratch:
         scratch = Path(scratch)
         checkpoint = Path(args.checkpoint) if args.checkpoint else make_checkpoint(scratch)
         print(f"following forge export {checkpoint}", file=sys.stderr)
-        route = Route(checkpoint, Path(forge.__file__).parent)
-        sys.setprofile(route.profile)
-        try:
-            code = forge_main(["export", str(checkpoint), str(scratch / "export")])
-        finally:
-            sys.setprofile(None)
-    if code != 0:
-        print(f"forge export exited {code}", file=sys.stderr)
-        return code
-    figures = route.figures()
+        figures = follow_export(checkpoint, scratch / "export")
     if args.json:
         print(json.dumps(figures))
         return 0

@@ -412,3 +412,22 @@ def test_predict_and_generate_use_a_plain_modules_lora_checkpoint(plain_lora_run
     assert text == tokenizer.decode(
         ids[0].tolist() + continue_with_module(oracle, tokenizer, ids, 4, 0.0)
     )
+
+
+def test_forge_export_hands_the_checkpoint_down_once(model, tmp_path):
+    """scripts/route.py over a real `forge export`: the checkpoint goes from the command to the
+    read side and never comes back up to forge/cli (the issue's measure of the read side)."""
+    import importlib.util
+
+    from tests.helpers import REPO
+
+    spec = importlib.util.spec_from_file_location("route", REPO / "scripts" / "route.py")
+    route = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(route)
+    ckpt = whole_checkpoint(model, tmp_path / "ckpt")
+    figures = route.follow_export(ckpt, tmp_path / "out")
+    path = figures["route"]
+    assert path[:3] == ["forge.cli", "forge.cli.commands", "forge.read.reader"]
+    assert not any(module.startswith("forge.cli") for module in path[2:])
+    assert figures["climbs_to_cli"] == 0 and "forge.read.export" in path
+    assert (tmp_path / "out" / "model.safetensors").is_file()
