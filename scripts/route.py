@@ -10,7 +10,7 @@ unwinding, back to the command, is not part of it). It prints
     stops                 calls of forge functions given the checkpoint
     modules               the distinct forge modules on the route
     returns               moves back into a module the route had already left
-    climbs to cli/        moves back up into forge/cli/ after the route went down to forge/checkpoint/
+    climbs to cli/        moves back up into forge/cli/ after going down to forge/checkpoint/
     route                 the route, one module per move
 
     python scripts/route.py                      # makes a tiny checkpoint first (tiny_lm, 2 steps)

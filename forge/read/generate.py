@@ -47,8 +47,9 @@ def generate_text(
     top_k: int = 50,
     seed: int = 0,
 ) -> list[str]:
-    """Sample ``num`` texts for ``prompt`` from the ``reader``'s checkpoint's model and tokenizer: a causal
-    LM's prompt and continuation, or what an encoder-decoder writes for the prompt.
+    """Sample ``num`` texts for ``prompt`` from the model and tokenizer of the ``reader``'s
+    checkpoint (a forge.read.reader.CheckpointReader): a causal LM's prompt and continuation,
+    or what an encoder-decoder writes for the prompt.
 
     A checkpoint that is no Hugging Face model directory (a plain module's, a wrapper's, a LoRA
     checkpoint of such a base) is built through its run's config and sampled one token at a

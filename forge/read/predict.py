@@ -77,8 +77,9 @@ def model_kind(checkpoint: Path) -> tuple[str, str]:
 
 
 def evaluate_checkpoint(reader: Any, split: str = "eval", *, ema: bool = False) -> dict[str, float]:
-    """The metrics of the ``reader``'s checkpoint on its run's ``split``: ``eval`` (the trainer's eval
-    dataset), ``train``, or any other NAME whose ``NAME_dataset`` target the config has.
+    """The metrics of the ``reader``'s checkpoint (a forge.read.reader.CheckpointReader) on its
+    run's ``split``: ``eval`` (the trainer's eval dataset), ``train``, or any other NAME whose
+    ``NAME_dataset`` target the config has.
 
     Metrics are prefixed with the split (``eval_loss``, ``test_accuracy``). Nothing is written
     to the run. A pipeline run's model is evaluated whole, by the plain trainer, in this
@@ -200,10 +201,11 @@ def predict_file(
     temperature: float = 0.0,
     seed: int = 0,
 ) -> int:
-    """Write one JSON line per input line of the ``reader``'s checkpoint to ``output``: the input's fields plus
-    ``prediction`` (a class label, labels for a multi-label classifier, a number for a
-    regressor, the continuation for a causal LM, the generated text for an encoder-decoder)
-    and, for a classifier, ``score``. Returns the number of lines written.
+    """Write one JSON line per input line to ``output``, by the model of the ``reader``'s
+    checkpoint (a forge.read.reader.CheckpointReader): the input's fields plus ``prediction``
+    (a class label, labels for a multi-label classifier, a number for a regressor, the
+    continuation for a causal LM, the generated text for an encoder-decoder) and, for a
+    classifier, ``score``. Returns the number of lines written.
 
     Lines of text need the checkpoint's tokenizer; lines of model inputs (``{"input_ids":
     [...]}``, ``{"x": [...]}``) are given to the model as they are, one at a time, and a
