@@ -280,7 +280,7 @@ def test_load_of_a_lora_run_merged_and_not(hf_runs, monkeypatch, tmp_path):
 
     _, lora = hf_runs
     reader = forge.CheckpointReader(lora.run_dir, best=True)
-    assert reader.path.name == reader.record["best"]["checkpoint"]
+    assert reader.path.resolve() == (reader.run_dir / reader.record["best"]["checkpoint"]).resolve()
     assert reader.is_adapter and reader.has_ema
     adapter = forge.load(lora.run_dir, best=True)
     assert is_peft_model(adapter) and not adapter.training
@@ -340,7 +340,7 @@ def test_load_of_a_two_process_runs_best_checkpoint_gives_evaluates_logits(
     assert result.returncode == 0, f"forge train {config} --nproc 2 failed:\n{result.stderr}"
     run_dir = result.stdout.strip().splitlines()[-1]
     reader = forge.CheckpointReader(run_dir, best=True)
-    assert reader.path.name == reader.record["best"]["checkpoint"]
+    assert reader.path.resolve() == (reader.run_dir / reader.record["best"]["checkpoint"]).resolve()
     assert_same_logits(forge.load(run_dir, best=True), reader.path, monkeypatch)
     # the command itself prints the metrics that code path gave
     printed = run_forge("evaluate", run_dir, "--best", "--json", timeout=300)
