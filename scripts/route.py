@@ -16,6 +16,7 @@ unwinding, back to the command, is not part of it). It prints
     python scripts/route.py                      # makes a tiny checkpoint first (tiny_lm, 2 steps)
     python scripts/route.py --checkpoint DIR     # follows an export of DIR
     python scripts/route.py --json               # the figures as one JSON object on stdout
+    python scripts/route.py --checkpoint DIR --merge-lora   # a LoRA checkpoint's merged export
 
 The forge measured is the one ``import forge`` finds: run it with ``PYTHONPATH=TREE`` to
 measure another checkout (``--checkpoint`` then avoids training with it).
@@ -119,15 +120,15 @@ class Route:
         }
 
 
-def follow_export(checkpoint: Path, output: Path) -> dict[str, object]:
-    """The figures of a real ``forge export CHECKPOINT OUTPUT`` in this process."""
+def follow_export(checkpoint: Path, output: Path, *options: str) -> dict[str, object]:
+    """The figures of a real ``forge export CHECKPOINT OUTPUT [OPTIONS]`` in this process."""
     import forge
     from forge.cli import main as forge_main
 
     route = Route(checkpoint, Path(forge.__file__).parent)
     sys.setprofile(route.profile)
     try:
-        code = forge_main(["export", str(checkpoint), str(output)])
+        code = forge_main(["export", str(checkpoint), str(output), *options])
     finally:
         sys.setprofile(None)
     if code != 0:
@@ -139,13 +140,15 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--checkpoint", help="the checkpoint to export (default: a tiny one)")
     parser.add_argument("--json", action="store_true", help="print the figures as JSON")
+    parser.add_argument("--merge-lora", action="store_true", help="export with --merge-lora")
     args = parser.parse_args(argv)
     os.environ.setdefault("OMP_NUM_THREADS", "1")
     with tempfile.TemporaryDirectory(prefix="forge-route-") as scratch:
         scratch = Path(scratch)
         checkpoint = Path(args.checkpoint) if args.checkpoint else make_checkpoint(scratch)
         print(f"following forge export {checkpoint}", file=sys.stderr)
-        figures = follow_export(checkpoint, scratch / "export")
+        options = ["--merge-lora"] if args.merge_lora else []
+        figures = follow_export(checkpoint, scratch / "export", *options)
     if args.json:
         print(json.dumps(figures))
         return 0
