@@ -144,7 +144,7 @@ class PipelineTrainer(BaseTrainer):
         if problems:  # (a stage holds only some of the named blocks)
             raise TrainingArgumentsError(problems)
         settings = self.args.fsdp_settings()
-        if settings is not None and self.topology.dp_size == 1:
+        if settings is not None and self.topology.dp_size == 1 and not is_stand_in():
             self._info("fsdp: one process per stage holds the whole stage; nothing to shard")
         return Pipeline(self.args, self.topology, device, plan, self.loss_fn, settings)
 

@@ -27,7 +27,6 @@ stage builds only its part, the presets of known model families) is forge/train/
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -120,6 +119,7 @@ class Pipeline(ParallelStrategy):
         self._groups: dict[str, Any] = {}
         self._loss: _MicrobatchLoss | None = None
         self._model: nn.Module | None = None
+        self._fresh = False  # a schedule was just built: its first step infers shapes
 
     @property
     def my_stages(self):
@@ -302,12 +302,27 @@ class Pipeline(ParallelStrategy):
         args = (inputs,) if self.holds_first else ()
         target = labels if self.holds_last else None
         losses = [] if self.holds_last else None
+        kept = self._kept_gradients() if train and self._fresh else {}
+        self._fresh = False
         with self.autocast():
             if train:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False)
             else:
                 schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        for param, grad in kept.items():  # the accumulation so far, on top of this batch's
+            param.grad = grad if param.grad is None else param.grad + grad
         return self._loss.take(count) if self.holds_last else []
+
+    def _kept_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """A new schedule's first step infers the stage's shapes with a real forward and
+        backward, after which it drops a sharded stage's gradients: those accumulated by the
+        window's earlier batches are taken out here and added back after the step."""
+        if not self.sharded:
+            return {}
+        kept = {p: p.grad for p in self._model.parameters() if p.grad is not None}
+        for param in kept:
+            param.grad = None
+        return kept
 
     def _run_local(
         self, inputs: torch.Tensor, labels: torch.Tensor, count: int, train: bool
@@ -324,12 +339,31 @@ class Pipeline(ParallelStrategy):
 
     def _schedule(self, shape: tuple[int, ...], train: bool) -> tuple[Any, int]:
         """The schedule for batches of ``shape`` (built on first use: a stage's buffers are
-        sized by its first microbatch). A short last batch splits into fewer microbatches."""
-        count = math.gcd(shape[0], self.num_microbatches)
-        key = (train, shape)
+        sized by its first microbatch). A short last batch splits into fewer microbatches.
+
+        A sharded stage's forwards gather its parameters with its replicas, so the replicas
+        run as many microbatches and build their schedules (whose first step infers the
+        shapes with a real forward) at the same batches: both follow every replica's shape."""
+        shapes = self._replica_shapes(shape) if self.sharded else [shape]
+        count = max(
+            d
+            for d in range(1, self.num_microbatches + 1)
+            if self.num_microbatches % d == 0 and all(s[0] % d == 0 for s in shapes)
+        )
+        key = (train, shape, *shapes)
         if key not in self._schedules:
             self._schedules[key] = self._make_schedule(count, train)
+            self._fresh = True
         return self._schedules[key], count
+
+    def _replica_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The batch shape of every replica of this stage (a collective over them)."""
+        mine = torch.tensor(shape, dtype=torch.long, device=self.device)
+        every = torch.empty(
+            self.topology.dp_size * len(shape), dtype=torch.long, device=mine.device
+        )
+        dist.all_gather_into_tensor(every, mine, group=self._groups["replicas"])
+        return [tuple(row) for row in every.view(self.topology.dp_size, -1).tolist()]
 
     def _make_schedule(self, count: int, train: bool) -> Any:
         from torch.distributed.pipelining import (
