@@ -85,14 +85,27 @@ def test_the_checkpoint_continues_under_other_layouts_and_a_plain_one_under_it(s
     _continue_from(straight / "plain", tmp_path / "to_ppfsdp", 6)
     finish(launch(tmp_path / "to_ppfsdp", f"ppfsdp-{MODE}-resume", nproc=4))
     # each goes on with the rest of the epoch of the run it continues, dealt to its own
-    # replicas (see test_fsdp.py's reshard test: the same data-parallel sizes, 2 and 1): the
-    # one-process run's 6 steps took the items the 2 replicas take at their steps 4 to 6
+    # replicas: after 6 steps of 16 items (2 replicas), half of the second epoch is left,
+    # which one process takes 8 items a step (its steps 7-8 take the items of the straight
+    # run's step 7, its step 9 those of step 8); after one process's 6 steps of 8 items, the
+    # 2 replicas take the first epoch's last 16 items (the straight run's step 4), then the
+    # second epoch from its start (steps 5, 6): other weights, the same items
     reference = losses(straight / "ppfsdp")
-    for run, back in {"to_plain": 0, "to_pipeline": 0, "to_ppfsdp": 3}.items():
+    same_items = {
+        "to_plain": {7: 7, 8: 7, 9: 8},
+        "to_pipeline": {7: 7, 8: 7, 9: 8},
+        "to_ppfsdp": {7: 4, 8: 5, 9: 6},
+    }
+    for run, steps in same_items.items():
         found = losses(tmp_path / run)
         assert sorted(found) == [7, 8, 9], run
-        for step in found:
-            assert found[step] == pytest.approx(reference[step - back], rel=0.03), (run, step)
+        for step, at in steps.items():
+            assert found[step] == pytest.approx(reference[at], rel=0.03), (run, step)
+    # one process and the unsharded pipeline read the same state from the shards
+    plain, pipeline = losses(tmp_path / "to_plain"), losses(tmp_path / "to_pipeline")
+    assert [pipeline[s] for s in (7, 8, 9)] == pytest.approx(
+        [plain[s] for s in (7, 8, 9)], rel=1e-5
+    )
     # the weights each run loaded are the checkpoint's, whatever its layout
     for run, source in {
         "to_plain": straight / "ppfsdp",
