@@ -6,6 +6,8 @@ continues under it. (That it trains as pipeline x DDP: test_pipeline_equivalence
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -59,6 +61,29 @@ def test_each_rank_writes_its_share_of_its_stage(straight):
     assert sorted(optimizer_state(checkpoint)) == sorted(
         optimizer_state(checkpoint_dir(straight / "plain", STEPS))
     )
+
+
+def test_it_trains_and_evaluates_with_the_average_as_whole_replicas_do(tmp_path):
+    """The average kept on each rank's rows, swapped in for the evaluations (every 3 steps,
+    the eval set split unevenly between the replicas: 3 batches each, the last of 3 and of 2
+    items), gives the evaluation losses of the same pipeline with whole replicas."""
+    finish(launch(tmp_path / "sharded", "ppfsdp-evalema", nproc=4))
+    finish(launch(tmp_path / "replicated", "ppddp-evalema", nproc=4))
+    ours, theirs = losses(tmp_path / "sharded"), losses(tmp_path / "replicated")
+    assert sorted(ours) == list(range(1, STEPS + 1))
+    assert [ours[s] for s in sorted(ours)] == pytest.approx(
+        [theirs[s] for s in sorted(ours)], rel=1e-5
+    )
+    evaluated = [eval_losses(tmp_path / run) for run in ("sharded", "replicated")]
+    assert sorted(evaluated[0]) == [3, 6, 9]
+    assert [evaluated[0][s] for s in (3, 6, 9)] == pytest.approx(
+        [evaluated[1][s] for s in (3, 6, 9)], rel=1e-5
+    )
+
+
+def eval_losses(output_dir) -> dict[int, float]:
+    rows = [json.loads(line) for line in (output_dir / "metrics.jsonl").read_text().splitlines()]
+    return {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
 
 
 def test_sigkill_of_the_job_then_resume_is_bit_identical(straight, tmp_path):

@@ -439,12 +439,12 @@ class Pipeline(ParallelStrategy):
                 torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
         return total
 
+    # ------------------------------------------------------------------ evaluation
     def eval_forwards(self, count: int) -> int:
         """A sharded stage's forward gathers parameters with its replicas: every rank runs as
         many evaluation forwards as the rank with the most batches."""
         return int(self.agree_max(float(count))) if self.sharded else count
 
-    # ------------------------------------------------------------------ evaluation
     def forward_eval(
         self, batch: Batch, forward: Callable[[], tuple[torch.Tensor | None, Any]]
     ) -> tuple[torch.Tensor | None, Any]:
@@ -458,6 +458,10 @@ class Pipeline(ParallelStrategy):
             )
         inputs, targets = self.inputs(batch)
         losses = self._run(inputs, targets, train=False)
+        for module in self.stage_modules if self.sharded else ():
+            # a forward without backward leaves the stage root's parameters gathered: freed
+            # here, so weights swapped in or out (an average) are gathered afresh
+            module.reshard()
         return (torch.stack(losses).mean() if self.holds_last else None), None
 
     # ------------------------------------------------------------------ checkpoints
