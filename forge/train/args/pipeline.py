@@ -26,6 +26,8 @@ class PipelineTrainingArguments(TrainingArguments):
     ``pipeline_rotary`` name the model's parts; null takes them from the preset of the
     model's family (GPT-2, GPT-Neo, GPT-NeoX, OPT, Llama-like, Phi, BERT/RoBERTa masked LMs:
     forge/train/pipeline_models.py), and a model of no known family must name them.
+    ``fsdp`` (``full_shard`` or ``shard_grad_op``) shards each stage over its replicas
+    (pipeline x FSDP) instead of replicating it.
     """
 
     pipeline_parallel_size: int | None = None
