@@ -116,6 +116,7 @@ def evaluate_checkpoint(
     from forge.checkpoint import CheckpointError
     from forge.launch.worker import build_variables
     from forge.train.ema import load_ema_weights, read_ema_state
+    from forge.train.sanity import one_process_stand_in
 
     average = None
     if ema:  # before anything is built: a checkpoint without an average is refused at once
@@ -128,7 +129,8 @@ def evaluate_checkpoint(
     # the trainer's own files (metrics.jsonl, ...) go to a scratch directory, not to the run
     with tempfile.TemporaryDirectory(prefix="forge-evaluate-") as scratch:
         variables = build_variables(Path(scratch), project, record.data.get("config", "config"))
-        trainer = _one_process_trainer(cfg.build("trainer", variables))
+        with one_process_stand_in():  # a pipeline of several processes, built as one stage
+            trainer = _one_process_trainer(cfg.build("trainer", variables))
         dataset = _split_dataset(cfg, trainer, split, variables)
         trainer.load_weights(checkpoint)
         if average is not None:

@@ -492,8 +492,12 @@ def test_pipeline_x_fsdp_survives_sigkill_and_forge_resume_bit_identical(warm_pr
     ]
     assert_same_tensors(read_weights(expected), read_weights(done), "weights")
     assert_same_tensors(merged_optimizer(expected), merged_optimizer(done), "optimizer")
-    evaluated = run_forge("evaluate", str(done), "--json")
-    assert evaluated.returncode == 0, evaluated.stderr
-    assert json.loads(evaluated.stdout)["eval_loss"] == pytest.approx(
-        final_eval_loss(run_dir), rel=1e-4
-    )
+    # one process evaluates the checkpoint (tiny_lm's max_eval_batches: half the batches the
+    # run's 2 replicas took); the two runs' identical checkpoints evaluate identically
+    found = []
+    for ckpt in (done, expected):
+        evaluated = run_forge("evaluate", str(ckpt), "--json")
+        assert evaluated.returncode == 0, evaluated.stderr
+        found.append(json.loads(evaluated.stdout)["eval_loss"])
+    assert found[0] == found[1]
+    assert found[0] == pytest.approx(final_eval_loss(run_dir), rel=0.03)
