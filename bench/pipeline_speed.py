@@ -15,8 +15,16 @@ On a machine with fewer cores than processes, stages share cores, so the 2- and 
 rows measure the pipeline's overheads (sends, bubbles) more than a speed-up; what a stage
 writes shrinks with the number of stages either way.
 
+A second table sets pipeline x FSDP beside pipeline x DDP: ``--stages-by-replicas`` (2x2) on
+the same model and data, each stage replicated (DDP) or sharded over its replicas (FSDP2
+``full_shard``): the median time of a step (the slowest rank's, over the N timed steps), its
+spread (the interquartile range and the slowest step), and steps/s relative to DDP. Sharding
+adds an all-gather of each block's parameters to every microbatch's forward and backward
+and a reduce-scatter per batch; it buys 1/replicas of the stage's model state per rank
+(bench/sharding_memory.py measures that).
+
     .venv/bin/python bench/pipeline_speed.py [--stages 1,2,4] [--warmup 3 --steps 20]
-        [--saves 3] [--hidden 256 --layers 8] [--quick]
+        [--saves 3] [--hidden 256 --layers 8] [--stages-by-replicas 2x2] [--quick]
 """
 
 from __future__ import annotations
@@ -124,6 +132,9 @@ def worker(args: argparse.Namespace) -> None:
         trainer = Trainer(model, TrainingArguments(**values), **common)
     else:
         values["pipeline_microbatches"] = args.microbatches
+        values["pipeline_parallel_size"] = args.pipeline_size or None
+        if args.fsdp:
+            values.update(fsdp="full_shard", async_save=False)
         trainer = PipelineTrainer(model, PipelineTrainingArguments(**values), **common)
     trainer.train()
     topology = trainer.topology
@@ -131,6 +142,10 @@ def worker(args: argparse.Namespace) -> None:
         "rank": topology.rank,
         "stage": topology.stage,
         "steps_per_second": args.steps / (clock.marks[timed_end] - clock.marks[args.warmup]),
+        "step_seconds": [
+            clock.marks[step] - clock.marks[step - 1]
+            for step in range(args.warmup + 1, timed_end + 1)
+        ],
         "save_seconds": statistics.median(clock.saves),
         "write_seconds": statistics.median(clock.writes),
         "params": sum(p.numel() for p in trainer.model.parameters()),
@@ -159,29 +174,41 @@ def _time_writes(writer_class) -> list[float]:
 # ---------------------------------------------------------------------------------- the runs
 
 
-def run_contender(args: argparse.Namespace, kind: str, stages: int, root: Path) -> list[dict]:
-    out = root / f"{kind}-{stages}"
+def run_contender(
+    args: argparse.Namespace,
+    kind: str,
+    stages: int,
+    root: Path,
+    replicas: int = 1,
+    fsdp: bool = False,
+) -> list[dict]:
+    out = root / f"{kind}-{stages}x{replicas}{'-fsdp' if fsdp else ''}"
     out.mkdir()
+    processes = stages * replicas
     worker_args = [
         str(Path(__file__)), "--worker", str(out), "--kind", kind,
         "--hidden", str(args.hidden), "--layers", str(args.layers), "--vocab", str(args.vocab),
         "--seq-len", str(args.seq_len), "--batch-size", str(args.batch_size),
         "--microbatches", str(args.microbatches), "--warmup", str(args.warmup),
         "--steps", str(args.steps), "--saves", str(args.saves),
-        "--threads", str(args.threads),
+        "--threads", str(args.threads), "--pipeline-size", str(stages if replicas > 1 else 0),
     ]  # fmt: skip
-    if kind == "plain" or stages == 1:
+    if fsdp:
+        worker_args.append("--fsdp")
+    if kind == "plain" or processes == 1:
         command = [sys.executable, *worker_args]
     else:
         command = [
             sys.executable, "-m", "torch.distributed.run", "--standalone",
-            f"--nproc_per_node={stages}", *worker_args,
+            f"--nproc_per_node={processes}", *worker_args,
         ]  # fmt: skip
     env = dict(os.environ, PYTHONPATH=str(REPO), OMP_NUM_THREADS=str(args.threads))
     env.pop("WORLD_SIZE", None)
     done = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True)
     if done.returncode != 0:
-        raise RuntimeError(f"{kind} on {stages} stage(s) failed:\n{done.stderr[-3000:]}")
+        raise RuntimeError(
+            f"{kind} on {stages} stage(s) x {replicas} failed:\n{done.stderr[-3000:]}"
+        )
     return [json.loads(p.read_text()) for p in sorted(out.glob("result-rank-*.json"))]
 
 
@@ -222,7 +249,37 @@ def main() -> int:
             f"{name:24s} {speed:8.2f} {speed / base:9.2f} {save:8.3f} {save / base_save:9.2f}  "
             f"{stages}"
         )
+    if args.stages_by_replicas:
+        stages, replicas = (int(n) for n in args.stages_by_replicas.split("x"))
+        with tempfile.TemporaryDirectory(prefix="forge-pipeline-bench-") as tmp:
+            compared = [
+                (f"pipeline x DDP {stages}x{replicas}", run_contender(
+                    args, "pipeline", stages, Path(tmp), replicas
+                )),
+                (f"pipeline x FSDP {stages}x{replicas}", run_contender(
+                    args, "pipeline", stages, Path(tmp), replicas, fsdp=True
+                )),
+            ]  # fmt: skip
+        print_sharded_table(compared)
     return 0
+
+
+def print_sharded_table(compared: list[tuple[str, list[dict]]]) -> None:
+    """Each contender's step time (the slowest rank's at each step): median, interquartile
+    range, slowest; steps/s (1 / median) relative to the first contender."""
+    print()
+    print(f"{'contender':24s} {'median s':>9s} {'IQR s':>15s} {'max s':>8s} {'steps/s':>8s} "
+          f"{'vs DDP':>7s}")  # fmt: skip
+    base = None
+    for name, results in compared:
+        steps = [max(times) for times in zip(*(r["step_seconds"] for r in results), strict=True)]
+        q1, median, q3 = statistics.quantiles(steps, n=4) if len(steps) > 1 else steps * 3
+        speed = 1 / median
+        base = base or speed
+        print(
+            f"{name:24s} {median:9.3f} {q1:7.3f}-{q3:7.3f} {max(steps):8.3f} {speed:8.2f} "
+            f"{speed / base:7.2f}"
+        )
 
 
 def parse_args() -> argparse.Namespace:
@@ -240,9 +297,16 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed steps (N)")
     parser.add_argument("--saves", type=int, default=3, help="timed saves (median reported)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument(
+        "--stages-by-replicas",
+        default="2x2",
+        help="pipeline x FSDP against pipeline x DDP on STAGESxREPLICAS processes ('' skips it)",
+    )
     parser.add_argument("--quick", action="store_true", help="a smoke run: small model, N=4")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="pipeline", help=argparse.SUPPRESS)
+    parser.add_argument("--pipeline-size", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--fsdp", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.quick:
         args.hidden, args.layers, args.vocab, args.seq_len = 64, 4, 1024, 64

@@ -102,6 +102,7 @@ ARGUMENTS: dict[str, tuple[type, dict]] = {
     "HSDP": (TrainingArguments, {"fsdp": "hybrid_shard"}),
     "Accelerate": (AccelTrainingArguments, {}),
     "Pipeline": (PipelineTrainingArguments, {}),
+    "Pipeline × FSDP": (PipelineTrainingArguments, {"fsdp": "full_shard"}),
 }
 
 
@@ -127,11 +128,11 @@ def lora_refusal(cls: type, unsupported: dict, values: dict, settings: dict) -> 
     return str(err.value)
 
 
-def pipeline_packing(settings: dict) -> str:
+def pipeline_packing(values: dict, settings: dict) -> str:
     trainer = SimpleNamespace(
         data_collator=SimpleNamespace(padding_free=True),
         wrapped_model=nn.Linear(1, 1),
-        args=PipelineTrainingArguments(output_dir="unused", report_to="none", **settings),
+        args=PipelineTrainingArguments(output_dir="unused", report_to="none", **values, **settings),
         refuses_packed_batches=PipelineTrainer.refuses_packed_batches,
     )
     with pytest.raises(ValueError) as err:
@@ -141,14 +142,13 @@ def pipeline_packing(settings: dict) -> str:
 
 def refusal_for(feature: str, strategy: str) -> Callable[[dict], str]:
     """How forge is asked for the combination: its check, given the feature's settings."""
-    if strategy == "Pipeline × FSDP":
-        return lambda s: args_error(PipelineTrainingArguments, fsdp="full_shard", **s)
-    if strategy == "Pipeline":
+    if strategy in ("Pipeline", "Pipeline × FSDP"):
+        values = ARGUMENTS[strategy][1]
         if feature == "LoRA":
-            return functools.partial(lora_refusal, PipelineTrainingArguments, UNSUPPORTED, {})
+            return functools.partial(lora_refusal, PipelineTrainingArguments, UNSUPPORTED, values)
         if feature == "Packing":
-            return pipeline_packing
-        return lambda s: args_error(PipelineTrainingArguments, **s)
+            return functools.partial(pipeline_packing, values)
+        return lambda s: args_error(PipelineTrainingArguments, **values, **s)
     if feature == "LoRA" and strategy in ("FSDP", "HSDP"):
         return functools.partial(lora_refusal, TrainingArguments, {}, ARGUMENTS[strategy][1])
     if feature == "Auto batch size":

@@ -103,6 +103,11 @@ def is_main_rank() -> bool:
     return not dist.is_initialized() or dist.get_rank() == 0
 
 
+def _keeps_whole(given: bool | None) -> bool:
+    """Whether this rank writes a sharded component's whole tensors: as ``given``, else rank 0."""
+    return is_main_rank() if given is None else given
+
+
 def _plain_name(name: str) -> str:
     """A parameter name without DDP's ``module.`` or torch.compile's ``_orig_mod.`` parts."""
     return ".".join(p for p in name.split(".") if p not in ("module", "_orig_mod"))
@@ -271,15 +276,28 @@ class ShardedWeights:
     writes its rows of each parameter, rank 0 also the tensors that are whole on every rank
     (buffers). A tied weight is written once, under the name ``save_pretrained`` keeps, its
     other names recorded in the files' metadata. Loads from any checkpoint of the model,
-    sharded or not."""
+    sharded or not.
 
-    def __init__(self, model: torch.nn.Module, tokenizer: Any = None) -> None:
+    ``state_fn`` gives the state dict to split (a pipeline stage's own names; by default the
+    model's), ``keeps_whole`` whether this rank writes what is whole on every rank (by default
+    rank 0; a sharded pipeline stage's first replica)."""
+
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        tokenizer: Any = None,
+        state_fn: Any = None,
+        keeps_whole: bool | None = None,
+    ) -> None:
         self.model = model
         self.tokenizer = tokenizer
+        self.state_fn = state_fn
+        self.keeps_whole = keeps_whole
 
     def state_dict(self) -> dict[str, Any]:
+        state = self.state_fn() if self.state_fn is not None else self.model.state_dict()
         return split_state(
-            without_tied_copies(self.model, self.model.state_dict()), keep_whole=is_main_rank()
+            without_tied_copies(self.model, state), keep_whole=_keeps_whole(self.keeps_whole)
         )
 
     def load_state_dict(self, state: dict[str, Any]) -> None:  # loads through load_checkpoint
@@ -299,11 +317,18 @@ class ShardedWeights:
 class ShardedOptimizerState:
     """An optimizer over DTensor parameters, keyed by parameter name like ``OptimizerState``;
     each rank saves its rows of the moments. Loads the whole state (merged from the shards
-    of any number of ranks, or a plain checkpoint's) and keeps its own rows."""
+    of any number of ranks, or a plain checkpoint's) and keeps its own rows. ``keeps_whole``:
+    as ``ShardedWeights``'."""
 
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        keeps_whole: bool | None = None,
+    ) -> None:
         self.model = model
         self.optimizer = optimizer
+        self.keeps_whole = keeps_whole
 
     def state_dict(self) -> dict[str, Any]:
         from torch.distributed.checkpoint.state_dict import (
@@ -316,7 +341,7 @@ class ShardedOptimizerState:
         else:
             options = StateDictOptions(flatten_optimizer_state_dict=True)
             flat = get_optimizer_state_dict(self.model, self.optimizer, options=options)
-        return split_state(flat, keep_whole=is_main_rank())
+        return split_state(flat, keep_whole=_keeps_whole(self.keeps_whole))
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Take the whole state (keyed by parameter name, as ``OptimizerState`` saves it):
@@ -375,12 +400,14 @@ def model_component(
     state_fn: Any = None,
     subset: bool = False,
     adapter_base: dict[str, Any] | None = None,
+    keeps_whole: bool | None = None,
 ) -> Component:
     """The checkpoint component of ``model``'s weights, written as safetensors: a peft model's
     adapter alone (``adapter_base``: the run's record of its frozen base), each rank's rows
-    (``sharded``, scope sharded), else the whole model or one pipeline stage's part (scope
-    stage; ``state_fn`` gives the tensors to write, ``subset`` loads only the names the model
-    holds)."""
+    (``sharded``, scope sharded; ``keeps_whole``: whether this rank writes the tensors whole
+    on every rank, default rank 0), else the whole model or one pipeline stage's part (scope
+    stage); ``state_fn`` gives the tensors to write, ``subset`` loads only the names the model
+    holds."""
     if is_peft_model(model):
         from forge.checkpoint.adapter import AdapterWeights
 
@@ -388,7 +415,8 @@ def model_component(
             "model", AdapterWeights(model, tokenizer, base=adapter_base), Scope.STAGE, weights=True
         )
     if sharded:
-        return Component("model", ShardedWeights(model, tokenizer), Scope.SHARDED, weights=True)
+        weights = ShardedWeights(model, tokenizer, state_fn=state_fn, keeps_whole=keeps_whole)
+        return Component("model", weights, Scope.SHARDED, weights=True)
     weights = ModelWeights(model, tokenizer, state_fn=state_fn, subset=subset)
     return Component("model", weights, Scope.STAGE, weights=True)
 
@@ -401,11 +429,13 @@ def optimizer_component(
     save: bool = True,
     restore: bool = True,
     fix: str = "",
+    keeps_whole: bool | None = None,
 ) -> Component:
     """The checkpoint component of ``optimizer``'s state, keyed by parameter name: each rank's
-    rows of the moments (``sharded``) or the whole state (scope stage)."""
+    rows of the moments (``sharded``; ``keeps_whole`` as ``model_component``'s) or the whole
+    state (scope stage)."""
     if sharded:
-        state: Any = ShardedOptimizerState(model, optimizer)
+        state: Any = ShardedOptimizerState(model, optimizer, keeps_whole)
     else:
         state = OptimizerState(model, optimizer)
     scope = Scope.SHARDED if sharded else Scope.STAGE

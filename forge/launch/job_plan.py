@@ -269,6 +269,8 @@ def describe_plan(
     checkpoint of another data-parallel size does to the data and the batch."""
     replicas = world_size // pp  # the ranks that read their own batches (sharded ones too)
     sharded = f" (FSDP2: the model state sharded over {shard})" if shard > 1 else ""
+    if shard > 1 and pp > 1:
+        sharded = f" (FSDP2: each stage's state sharded over its {shard} replicas)"
     if mesh is not None:
         sharded = (
             f" (HSDP: a {mesh[0]} x {mesh[1]} mesh, {mesh[0]} replica(s) of the model state "
@@ -350,7 +352,21 @@ def describe_plan(
         average=average,
         tokenizer_bytes=tokenizer_bytes,
     )
+    if shard > 1 and args.save_strategy != "no":
+        lines.append(_sharded_layout(saved, world_size, pp))
     return lines + _checkpoint_lines(args, total, saved, checkpoints_dir, params.adapter)
+
+
+def _sharded_layout(saved: CheckpointSize, world_size: int, pp: int) -> str:
+    """The layout line of a sharded job's checkpoints: every rank writes its own shard of the
+    weights, optimizer state (and moving average), a pipeline stage's ranks their stage's."""
+    names = ["model-shard-RRRRR-of-{w}.safetensors", "optimizer-shard-RRRRR-of-{w}.pt"]
+    if saved.average:
+        names.append("ema-shard-RRRRR-of-{w}.pt")
+    files = ", ".join(n.format(w=f"{world_size:05d}") for n in names)
+    whose = "its rows of its stage's state" if pp > 1 else "its rows of the state"
+    share = (saved.weights + saved.optimizer + saved.average) / world_size
+    return f"  layout        each rank writes {whose} ({files}): about {human_bytes(share)}"
 
 
 def _checkpoint_lines(
@@ -450,13 +466,15 @@ def make_plan(
     shard, mesh = 1, None
     settings = getattr(args, "fsdp_settings", None)
     sharding = settings() if callable(settings) else None
-    if pp == 1 and world_size > 1 and sharding is not None:
-        shard = world_size  # FSDP2 shards over every data-parallel rank
-        if sharding.hybrid:  # HSDP: over the ranks of one replica
+    if world_size // pp > 1 and sharding is not None:
+        shard = world_size // pp  # FSDP2 shards over every data-parallel rank (of a stage)
+        if sharding.hybrid and pp == 1:  # HSDP: over the ranks of one replica
             mesh = sharding.hybrid_mesh(world_size, world_size // max(nnodes, 1))
             shard = mesh[1]
     how = (
-        "pipeline stages"
+        "pipeline stages x FSDP2 shards"
+        if pp > 1 and shard > 1
+        else "pipeline stages"
         if pp > 1
         else "hybrid sharded data parallel, FSDP2 (HSDP)"
         if mesh is not None

@@ -91,6 +91,7 @@ def evaluate_checkpoint(reader: Any, split: str = "eval", *, ema: bool = False) 
     from forge.checkpoint import CheckpointError
     from forge.launch.worker import build_variables
     from forge.train.ema import load_ema_weights, read_ema_state
+    from forge.train.sanity import one_process_stand_in
 
     checkpoint = reader.path
     average = None
@@ -109,7 +110,8 @@ def evaluate_checkpoint(reader: Any, split: str = "eval", *, ema: bool = False) 
     with tempfile.TemporaryDirectory(prefix="forge-evaluate-") as scratch:
         name = reader.record.get("config", "config")
         variables = build_variables(Path(scratch), reader.project, name)
-        trainer = _one_process_trainer(cfg.build("trainer", variables))
+        with one_process_stand_in():  # a pipeline of several processes, built as one stage
+            trainer = _one_process_trainer(cfg.build("trainer", variables))
         dataset = _split_dataset(cfg, trainer, split, variables)
         trainer.load_weights(checkpoint)
         if average is not None:

@@ -41,9 +41,10 @@ _STAND_IN = contextvars.ContextVar("forge_sanity_stand_in", default=False)
 
 @contextlib.contextmanager
 def one_process_stand_in() -> Iterator[None]:
-    """Trainers built inside are the sanity pass's one-process stand-ins for a job of several
-    processes: a pipeline of several stages is built as one stage (the job's own split is
-    checked by its plan, forge/launch/preflight.py), so the pass still runs its batches."""
+    """Trainers built inside are one-process stand-ins for a job of several processes (the
+    sanity pass's, and ``forge evaluate``'s of a pipeline run): a pipeline of several stages
+    is built as one stage (the job's own split is checked by its plan,
+    forge/launch/preflight.py), so the pass still runs its batches."""
     token = _STAND_IN.set(True)
     try:
         yield

@@ -143,7 +143,10 @@ class PipelineTrainer(BaseTrainer):
         problems = activation_checkpointing_problems(skeleton, self.args)  # the whole model's
         if problems:  # (a stage holds only some of the named blocks)
             raise TrainingArgumentsError(problems)
-        return Pipeline(self.args, self.topology, device, plan, self.loss_fn)
+        settings = self.args.fsdp_settings()
+        if settings is not None and self.topology.dp_size == 1 and not is_stand_in():
+            self._info("fsdp: one process per stage holds the whole stage; nothing to shard")
+        return Pipeline(self.args, self.topology, device, plan, self.loss_fn, settings)
 
     def _check_loss(self, args: TrainingArguments) -> None:
         """What would change the loss elsewhere and cannot here is refused: the last stage

@@ -452,3 +452,52 @@ def test_gpt2_trains_on_two_stages_resumes_exactly_and_exports_with_its_tied_hea
     ids = torch.randint(0, exported.config.vocab_size, (2, 16))
     with torch.no_grad():
         assert torch.equal(exported(input_ids=ids).logits, plain(input_ids=ids).logits)
+
+
+# ------------------------------------------------------------------- pipeline x FSDP (slow)
+
+#: 2 stages x 2 shards on 4 processes, each stage sharded over its 2 replicas
+SHARDED = [
+    "--nproc",
+    "4",
+    "-D",
+    "pipeline_parallel_size=2",
+    "--set",
+    "trainer.args.fsdp=full_shard",
+]
+
+
+@pytest.mark.slow
+def test_pipeline_x_fsdp_survives_sigkill_and_forge_resume_bit_identical(warm_project, tmp_path):
+    """The whole job SIGKILLed after its step-20 checkpoint, then `forge resume`: the step-40
+    checkpoint's weights and optimizer state (each rank's rows, put back together) are the
+    straight run's bit for bit; `forge evaluate` reads the sharded checkpoint."""
+    from forge.checkpoint.weights import read_weights
+    from tests.train.test_fsdp import optimizer_state as merged_optimizer
+
+    shutil.copytree(warm_project, tmp_path / "tiny_lm")
+    project = tmp_path / "tiny_lm"
+    straight = train(project, "pipeline", *SHARDED)
+    proc = start_forge("train", "pipeline", "-p", str(project), *PIPE, *SHARDED, cwd=REPO)
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(checkpoint(run_dir, 20), proc)
+    kill_job(proc, run_dir)
+    assert not checkpoint(run_dir, 40).exists()
+    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resumed from" in resumed.stderr
+    done, expected = checkpoint(run_dir, 40), checkpoint(straight, 40)
+    assert json.loads((done / "manifest.json").read_text())["components"]["model"]["files"] == [
+        f"model-shard-{r:05d}-of-00004.safetensors" for r in range(4)
+    ]
+    assert_same_tensors(read_weights(expected), read_weights(done), "weights")
+    assert_same_tensors(merged_optimizer(expected), merged_optimizer(done), "optimizer")
+    # one process evaluates the checkpoint (tiny_lm's max_eval_batches: half the batches the
+    # run's 2 replicas took); the two runs' identical checkpoints evaluate identically
+    found = []
+    for ckpt in (done, expected):
+        evaluated = run_forge("evaluate", str(ckpt), "--json")
+        assert evaluated.returncode == 0, evaluated.stderr
+        found.append(json.loads(evaluated.stdout)["eval_loss"])
+    assert found[0] == found[1]
+    assert found[0] == pytest.approx(final_eval_loss(run_dir), rel=0.03)

@@ -335,8 +335,22 @@ SHORT = ["-D", "max_steps=2", "-D", "save_steps=2", "-D", "eval_steps=1000"]
         ("pipeline", []),  # 2 stages: the tied embedding's optimizer state on both
         # each rank's rows of the moving average too
         ("train", ["--set", "trainer.args.fsdp=full_shard", "--set", "trainer.args.ema_decay=0.9"]),
+        # pipeline x FSDP: 2 stages x 2 shards, each rank its rows of its stage's state
+        (
+            "pipeline",
+            [
+                "--nproc",
+                "4",
+                "--set",
+                "trainer.args.pipeline_parallel_size=2",
+                "--set",
+                "trainer.args.fsdp=full_shard",
+                "--set",
+                "trainer.args.ema_decay=0.9",
+            ],
+        ),  # fmt: skip
     ],
-    ids=["fsdp", "pipeline", "fsdp-ema"],
+    ids=["fsdp", "pipeline", "fsdp-ema", "pipeline-fsdp-ema"],
 )
 def test_the_planned_checkpoint_size_matches_two_processes_files(project, config, extra, capsys):
     from tests.helpers import run_forge

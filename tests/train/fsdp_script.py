@@ -3,10 +3,12 @@
     python -m torch.distributed.run --nproc_per_node=N fsdp_script.py OUT MODE [STOP]
 
 MODE ``fsdp``, ``zero2`` (shard_grad_op with activation checkpointing), ``ddp``, ``plain``
-(no sharding: one process, or DDP), ``accel`` (the Accelerate trainer) or ``pipeline`` (the
-pipeline trainer); ``KIND-tied`` ties the model's output head to its token embedding,
+(no sharding: one process, or DDP), ``accel`` (the Accelerate trainer), ``pipeline`` (the
+pipeline trainer), ``ppfsdp`` (the pipeline trainer, 2 stages each sharded over its
+replicas: 4 processes are 2 stages x 2 shards) or ``ppddp`` (the same with whole replicas); ``KIND-tied`` ties the model's output head to its token embedding,
 ``KIND-wide`` makes it 4 times as wide, ``KIND-ema`` keeps a moving average of the weights
-(``ema_decay`` 0.9), ``KIND-ckpt`` checkpoints the activations.
+(``ema_decay`` 0.9; ``KIND-evalema`` evaluates with it too), ``KIND-ckpt`` checkpoints the
+activations.
 Gradient accumulation and clipping are on, and an evaluation every 3 steps over an eval set the
 ranks split unevenly (a sharded forward needs every rank). Saves every 3 steps; with STOP the
 job is SIGKILLed by rank 0 right after the checkpoint of step STOP is committed. MODE
@@ -103,6 +105,7 @@ def main(output_dir: str, mode: str, stop: int | None) -> None:
         **{
             **SHARDING.get(kind, {}),
             **({"ema_decay": 0.9} if "ema" in flags else {}),
+            **({"ema_decay": 0.9, "eval_with_ema": True} if "evalema" in flags else {}),
             **({"activation_checkpointing": True} if "ckpt" in flags else {}),
         },
     )
@@ -113,6 +116,12 @@ def main(output_dir: str, mode: str, stop: int | None) -> None:
     trainer_class = Trainer
     if kind == "pipeline":  # 2 stages of one layer each
         args = PipelineTrainingArguments(**args.to_dict())
+        trainer_class = PipelineTrainer
+    elif kind in ("ppfsdp", "ppddp"):
+        values = {**args.to_dict(), "pipeline_parallel_size": 2}
+        if kind == "ppfsdp":
+            values.update(fsdp="full_shard", async_save=None)  # the default: off under fsdp
+        args = PipelineTrainingArguments(**values)
         trainer_class = PipelineTrainer
     elif kind == "accel":
         args = AccelTrainingArguments(**args.to_dict())

@@ -6,7 +6,8 @@ from test_pipeline_equivalence.py (or in-process for one rank).
 
 KIND is ``pipeline`` or ``plain``; JSON holds extra training arguments. Rank 0 leaves
 ``OUT/metrics.jsonl`` (every step's loss); every rank leaves ``OUT/weights-rank-R.pt`` with the
-weights it holds (the whole model for the plain trainer, its stage's own for the pipeline).
+weights it holds (the whole model for the plain trainer, its stage's own for the pipeline, each
+stage's gathered whole when it is sharded: ``"fsdp": "full_shard"``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
+from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM, TrainerCallback
 
 from forge.data import CausalLMCollator
 from forge.train import PipelineTrainer, PipelineTrainingArguments, Trainer, TrainingArguments
@@ -50,6 +51,18 @@ def gpt2_init() -> functools.partial:
 MODELS = {"llama": llama_init, "gpt2": gpt2_init}
 
 
+class GatherStage(TrainerCallback):
+    """At the end of training, while the process group lives, every rank of a sharded stage
+    gathers the stage's own weights (a collective) into ``weights``."""
+
+    def __init__(self) -> None:
+        self.trainer: PipelineTrainer | None = None
+        self.weights: dict[str, torch.Tensor] = {}
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self.weights = self.trainer.stage_state_dict()
+
+
 def train(
     output_dir: str | Path,
     kind: str,
@@ -73,15 +86,17 @@ def train(
     values.update(overrides)
     pipeline = kind == "pipeline"
     args = (PipelineTrainingArguments if pipeline else TrainingArguments)(**values)
+    gather = GatherStage()
     trainer = (PipelineTrainer if pipeline else Trainer)(
         MODELS[model](),
         args,
         TokenDataset(TRAIN_SIZE),
         data_collator=CausalLMCollator(pad_token_id=0),
-        callbacks=callbacks or [],
+        callbacks=[*(callbacks or []), *([gather] if pipeline else [])],
     )
+    gather.trainer = trainer
     trainer.train()
-    weights = trainer.stage_state_dict() if pipeline else trainer.model.state_dict()
+    weights = gather.weights if pipeline else trainer.model.state_dict()
     rank = trainer.topology.rank
     torch.save(
         {k: v.detach().cpu() for k, v in weights.items()},

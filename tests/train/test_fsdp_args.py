@@ -60,9 +60,37 @@ def test_what_cannot_apply_is_refused_with_the_reason(fsdp, config, says):
         TrainingArguments(output_dir="o", fsdp=fsdp, fsdp_config=config)
 
 
-def test_the_pipeline_trainer_refuses_sharding_with_the_reason():
-    with pytest.raises(TrainingArgumentsError, match="does not shard its stages"):
-        PipelineTrainingArguments(output_dir="o", fsdp="full_shard")
+def test_the_pipeline_trainer_shards_its_stages_and_refuses_what_cannot_compose():
+    """Pipeline x FSDP: each stage sharded over its replicas (full_shard, shard_grad_op); a
+    hybrid mesh, named blocks and several stages per process are refused with the reason, and
+    a process count that is no multiple of the stages says stages x shards."""
+    from types import SimpleNamespace
+
+    from forge.train.pipeline.plan import pipeline_size
+
+    for strategy in ("full_shard", "shard_grad_op"):
+        args = PipelineTrainingArguments(output_dir="o", fsdp=strategy, pipeline_parallel_size=2)
+        assert args.fsdp_settings().strategy == strategy
+        assert not args.async_save  # saves under fsdp are synchronous
+    refused = {
+        "hybrid_shard is not supported by the pipeline trainer": {"fsdp": "hybrid_shard"},
+        "modules are not read by the pipeline trainer": {
+            "fsdp": "full_shard",
+            "fsdp_config": {"transformer_layer_cls_to_wrap": "LlamaDecoderLayer"},
+        },
+        "under fsdp each process shards exactly one stage": {
+            "fsdp": "full_shard",
+            "pipeline_schedule": "interleaved_1f1b",
+            "pipeline_stages_per_rank": 2,
+        },
+    }
+    for says, values in refused.items():
+        with pytest.raises(TrainingArgumentsError, match=says):
+            PipelineTrainingArguments(output_dir="o", **values)
+    args = SimpleNamespace(pipeline_parallel_size=2, config_key="trainer.args", fsdp="full_shard")
+    size, (problem,) = pipeline_size(args, 3)
+    assert problem.startswith("trainer.args.pipeline_parallel_size 2 does not divide the 3 ")
+    assert "fsdp shards each stage over the groups: stages x shards" in problem
 
 
 def test_an_async_save_is_refused_under_fsdp():

@@ -100,3 +100,30 @@ def test_other_schedules_train_like_one_process(schedule, tmp_path):
     torchrun(tmp_path / "pipeline", 2, "pipeline", **extra)
     train(tmp_path / "plain", "plain")
     assert_trains_alike(tmp_path / "pipeline", tmp_path / "plain")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("model", "sharding"),
+    [
+        ("llama", {"fsdp": "full_shard"}),
+        ("gpt2", {"fsdp": "full_shard"}),
+        # ZeRO-2 around the stages' checkpointed layers
+        ("llama", {"fsdp": "shard_grad_op", "activation_checkpointing": True}),
+    ],
+    ids=["llama", "gpt2", "zero2-checkpointed"],
+)
+def test_two_stages_times_two_shards_train_like_two_replicas(model, sharding, tmp_path):
+    """Pipeline x FSDP: each of the 2 stages sharded over its 2 replicas trains as the same
+    pipeline with whole replicas (DDP) does; the tied embedding's gradient is summed over
+    the first and last stage on each rank's rows."""
+    torchrun(tmp_path / "sharded", 4, "pipeline", model=model, pipeline_parallel_size=2,
+             **sharding)  # fmt: skip
+    torchrun(tmp_path / "replicated", 4, "pipeline", model=model, pipeline_parallel_size=2)
+    sharded, replicated = step_losses(tmp_path / "sharded"), step_losses(tmp_path / "replicated")
+    assert sharded == pytest.approx(replicated, rel=1e-5, abs=1e-6)
+    assert len(set(replicated)) == STEPS
+    ours, theirs = merged_weights(tmp_path / "sharded"), merged_weights(tmp_path / "replicated")
+    assert sorted(ours) == sorted(theirs)
+    for name, tensor in theirs.items():
+        torch.testing.assert_close(ours[name], tensor, rtol=1e-4, atol=1e-4, msg=name)

@@ -26,6 +26,8 @@ class PipelineTrainingArguments(TrainingArguments):
     ``pipeline_rotary`` name the model's parts; null takes them from the preset of the
     model's family (GPT-2, GPT-Neo, GPT-NeoX, OPT, Llama-like, Phi, BERT/RoBERTa masked LMs:
     forge/train/pipeline_models.py), and a model of no known family must name them.
+    ``fsdp`` (``full_shard`` or ``shard_grad_op``) shards each stage over its replicas
+    (pipeline x FSDP) instead of replicating it.
     """
 
     pipeline_parallel_size: int | None = None
@@ -53,12 +55,7 @@ class PipelineTrainingArguments(TrainingArguments):
         self._names("pipeline_embedding", p, allow_none=True)
         self._names("pipeline_head", p, allow_none=True)
         self._names("pipeline_split", p, allow_none=True)
-        if self.fsdp not in (None, "", False, []):
-            p.append(
-                f"{self._key('fsdp')}: the pipeline trainer does not shard its stages: a stage's "
-                "parameters are whole on each of its data-parallel replicas (DDP). Shard with the "
-                "plain trainer (fsdp: full_shard), or leave fsdp unset"
-            )
+        self._check_sharded_stages(p)
         if self.max_tokens_per_batch is not None:
             p.append(
                 f"{self._key('max_tokens_per_batch')}: the pipeline trainer splits each batch "
@@ -78,6 +75,34 @@ class PipelineTrainingArguments(TrainingArguments):
             if getattr(self, flag) is True:
                 p.append(f"{self._key(flag)} is not supported by the pipeline trainer; {fix}")
         return p
+
+    def _check_sharded_stages(self, p: list[str]) -> None:
+        """``fsdp`` shards each stage over its data-parallel replicas (pipeline x FSDP); what
+        that composition cannot hold is refused here, with the reason."""
+        settings = self.fsdp_settings()
+        if settings is None:
+            return
+        if settings.hybrid:
+            p.append(
+                f"{self._key('fsdp')}: {settings.strategy} is not supported by the pipeline "
+                "trainer: each stage is sharded over its data-parallel replicas on a 1-D mesh "
+                "(pipeline stages x shards), and a hybrid mesh of replicas x shards inside each "
+                "stage is not built; use full_shard or shard_grad_op"
+            )
+        if settings.modules is not None:
+            p.append(
+                f"{self._key('fsdp_config')}: transformer_layer_cls_to_wrap / modules are not "
+                "read by the pipeline trainer: each stage shards its own layers one by one, "
+                "then the rest of the stage as one unit; remove the key"
+            )
+        per_rank = as_int(self.pipeline_stages_per_rank)
+        if per_rank is not None and per_rank > 1:
+            p.append(
+                f"{self._key('pipeline_stages_per_rank')} is {per_rank}: under fsdp each process "
+                "shards exactly one stage (several stages per process, each its own FSDP root "
+                "over the same ranks, are not supported); set pipeline_stages_per_rank: 1 and "
+                "pipeline_schedule: 1f1b or gpipe, or leave fsdp unset"
+            )
 
     def _names(self, name: str, p: list[str], *, allow_none: bool) -> None:
         value = getattr(self, name)

@@ -70,10 +70,12 @@ def pipeline_size(args: Any, world_size: int) -> tuple[int, list[str]]:
     when that does not divide the job."""
     size = args.pipeline_parallel_size or world_size
     if world_size % size:
+        sharded = args.fsdp not in (None, "", False, [])
         return size, [
             f"{args.config_key}.pipeline_parallel_size {size} does not divide the "
             f"{world_size} processes; start a multiple of {size} processes (each group of "
-            "that many is one pipeline)"
+            "that many is one pipeline"
+            + (", and fsdp shards each stage over the groups: stages x shards)" if sharded else ")")
         ]
     return size, []
 

@@ -79,11 +79,15 @@ def apply_fully_shard(
     device: torch.device,
     args: TrainingArguments,
     node_size: int = 0,
+    *,
+    mesh: Any = None,
 ) -> str:
-    """Shard ``model`` in place (``sharding_mesh``); a line saying what was sharded."""
+    """Shard ``model`` in place over ``mesh`` (default: ``sharding_mesh``); a line saying
+    what was sharded."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, fully_shard
 
-    mesh = sharding_mesh(settings, device, node_size)
+    if mesh is None:
+        mesh = sharding_mesh(settings, device, node_size)
     options: dict[str, Any] = {
         "mesh": mesh,
         "reshard_after_forward": settings.reshard_after_forward,

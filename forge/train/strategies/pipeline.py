@@ -13,6 +13,13 @@ the replicas of each stage and summed over the stages sharing a tied weight, and
 the norm over all stages. Everything else (schedule, accumulation, evaluation, early
 stopping, signals, callbacks, checkpoints) is the shared loop's.
 
+With ``fsdp`` (``full_shard`` or ``shard_grad_op``) each stage is sharded over its replicas
+instead of replicated, as torchtitan composes the two: the ranks of a stage form one dimension
+of a (replicas x stages) device mesh, FSDP2 shards the stage's layers one by one and then the
+stage module as the root, and the schedule drives the gradient reduce-scatter (once per
+batch, after the last microbatch's backward). Each rank then saves its rows of its stage's
+weights, optimizer state and average (checkpoint scope ``sharded``).
+
 Every rank loads the same batches as the other stages of its replica: stage 0 reads the
 input ids, the last stage the labels. The split itself (which modules each stage holds, how a
 stage builds only its part, the presets of known model families) is forge/train/pipeline/.
@@ -20,7 +27,6 @@ stage builds only its part, the presets of known model families) is forge/train/
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -31,13 +37,15 @@ from torch import nn
 from torch.optim import Optimizer
 
 from forge.checkpoint import Component, load_model_weights
-from forge.checkpoint.components import model_component
+from forge.checkpoint.components import model_component, optimizer_component
 from forge.train.args import TrainingArguments
+from forge.train.args.fsdp import FsdpSettings
 from forge.train.loop_state import Batch, count_tokens
 from forge.train.pipeline.plan import PipelinePlan
 from forge.train.pipeline.split import StageModule, causal_lm_loss, prune_to_stages
 from forge.train.pipeline.stage_init import build_partial_model, free_except
 from forge.train.strategies.base import MicroLoss, ParallelStrategy
+from forge.train.strategies.fsdp import apply_fully_shard, global_norm
 from forge.train.topology import Topology
 from forge.wrappers import class_label
 
@@ -82,7 +90,8 @@ class _MicrobatchLoss:
 
 class Pipeline(ParallelStrategy):
     """This rank's stages of ``plan`` (forge/train/pipeline/plan.py), times data-parallel
-    replicas. ``loss_fn(logits, labels)`` replaces the model's own causal-LM loss."""
+    replicas. ``loss_fn(logits, labels)`` replaces the model's own causal-LM loss; with
+    ``settings`` (FSDP2) each stage is sharded over its replicas."""
 
     unsupported_arguments = UNSUPPORTED
     gives_eval_outputs = False  # the logits stay on the last stage
@@ -95,9 +104,12 @@ class Pipeline(ParallelStrategy):
         device: torch.device,
         plan: PipelinePlan,
         loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None,
+        settings: FsdpSettings | None = None,
     ) -> None:
         super().__init__(args, topology, device)
         self.plan = plan
+        # one replica per stage has nothing to shard over: the stage stays whole
+        self.settings = settings if topology.dp_size > 1 else None
         self.layout = plan.layout
         self.loss_fn = loss_fn
         self.num_microbatches = plan.num_microbatches
@@ -107,6 +119,7 @@ class Pipeline(ParallelStrategy):
         self._groups: dict[str, Any] = {}
         self._loss: _MicrobatchLoss | None = None
         self._model: nn.Module | None = None
+        self._fresh = False  # a schedule was just built: its first step infers shapes
 
     @property
     def my_stages(self):
@@ -156,8 +169,42 @@ class Pipeline(ParallelStrategy):
         self._make_groups()
         for line in self.plan.describe():
             self.info("%s", line)
+        if self.sharded:
+            self._shard_stages(model)
         self.wrapped = model
         return model
+
+    @property
+    def sharded(self) -> bool:
+        """Whether each stage is sharded over its replicas (pipeline x FSDP)."""
+        return self.settings is not None
+
+    def _shard_stages(self, model: nn.Module) -> None:
+        """FSDP2 on this rank's stage over the ranks of that stage (one per replica): its
+        layers one by one, then the stage module as the root the schedule drives. A tensor the
+        model holds outside the stage module under another name (an input embedding kept on
+        the last stage for the head tied to it) is pointed at the sharded parameter."""
+        from torch.distributed.device_mesh import init_device_mesh
+
+        topo = self.topology
+        # rank = replica * stages + stage: the inner dimension walks a replica's stages
+        mesh = init_device_mesh(
+            self.device.type, (topo.dp_size, topo.num_stages), mesh_dim_names=("shard", "pp")
+        )["shard"]
+        holders: dict[int, list[tuple[nn.Module, str]]] = {}
+        for module in model.modules():
+            for attr, param in module._parameters.items():
+                if param is not None:
+                    holders.setdefault(id(param), []).append((module, attr))
+        for module in self.stage_modules:
+            line = apply_fully_shard(module, self.settings, self.device, self.args, mesh=mesh)
+        for places in holders.values():
+            held = [module._parameters[attr] for module, attr in places]
+            sharded = [p for p in held if _is_dtensor(p)]
+            for (module, attr), param in zip(places, held, strict=True):
+                if sharded and param is not sharded[0]:
+                    module._parameters[attr] = sharded[0]
+        self.info("each stage: %s", line.replace(" and the root", " and the stage module"))
 
     def _default_loss(
         self, model: nn.Module
@@ -255,12 +302,27 @@ class Pipeline(ParallelStrategy):
         args = (inputs,) if self.holds_first else ()
         target = labels if self.holds_last else None
         losses = [] if self.holds_last else None
+        kept = self._kept_gradients() if train and self._fresh else {}
+        self._fresh = False
         with self.autocast():
             if train:
                 schedule.step(*args, target=target, losses=losses, return_outputs=False)
             else:
                 schedule.eval(*args, target=target, losses=losses, return_outputs=False)
+        for param, grad in kept.items():  # the accumulation so far, on top of this batch's
+            param.grad = grad if param.grad is None else param.grad + grad
         return self._loss.take(count) if self.holds_last else []
+
+    def _kept_gradients(self) -> dict[nn.Parameter, torch.Tensor]:
+        """A new schedule's first step infers the stage's shapes with a real forward and
+        backward, after which it drops a sharded stage's gradients: those accumulated by the
+        window's earlier batches are taken out here and added back after the step."""
+        if not self.sharded:
+            return {}
+        kept = {p: p.grad for p in self._model.parameters() if p.grad is not None}
+        for param in kept:
+            param.grad = None
+        return kept
 
     def _run_local(
         self, inputs: torch.Tensor, labels: torch.Tensor, count: int, train: bool
@@ -277,12 +339,31 @@ class Pipeline(ParallelStrategy):
 
     def _schedule(self, shape: tuple[int, ...], train: bool) -> tuple[Any, int]:
         """The schedule for batches of ``shape`` (built on first use: a stage's buffers are
-        sized by its first microbatch). A short last batch splits into fewer microbatches."""
-        count = math.gcd(shape[0], self.num_microbatches)
-        key = (train, shape)
+        sized by its first microbatch). A short last batch splits into fewer microbatches.
+
+        A sharded stage's forwards gather its parameters with its replicas, so the replicas
+        run as many microbatches and build their schedules (whose first step infers the
+        shapes with a real forward) at the same batches: both follow every replica's shape."""
+        shapes = self._replica_shapes(shape) if self.sharded else [shape]
+        count = max(
+            d
+            for d in range(1, self.num_microbatches + 1)
+            if self.num_microbatches % d == 0 and all(s[0] % d == 0 for s in shapes)
+        )
+        key = (train, shape, *shapes)
         if key not in self._schedules:
             self._schedules[key] = self._make_schedule(count, train)
+            self._fresh = True
         return self._schedules[key], count
+
+    def _replica_shapes(self, shape: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """The batch shape of every replica of this stage (a collective over them)."""
+        mine = torch.tensor(shape, dtype=torch.long, device=self.device)
+        every = torch.empty(
+            self.topology.dp_size * len(shape), dtype=torch.long, device=mine.device
+        )
+        dist.all_gather_into_tensor(every, mine, group=self._groups["replicas"])
+        return [tuple(row) for row in every.view(self.topology.dp_size, -1).tolist()]
 
     def _make_schedule(self, count: int, train: bool) -> Any:
         from torch.distributed.pipelining import (
@@ -307,24 +388,29 @@ class Pipeline(ParallelStrategy):
         return schedule(stages[0], count, loss_fn=self._loss, scale_grads=False)
 
     def _sync_gradients(self) -> None:
-        """Average over the replicas of this stage; sum a tied weight over its stages."""
+        """Average over the replicas of this stage (a sharded stage's were reduce-scattered
+        by the schedule already); sum a tied weight over its stages."""
         model = self._model
         replicas = self._groups.get("replicas")
         if replicas is not None:
-            grads = [p.grad for p in model.parameters() if p.grad is not None]
-            flat = torch._utils._flatten_dense_tensors(grads)
-            dist.all_reduce(flat, group=replicas)
-            flat /= self.topology.dp_size
-            for grad, synced in zip(
-                grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
-            ):
-                grad.copy_(synced)
+            grads = [
+                p.grad for p in model.parameters() if p.grad is not None and not _is_dtensor(p)
+            ]
+            if grads:
+                flat = torch._utils._flatten_dense_tensors(grads)
+                dist.all_reduce(flat, group=replicas)
+                flat /= self.topology.dp_size
+                for grad, synced in zip(
+                    grads, torch._utils._unflatten_dense_tensors(flat, grads), strict=True
+                ):
+                    grad.copy_(synced)
         params = dict(model.named_parameters())
         for name, ranks in self.plan.shared.items():
             group = self._groups.get(f"shared-{'-'.join(map(str, ranks))}")
             grad = params[name].grad if name in params else None
             if group is not None and grad is not None:
-                dist.all_reduce(grad, group=group)
+                # a sharded stage's rows: both stages shard the weight alike over their replicas
+                dist.all_reduce(_local(grad), group=group)
 
     def clip_gradients(self, model: nn.Module, optimizer: Optimizer) -> torch.Tensor:
         """Clip by the norm over every stage's gradients (a shared weight counted once)."""
@@ -334,17 +420,31 @@ class Pipeline(ParallelStrategy):
             for name, p in model.named_parameters()
             if p.grad is not None and shared.get(name, [stage])[0] == stage
         ]
-        norm = torch.nn.utils.get_total_norm(own) if own else torch.zeros((), device=self.device)
+        if self.sharded:  # the stage's norm over its shards: a DTensor norm, made whole
+            norm = global_norm(torch.nn.utils.get_total_norm(own)) if own else None
+        else:
+            norm = torch.nn.utils.get_total_norm(own) if own else None
+        if norm is None:
+            norm = torch.zeros((), device=self.device)
         squares = norm.double().square()
         if "pipeline" in self._groups:
             dist.all_reduce(squares, group=self._groups["pipeline"])
         total = squares.sqrt().to(norm.dtype)
         if self.args.max_grad_norm:
             params = [p for p in model.parameters() if p.grad is not None]
-            torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
+            if self.sharded:  # each rank scales its rows by the one coefficient
+                scale = (self.args.max_grad_norm / (total + 1e-6)).clamp(max=1.0)
+                torch._foreach_mul_([_local(p.grad) for p in params], scale)
+            else:
+                torch.nn.utils.clip_grads_with_norm_(params, self.args.max_grad_norm, total)
         return total
 
     # ------------------------------------------------------------------ evaluation
+    def eval_forwards(self, count: int) -> int:
+        """A sharded stage's forward gathers parameters with its replicas: every rank runs as
+        many evaluation forwards as the rank with the most batches."""
+        return int(self.agree_max(float(count))) if self.sharded else count
+
     def forward_eval(
         self, batch: Batch, forward: Callable[[], tuple[torch.Tensor | None, Any]]
     ) -> tuple[torch.Tensor | None, Any]:
@@ -358,23 +458,65 @@ class Pipeline(ParallelStrategy):
             )
         inputs, targets = self.inputs(batch)
         losses = self._run(inputs, targets, train=False)
+        for module in self.stage_modules if self.sharded else ():
+            # a forward without backward leaves the stage root's parameters gathered: freed
+            # here, so weights swapped in or out (an average) are gathered afresh
+            module.reshard()
         return (torch.stack(losses).mean() if self.holds_last else None), None
 
     # ------------------------------------------------------------------ checkpoints
     def model_component(self, model: nn.Module, tokenizer: Any, adapter_base: Any) -> Component:
         """This stage's own weights, loading exactly its names from a checkpoint of any split
-        (or of the plain and Accelerate trainers)."""
+        (or of the plain and Accelerate trainers); sharded, each rank its rows of them."""
+        if self.sharded:
+            return model_component(
+                model,
+                tokenizer,
+                sharded=True,
+                state_fn=lambda: self._own_state(model.state_dict()),
+                keeps_whole=self.topology.dp_rank == 0,
+            )
         return model_component(
             model, tokenizer, state_fn=lambda: self.stage_state_dict(model), subset=True
         )
 
+    def optimizer_component(self, model: nn.Module, optimizer: Optimizer) -> Component:
+        """The stage's optimizer state keyed by parameter name; sharded, each rank its rows."""
+        if not self.sharded:
+            return super().optimizer_component(model, optimizer)
+        return optimizer_component(
+            model,
+            optimizer,
+            sharded=True,
+            keeps_whole=self.topology.dp_rank == 0,
+            **self.optimizer_flags(),
+        )
+
     def stage_state_dict(self, model: nn.Module) -> dict[str, torch.Tensor]:
-        """The tensors this stage writes: those it holds that no earlier stage holds."""
+        """The tensors this stage writes: those it holds that no earlier stage holds (a
+        sharded stage's gathered whole: every rank of the stage must call this)."""
+        state = self._own_state(model.state_dict())
+        if self.sharded:
+            state = {k: v.full_tensor() if _is_dtensor(v) else v for k, v in state.items()}
+        return state
+
+    def _own_state(self, state: dict[str, Any]) -> dict[str, Any]:
         stage, writer = self.topology.stage, self.plan.writer
-        return {k: v for k, v in model.state_dict().items() if writer.get(k) == stage}
+        return {k: v for k, v in state.items() if writer.get(k) == stage}
 
     def load_weights(self, model: nn.Module, checkpoint: Path) -> None:
         load_model_weights(model, checkpoint, strict=True, subset=True)
+
+
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's rows of a DTensor (its memory), or the tensor itself."""
+    return tensor.to_local() if _is_dtensor(tensor) else tensor
+
+
+def _is_dtensor(value: Any) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(value, DTensor)
 
 
 def _member_group(rank_sets: list[list[int]]) -> Any:
