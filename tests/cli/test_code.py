@@ -70,6 +70,7 @@ def test_script_trains_the_small_lm_with_the_same_losses(lm_project, tmp_path):
     assert (script_run / "checkpoints" / "checkpoint-000010" / "manifest.json").is_file()
 
 
+@pytest.mark.slow
 def test_script_of_a_project_with_its_own_files_trains_the_same(tmp_path):
     assert run_forge("new", "cls", "--from", "classifier", "-p", str(tmp_path)).returncode == 0
     args = ["-D", "max_steps=30", "-D", "logging_steps=5", "-D", "eval_steps=15"]

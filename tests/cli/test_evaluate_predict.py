@@ -125,6 +125,7 @@ def test_bad_hf_values_fail_the_dry_run_each_located():
         assert re.match(r"\S+\.yaml:\d+: ", lines[at]) or lines[at + 1].startswith("    --set ")
 
 
+@pytest.mark.slow
 def test_hf_values_the_check_accepts(tmp_path):
     result = run_forge(
         "train", "-p", str(TEXT_CLS), "--dry-run",

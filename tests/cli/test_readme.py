@@ -62,6 +62,7 @@ def test_readme_new_project_example_runs(tmp_path):
     assert "net.0.weight" in loaded.stdout
 
 
+@pytest.mark.slow
 def test_readme_optimizer_and_scheduler_partials_train(tmp_path):
     assert run_forge("new", "demo_cls", "--from", "classifier", cwd=tmp_path).returncode == 0
     configs = tmp_path / "demo_cls" / "templates" / "configs"

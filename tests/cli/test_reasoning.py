@@ -34,6 +34,7 @@ def train(project: Path, *defines: str) -> tuple[Path, str]:
     return Path(result.stdout.splitlines()[0]), result.stderr
 
 
+@pytest.mark.slow
 def test_a_few_steps_log_the_model_metrics_and_checkpointing_changes_nothing(tmp_path):
     project = copy_project(tmp_path)
     plain, plain_log = train(project, *SHORT)

@@ -147,6 +147,7 @@ def test_an_added_keyword_is_checked_and_located_at_the_flag(config_project):
     assert problem.context == "--set x.scale=!call:math:nope"
 
 
+@pytest.mark.slow
 def test_set_adds_training_arguments_field_through_the_cli():
     from tests.helpers import TINY_LM, run_forge
 

@@ -57,7 +57,8 @@ def kill_after_step_20_and_resume(project: Path, *extra: str) -> Path:
     return run_dir
 
 
-@pytest.mark.parametrize("nproc", ["1", pytest.param("2", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("nproc", ["1", "2"])
+@pytest.mark.slow
 def test_accel_sigkill_and_resume_is_bit_identical(project, nproc):
     extra = () if nproc == "1" else ("--nproc", "2")
     straight = train(project, "accel.yaml", *extra)
@@ -91,6 +92,7 @@ def _assert_continues(source: dict[int, float], continued: dict[int, float]) -> 
     assert abs(continued[40] - source[40]) / source[40] < 0.05, (source, continued)
 
 
+@pytest.mark.slow
 def test_plain_checkpoint_continues_under_accelerate_with_two_processes(project, trained_once):
     _, plain_run, _ = trained_once  # train.yaml, one process, 40 steps
     checkpoint = plain_run / "checkpoints" / "checkpoint-000020"

@@ -28,6 +28,7 @@ pytestmark = pytest.mark.integration
 ASYNC = ["--set", "trainer.args.async_save=true"]
 
 
+@pytest.mark.slow
 def test_a_full_disk_during_an_async_commit_fails_the_run_cleanly(
     warm_project, trained_once, tmp_path
 ) -> None:

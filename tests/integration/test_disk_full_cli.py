@@ -31,6 +31,7 @@ def _fill(path: Path, size: int) -> None:
         os.fsync(f.fileno())
 
 
+@pytest.mark.slow
 def test_train_on_a_full_disk_fails_cleanly_and_resumes_once_space_is_freed(
     warm_project, trained_once, tmp_path
 ) -> None:
