@@ -156,11 +156,8 @@ def test_a_stream_run_of_one_process_continues_on_two(project, tmp_path):
     assert (run_dir / "checkpoints" / "checkpoint-000024" / "model.safetensors").exists()
 
 
-#: the strategies beyond one process and DDP, on tiny_lm's stream (a Llama the pipeline splits)
-STREAM_STRATEGIES = ["fsdp", "hsdp", "accelerate", "pipeline", "ppfsdp"]
-
-
-@pytest.mark.parametrize("strategy", STREAM_STRATEGIES)
+# the strategies beyond one process and DDP, on tiny_lm's stream (a Llama the pipeline splits)
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp", "accelerate", "pipeline", "ppfsdp"])
 def test_a_tiny_lm_stream_run_killed_with_sigkill_resumes_bit_identical(tmp_path, strategy):
     """tiny_lm's sharded stream of the standard library's files, tokenized, packed and
     shuffled on the fly, under FSDP (2 processes), HSDP (2 replicas x 2 shards), the
