@@ -1,7 +1,8 @@
 """A run on a stream killed with SIGKILL mid-epoch and continued with `forge resume` ends with
 the weights and optimizer state of the same run trained straight: a sharded jsonl corpus read
 through `datasets` and a user IterableDataset with no sharding of its own, shuffled, on 1 and
-2 processes, with 0 and 2 loader workers (slow: real processes)."""
+2 processes, with 0 and 2 loader workers; and tiny_lm's packed stream under FSDP, HSDP, the
+Accelerate trainer, the pipeline and pipeline x FSDP (slow: real processes)."""
 
 from __future__ import annotations
 
