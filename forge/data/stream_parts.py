@@ -81,7 +81,15 @@ class PackedSource(StreamSource):
         documents = self.inner.open(shard, epoch, position)
         eos = int(packed.tokenizer.eos_token_id)
 
+        def split_blocks():
+            while len(self.carry) >= size:
+                block, self.carry = self.carry[:size].clone(), self.carry[size:]
+                yield {"input_ids": block}
+
         def blocks():
+            # a resumed shard gives the blocks its restored carry still holds first: its
+            # documents may all be read already (the straight run drained them in this shard)
+            yield from split_blocks()
             for document in documents.items:
                 text = document[packed.text_column]
                 if not isinstance(text, str):
@@ -92,9 +100,7 @@ class PackedSource(StreamSource):
                 # the carry is every token not yet given out (a document can fill several
                 # blocks: those still to come are part of the position too)
                 self.carry = torch.cat([self.carry, torch.from_numpy(tokens.astype("int64"))])
-                while len(self.carry) >= size:
-                    block, self.carry = self.carry[:size].clone(), self.carry[size:]
-                    yield {"input_ids": block}
+                yield from split_blocks()
 
         return ShardCursor(blocks(), documents.position)
 

@@ -206,6 +206,31 @@ def test_a_resumed_loader_continues_exactly(tmp_path, kind, workers, small_token
     assert {s["slots"] for s in slot_states(state)} == {2 * max(workers, 1)}
 
 
+def test_a_packed_stream_resumed_in_the_blocks_of_a_read_document_continues_exactly(
+    small_tokenizer,
+):
+    """One long document a shard: after most checkpoints every document of the shard is read
+    and the saved carry still holds several of its blocks. Resumed there, the blocks come
+    from that shard, as in the straight run, not after the epoch's buffered last items."""
+    reader = ShardReader([f"doc {n}: " + "word " * 40 for n in range(3)], text_item)
+    dataset = PackedStream(reader, small_tokenizer, block_size=4, text_column="text")
+
+    def loader():
+        return build_stream_loader(dataset, batch_size=2, shuffle_buffer=3, seed=1)
+
+    def blocks(batches, count):
+        return [next(batches)["input_ids"].tolist() for _ in range(count)]
+
+    straight = blocks(iter(loader()), 40)  # 3 documents of over 20 blocks each: 2 epochs
+    for stop in range(1, 40, 3):
+        first = loader()
+        head = blocks(iter(first), stop)
+        state = saved(first)
+        resumed = loader()
+        resumed.load_state_dict(state)
+        assert head + blocks(iter(resumed), 40 - stop) == straight, stop
+
+
 def test_the_shuffle_buffer_is_part_of_the_state():
     loader = build_stream_loader(Numbers(50), batch_size=2, shuffle_buffer=8, seed=1)
     take(loader, 3)

@@ -1,7 +1,8 @@
 """A run on a stream killed with SIGKILL mid-epoch and continued with `forge resume` ends with
 the weights and optimizer state of the same run trained straight: a sharded jsonl corpus read
 through `datasets` and a user IterableDataset with no sharding of its own, shuffled, on 1 and
-2 processes, with 0 and 2 loader workers (slow: real processes)."""
+2 processes, with 0 and 2 loader workers; and tiny_lm's packed stream under FSDP, HSDP, the
+Accelerate trainer, the pipeline and pipeline x FSDP (slow: real processes)."""
 
 from __future__ import annotations
 
@@ -154,3 +155,35 @@ def test_a_stream_run_of_one_process_continues_on_two(project, tmp_path):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "saved reader(s)" in resumed.stderr and "dealt to 2 reader(s)" in resumed.stderr
     assert (run_dir / "checkpoints" / "checkpoint-000024" / "model.safetensors").exists()
+
+
+# the strategies beyond one process and DDP, on tiny_lm's stream (a Llama the pipeline splits)
+@pytest.mark.parametrize("strategy", ["fsdp", "hsdp", "accelerate", "pipeline", "ppfsdp"])
+def test_a_tiny_lm_stream_run_killed_with_sigkill_resumes_bit_identical(tmp_path, strategy):
+    """tiny_lm's sharded stream of the standard library's files, tokenized, packed and
+    shuffled on the fly, under FSDP (2 processes), HSDP (2 replicas x 2 shards), the
+    Accelerate trainer (2), the pipeline (2 stages) and pipeline x FSDP (2 stages x 2
+    shards): killed after the checkpoint of step 4 and resumed, every rank's file of the
+    weights and optimizer state ends as the straight run's."""
+    import shutil
+
+    from forge.checkpoint import read_manifest
+    from tests.cli.small_lm import SMALL_LM, defines
+    from tests.helpers import TINY_LM
+    from tests.integration.strategies import STRATEGIES, assert_same_end, sigkill_and_resume
+
+    project = shutil.copytree(
+        TINY_LM, tmp_path / "tiny_lm", ignore=shutil.ignore_patterns("output")
+    )
+    arguments = [
+        "stream", "-p", str(project), *defines(SMALL_LM), "-D", "max_steps=12",
+        "-D", "save_steps=4", "-D", "eval_steps=12", "-D", "logging_steps=4",
+        "--set", "trainer.args.stream_shuffle_buffer=16", *STRATEGIES[strategy],
+    ]  # fmt: skip
+    straight, resumed, stderr = sigkill_and_resume(arguments, project, saved=4, last=12)
+    assert "resumed in epoch" in stderr
+    assert_same_end(straight, resumed)
+    manifest = read_manifest(resumed)
+    assert manifest.topology["world_size"] == int(STRATEGIES[strategy][1])
+    data_ranks = [f for f in manifest.files if f.startswith("data-rank-")]
+    assert len(data_ranks) == manifest.topology["world_size"]  # each rank's stream position

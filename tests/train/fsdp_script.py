@@ -8,7 +8,8 @@ pipeline trainer), ``ppfsdp`` (the pipeline trainer, 2 stages each sharded over 
 replicas: 4 processes are 2 stages x 2 shards) or ``ppddp`` (the same with whole replicas); ``KIND-tied`` ties the model's output head to its token embedding,
 ``KIND-wide`` makes it 4 times as wide, ``KIND-ema`` keeps a moving average of the weights
 (``ema_decay`` 0.9; ``KIND-evalema`` evaluates with it too), ``KIND-ckpt`` checkpoints the
-activations.
+activations, ``KIND-compile`` compiles the model (``torch.compile``, the ``aot_eager`` backend:
+traced forward and backward, no C++ toolchain) before the strategy wraps it.
 Gradient accumulation and clipping are on, and an evaluation every 3 steps over an eval set the
 ranks split unevenly (a sharded forward needs every rank). Saves every 3 steps; with STOP the
 job is SIGKILLed by rank 0 right after the checkpoint of step STOP is committed. MODE
@@ -48,6 +49,9 @@ SHARDING = {
     # HSDP: 2 replicas of 2 shards on 4 processes (on two nodes of 2, the default mesh)
     "hsdp": {"fsdp": "hybrid_shard", "fsdp_config": {"replicate_size": 2}},
 }
+
+#: ``KIND-compile``: traced by dynamo and AOTAutograd, run without generated kernels
+COMPILED = {"torch_compile": True, "torch_compile_backend": "aot_eager"}
 
 
 class KillAfterSave(TrainerCallback):
@@ -107,6 +111,7 @@ def main(output_dir: str, mode: str, stop: int | None) -> None:
             **({"ema_decay": 0.9} if "ema" in flags else {}),
             **({"ema_decay": 0.9, "eval_with_ema": True} if "evalema" in flags else {}),
             **({"activation_checkpointing": True} if "ckpt" in flags else {}),
+            **(COMPILED if "compile" in flags else {}),
         },
     )
     rank = int(os.environ.get("RANK", "0"))

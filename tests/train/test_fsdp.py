@@ -445,3 +445,27 @@ def test_hybrid_sharding_with_an_average_and_checkpointed_activations_trains_as_
     assert sorted(average) == sorted(with_ddp)
     for name, tensor in with_ddp.items():
         torch.testing.assert_close(average[name], tensor, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["fsdp", "hsdp"])
+def test_compiled_under_sharding_trains_as_uncompiled_and_keeps_the_models_names(tmp_path, kind):
+    """torch.compile before the sharding wrap (FSDP2 on 2 processes; HSDP, 2 replicas x 2
+    shards, on 4): the losses are the uncompiled run's up to float noise, and the sharded
+    checkpoint holds the model's own names (no compiled wrapper's prefix) and the same rows."""
+    nproc = 4 if kind == "hsdp" else 2
+    modes = (kind, f"{kind}-compile")
+    for proc in [launch(tmp_path / mode, mode, nproc=nproc) for mode in modes]:
+        finish(proc)
+    eager, compiled = (losses(tmp_path / mode) for mode in modes)
+    assert sorted(compiled) == list(range(1, STEPS + 1))
+    assert [compiled[s] for s in sorted(eager)] == pytest.approx(
+        [eager[s] for s in sorted(eager)], rel=1e-5
+    )
+    expected, found = (checkpoint_dir(tmp_path / mode, STEPS) for mode in modes)
+    assert read_manifest(found).components["model"]["scope"] == "sharded"
+    ours, theirs = read_weights(found), read_weights(expected)
+    assert sorted(ours) == sorted(theirs)
+    for name in theirs:
+        torch.testing.assert_close(ours[name], theirs[name], rtol=1e-4, atol=1e-5)
+    assert sorted(optimizer_state(found)) == sorted(optimizer_state(expected))

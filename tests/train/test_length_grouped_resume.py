@@ -55,12 +55,23 @@ class TinyLM(nn.Module):
             logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
         )
         return {"loss": loss, "logits": logits}
+
+
+def tiny_llama():
+    """A model the pipeline trainer splits (a transformers Llama: its preset names the parts)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(
+        vocab_size=50, hidden_size=16, intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32, use_cache=False,
+    )
+    return LlamaForCausalLM(config)
 '''
 
 CONFIG = """\
 -- extends 'base.yaml'
 -- block model
-model: &model !partial:./data.py:TinyLM []
+model: &model !partial:./data.py:{{ model | default("TinyLM") }} []
 -- endblock
 -- block datasets
 train_dataset: &train_dataset !singleton:./data.py:Sequences []
@@ -197,3 +208,31 @@ def test_sigkill_mid_epoch_and_resume_is_bit_identical_under_fsdp(project, case)
     assert_same_tensors(read_weights(a), read_weights(b), "weights")
     optimizer = [merge_sharded(read_component_states(c, "optimizer")) for c in (a, b)]
     assert_same_tensors(*optimizer, "optimizer")
+
+
+@pytest.mark.slow
+@pytest.mark.integration
+@pytest.mark.parametrize(
+    "run",
+    # the pipeline trains a Llama (a GRU has no stages) and refuses token budgets
+    [
+        "grouped-hsdp",
+        "budget-hsdp",
+        "grouped-accelerate",
+        "budget-accelerate",
+        "grouped-pipeline",
+        "grouped-ppfsdp",
+    ],
+)
+def test_sigkill_mid_epoch_and_resume_is_bit_identical_under_other_strategies(project, run):
+    """The same under HSDP (2 replicas x 2 shards), the Accelerate trainer, the pipeline (2
+    stages) and pipeline x FSDP (2 stages x 2 shards): every rank's file of the weights and
+    of the optimizer state ends as the straight run's."""
+    from tests.integration.strategies import STRATEGIES, assert_same_end, sigkill_and_resume
+
+    case, strategy = run.split("-")
+    model = ["-D", "model=tiny_llama"] if strategy.startswith("p") else []
+    arguments = ["-p", str(project), *CASES[case], *model, *STRATEGIES[strategy]]
+    straight, resumed, _ = sigkill_and_resume(arguments, REPO, saved=5, last=30)
+    assert_same_end(straight, resumed)
+    assert read_manifest(resumed).topology["world_size"] == int(STRATEGIES[strategy][1])

@@ -166,49 +166,24 @@ def test_a_packed_run_trains_and_counts_its_sequences(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.integration
-@pytest.mark.parametrize("job", ["1", "2", "fsdp"])
+@pytest.mark.parametrize("job", ["1", "2", "fsdp", "hsdp", "accelerate"])
 def test_a_packed_run_killed_with_sigkill_resumes_bit_identical(tmp_path, job):
     """The flattening collator keeps no state: a packed run killed after a checkpoint and
     continued with `forge resume` ends with the weights and optimizer state of the same run
-    trained straight (1 and 2 processes, and 2 under FSDP)."""
-    import signal
-    from pathlib import Path
-
+    trained straight (1 and 2 processes; 2 under FSDP, 4 under HSDP as 2 replicas x 2
+    shards, 2 with the Accelerate trainer)."""
     from forge.checkpoint import read_manifest
-    from forge.checkpoint.registry import read_component_states
-    from forge.checkpoint.sharded import merge_sharded
-    from forge.checkpoint.weights import read_weights
-    from tests.integration.test_train_resume import start_forge, wait_for
-    from tests.train.common import assert_same_tensors, component_state
+    from tests.integration.strategies import STRATEGIES, assert_same_end, sigkill_and_resume
 
     project = shutil.copytree(
         TINY_LM, tmp_path / "tiny_lm", ignore=shutil.ignore_patterns("output")
     )
     extra = [
-        *defines(SMALL_LM), "-D", "padding_free=true", "-D", "max_steps=12",
+        "-p", str(project), *defines(SMALL_LM), "-D", "padding_free=true", "-D", "max_steps=12",
         "-D", "save_steps=4", "-D", "eval_steps=12", "-D", "logging_steps=4",
-        "-D", "report_to=none", "--nproc", "1" if job == "1" else "2",
+        "-D", "report_to=none", *STRATEGIES.get(job, ["--nproc", job]),
     ]  # fmt: skip
-    if job == "fsdp":
-        extra += ["--set", "trainer.args.fsdp=full_shard"]
-    straight = run_forge("train", "-p", str(project), *extra, timeout=600)
-    assert straight.returncode == 0, straight.stderr[-3000:]
-    proc = start_forge("train", "-p", str(project), *extra, cwd=project)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000004", proc)
-    proc.send_signal(signal.SIGKILL)  # the launcher dies; its workers die with it
-    proc.wait(timeout=300)
-    assert not (run_dir / "checkpoints" / "checkpoint-000012").exists()
-    resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir), timeout=600)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    ends = [
-        Path(straight.stdout.splitlines()[0]) / "checkpoints" / "checkpoint-000012",
-        run_dir / "checkpoints" / "checkpoint-000012",
-    ]
-    assert_same_tensors(*(read_weights(end) for end in ends), "weights")
-    if job == "fsdp":
-        assert read_manifest(ends[1]).components["optimizer"]["scope"] == "sharded"
-        optimizer = [merge_sharded(read_component_states(end, "optimizer")) for end in ends]
-    else:
-        optimizer = [component_state(end, "optimizer") for end in ends]
-    assert_same_tensors(*optimizer, "optimizer")
+    straight, resumed, _ = sigkill_and_resume(extra, project, saved=4, last=12)
+    assert_same_end(straight, resumed)
+    scope = read_manifest(resumed).components["optimizer"]["scope"]
+    assert scope == ("sharded" if job.endswith("sdp") else "stage")
