@@ -28,7 +28,12 @@ from forge.checkpoint.io import (
     no_hf_progress_bars,
 )
 from forge.checkpoint.layout import MANIFEST_NAME
-from forge.checkpoint.weights import load_adapter_state, load_adapter_weights, load_pretrained
+from forge.checkpoint.weights import (
+    load_adapter_state,
+    load_adapter_weights,
+    load_pretrained,
+    read_adapter_state,
+)
 from forge.wrappers import unwrap_model
 
 if TYPE_CHECKING:
@@ -178,6 +183,38 @@ class AdapterWeights:
 
     def load_checkpoint(self, checkpoint: Path, manifest: Any) -> None:
         load_adapter_weights(self.model, checkpoint)
+
+
+class StageAdapterWeights(AdapterWeights):
+    """One pipeline stage's part of a peft model's adapter as the model-weights component: the
+    stages' parts are gathered (``gather``: a collective every rank calls from
+    ``state_dict``, giving the union of every rank's tensors) and rank 0 writes the whole
+    adapter, the same files as a one-process LoRA checkpoint; a stage loads the tensors of its
+    own layers from any LoRA checkpoint of the model."""
+
+    def __init__(self, model: nn.Module, tokenizer: Any, base: dict | None, gather: Any) -> None:
+        super().__init__(model, tokenizer, base)
+        self.gather = gather
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return self.gather({k: v.detach().cpu() for k, v in super().state_dict().items()})
+
+    def write(self, writer: Any, state: dict[str, torch.Tensor], stage_file: str | None) -> None:
+        super().write(writer, state, None)  # rank 0 holds every stage's part
+
+    def load_checkpoint(self, checkpoint: Path, manifest: Any) -> None:
+        load_stage_adapter(self.model, checkpoint)
+
+
+def load_stage_adapter(model: nn.Module, directory: Path) -> None:
+    """Put the tensors of ``model``'s layers (one pipeline stage's part of a peft model) from a
+    LoRA checkpoint's adapter into it, bit-exact; every adapter name of the stage must be
+    there."""
+    from peft import get_peft_model_state_dict
+
+    own = set(get_peft_model_state_dict(unwrap_model(model)))
+    state = read_adapter_state(Path(directory))
+    load_adapter_state(model, {k: v for k, v in state.items() if k in own}, str(directory))
 
 
 # ---------------------------------------------------------------------------------------------

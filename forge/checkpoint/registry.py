@@ -260,7 +260,8 @@ class CheckpointSnapshot:
         if component.scope is Scope.SHARDED:
             component.obj.write(writer, state, shard_weights_name(topo.rank, topo.world_size))
             return []
-        if topo.num_stages == 1:
+        if topo.num_stages == 1 or component.scope is Scope.SHARED:
+            # shared: gathered whole on rank 0 (a pipeline's adapter), written as one process
             mark = writer.mark()
             component.obj.write(writer, state, None)
             return writer.files_since(mark)
@@ -330,7 +331,8 @@ class CheckpointRegistry:
                 self._absent(path, component)
                 continue
             scopes = {entry.get("scope"), component.scope.value}
-            if entry.get("scope") != component.scope.value and not scopes <= _BY_NAME:
+            by_name = scopes <= _BY_NAME or component.weights  # weights load by their names
+            if entry.get("scope") != component.scope.value and not by_name:
                 raise CheckpointError(
                     f"{path}: component '{component.name}' was saved with scope "
                     f"{entry.get('scope')!r}, this trainer uses {component.scope.value!r}"

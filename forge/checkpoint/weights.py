@@ -122,20 +122,24 @@ def load_model_weights(
 def load_adapter_weights(model: nn.Module, directory: Path) -> None:
     """Put a directory's adapter (``adapter_model.safetensors``) into peft ``model``, bit-exact;
     every adapter name must match."""
+    load_adapter_state(model, read_adapter_state(Path(directory)), str(directory))
+
+
+def read_adapter_state(directory: Path) -> dict[str, torch.Tensor]:
+    """A LoRA checkpoint's adapter tensors (``adapter_model.safetensors``), on the CPU."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    file = Path(directory) / ADAPTER_WEIGHTS
+    file = directory / ADAPTER_WEIGHTS
     if not file.is_file():
         raise CheckpointError(
             f"{directory}: no {ADAPTER_WEIGHTS}; a LoRA run loads only adapter checkpoints (a "
             "full model's weights are its base: give it as base_model)"
         )
     try:
-        state = load_file(file)
+        return load_file(file)
     except (SafetensorError, OSError) as exc:
         raise CheckpointError(f"{file}: unreadable safetensors file ({exc})") from exc
-    load_adapter_state(model, state, str(directory))
 
 
 def load_adapter_state(model: nn.Module, state: dict[str, torch.Tensor], where: str) -> None:

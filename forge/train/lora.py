@@ -327,6 +327,49 @@ def apply_lora(model: nn.Module, config: Any) -> nn.Module:
     return peft_model
 
 
+def split_problems(model: nn.Module, config: Any, held: list[set[str]]) -> list[str]:
+    """Why LoRA ``config`` cannot train ``model`` split into pipeline stages, of which stage
+    ``k`` holds the modules ``held[k]`` (and those inside them): a module it adapts (or keeps
+    whole: ``modules_to_save``) that two stages hold, each of which would train an adapter of
+    its own (an embedding tied to the output head), or a stage holding none of the modules it
+    adapts. Bad target names raise TrainingArgumentsError (``lora_config_for``)."""
+    config = lora_config_for(model, config)
+    targets = getattr(config, "target_modules", None)
+    saved = list(getattr(config, "modules_to_save", None) or ())
+    names = [name for name, _ in model.named_modules() if name]
+    adapted = [n for n in names if targets is not None and _targeted(n, targets)]
+    kept_whole = [n for n in names if _targeted(n, saved)]
+
+    def holders(name: str) -> list[int]:
+        return [k for k, kept in enumerate(held) if any(_inside(name, m) for m in kept)]
+
+    problems = []
+    for name in [*adapted, *kept_whole]:
+        stages = holders(name)
+        if len(stages) > 1:
+            field = "target_modules" if name in adapted else "modules_to_save"
+            problems.append(
+                f"{PEFT_KEY}.{field}: {name!r} is held by pipeline stages "
+                f"{' and '.join(map(str, stages))} (a tensor tied across them, such as an input "
+                "embedding tied to the output head), and each stage would train an adapter of "
+                f"its own for it; leave {name!r} out of {field}, untie it "
+                "(tie_word_embeddings: false), or train with the plain trainer"
+            )
+    idle = [k for k in range(len(held)) if adapted and not any(k in holders(n) for n in adapted)]
+    if idle:
+        problems.append(
+            f"{PEFT_KEY}.target_modules: pipeline stage(s) {short_list(idle)} hold none of the "
+            f"modules LoRA adapts ({short_list(adapted[:4])}), and a stage trains only its own "
+            "layers' adapter; adapt a layer every stage holds (the attention and MLP "
+            "projections, target_modules left empty), or split the model otherwise"
+        )
+    return problems
+
+
+def _inside(name: str, module: str) -> bool:
+    return name == module or name.startswith(f"{module}.")
+
+
 class LoraStep:
     """The adapter step of the model-transform stage for a trainer given ``peft_config``: the
     model wrapped by peft (its base frozen); in training, first the run's record of its frozen

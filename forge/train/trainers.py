@@ -16,6 +16,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
+from forge.train import lora
 from forge.train.args import TrainingArguments, TrainingArgumentsError
 from forge.train.args.pipeline import PipelineTrainingArguments
 from forge.train.loop import BaseTrainer
@@ -141,12 +142,34 @@ class PipelineTrainer(BaseTrainer):
         skeleton = given if isinstance(given, nn.Module) else meta_skeleton(given)
         plan = plan_pipeline(skeleton, self.args, self.topology.world_size)
         problems = activation_checkpointing_problems(skeleton, self.args)  # the whole model's
+        if self.peft_config is not None:  # each stage adapts its own layers
+            problems += lora.split_problems(skeleton, self.peft_config, plan.held_modules(skeleton))
         if problems:  # (a stage holds only some of the named blocks)
             raise TrainingArgumentsError(problems)
         settings = self.args.fsdp_settings()
         if settings is not None and self.topology.dp_size == 1 and not is_stand_in():
             self._info("fsdp: one process per stage holds the whole stage; nothing to shard")
-        return Pipeline(self.args, self.topology, device, plan, self.loss_fn, settings)
+        strategy = Pipeline(self.args, self.topology, device, plan, self.loss_fn, settings)
+        strategy.prune_after_adapter = self.peft_config is not None
+        return strategy
+
+    def apply_adapters(self, model: nn.Module) -> nn.Module:
+        """A LoRA stage's base must be a model directory on disk, which the run references (a
+        stage holds only its part of a base it would have to write whole)."""
+        if self.adapter is None:
+            return model
+        if self._in_train and lora.base_on_disk(model) is None:
+            raise lora.LoraUsageError(
+                "the pipeline trainer fine-tunes with LoRA a base read from a model directory "
+                "(base_model=PATH: a forge checkpoint, export or Hugging Face directory), which "
+                "the run references; this model was built in memory, and each stage holds only "
+                "its own part of it, so no stage could write the base the adapter needs. Save "
+                "the model first (forge export) and give it as base_model, or train with the "
+                "plain trainer"
+            )
+        model = super().apply_adapters(model)
+        self.strategy.prune(model)  # built whole (the rest on the meta device) until adapted
+        return model
 
     def _check_loss(self, args: TrainingArguments) -> None:
         """What would change the loss elsewhere and cannot here is refused: the last stage

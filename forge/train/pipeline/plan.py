@@ -19,7 +19,7 @@ from torch import nn
 from forge.train.args import TrainingArgumentsError
 from forge.train.pipeline.presets import model_parts
 from forge.train.pipeline.split import PipelineLayout, SplitError, split_layers
-from forge.train.pipeline.stage_init import warn_whole_build
+from forge.train.pipeline.stage_init import tie_groups, warn_whole_build, with_tie_owners
 
 logger = logging.getLogger(__name__)
 
@@ -39,6 +39,14 @@ class PipelinePlan:
     def num_processes(self) -> int:
         """Processes per pipeline replica."""
         return self.layout.num_ranks
+
+    def held_modules(self, model: nn.Module) -> list[set[str]]:
+        """The modules each process of a replica holds (with the first holder of a tensor tied
+        to one of them), of ``model`` (a meta skeleton will do)."""
+        ties = tie_groups(model)
+        return [
+            with_tie_owners(self.layout.rank_modules(r), ties) for r in range(self.num_processes)
+        ]
 
     def describe(self) -> list[str]:
         """The plan in lines: one for the job, one per stage."""

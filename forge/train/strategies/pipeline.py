@@ -36,7 +36,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from forge.checkpoint import Component, load_model_weights
+from forge.checkpoint import Component, Scope, load_model_weights
+from forge.checkpoint.adapter import StageAdapterWeights, load_stage_adapter
 from forge.checkpoint.components import model_component, optimizer_component
 from forge.train.args import TrainingArguments
 from forge.train.args.fsdp import FsdpSettings
@@ -47,7 +48,7 @@ from forge.train.pipeline.stage_init import build_partial_model, free_except
 from forge.train.strategies.base import MicroLoss, ParallelStrategy
 from forge.train.strategies.fsdp import apply_fully_shard, global_norm
 from forge.train.topology import Topology
-from forge.wrappers import class_label
+from forge.wrappers import class_label, is_peft_model, unwrap_model
 
 _BATCH_KEYS = {"input_ids", "labels", "attention_mask"}
 
@@ -55,15 +56,6 @@ UNSUPPORTED = {
     "compute_loss_func": (
         "the pipeline trainer computes the loss on its last stage, which holds the "
         "logits, not the model's outputs; give it loss_fn(logits, labels) instead"
-    ),
-    "peft_config": (
-        "LoRA is not supported by the pipeline trainer: peft wraps one whole model (its "
-        "adapter's names, its one adapter file, resume and export take every layer to be in "
-        "the process), while each pipeline stage builds, trains and saves only its own layers; "
-        "no stage could write or resume peft's adapter. Fine-tune with the plain trainer "
-        "(one process, or DDP with --nproc) or the Accelerate trainer: with the base frozen "
-        "only the adapter has gradients and optimizer state, so the model usually fits on one "
-        "device where the full model needed a pipeline"
     ),
 }
 
@@ -120,6 +112,10 @@ class Pipeline(ParallelStrategy):
         self._loss: _MicrobatchLoss | None = None
         self._model: nn.Module | None = None
         self._fresh = False  # a schedule was just built: its first step infers shapes
+        # LoRA: the adapter step wraps the model with the other stages' parts still there (on
+        # the meta device), so each layer's adapter draws the random numbers it draws in one
+        # process; the trainer removes the parts this rank does not hold after it (prune())
+        self.prune_after_adapter = False
 
     @property
     def my_stages(self):
@@ -151,8 +147,15 @@ class Pipeline(ParallelStrategy):
                     f"trainer.model built a {class_label(model)}, not an nn.Module; pass a "
                     "module or a callable (e.g. !partial) that returns one"
                 )
-        prune_to_stages(model, self.layout.parts, self.my_stages)
+        if not self.prune_after_adapter:
+            self.prune(model)
         return model
+
+    def prune(self, model: nn.Module) -> None:
+        """Remove the parts of ``model`` (or of the model a peft model wraps) that no stage of
+        this rank holds."""
+        base = unwrap_model(model, through_adapters=True)
+        prune_to_stages(base, self.layout.parts, self.my_stages)
 
     def activation_checkpointing_scope(self) -> dict[str, Any]:
         """The stage's layers by default; named blocks other stages hold are theirs (checked
@@ -163,8 +166,9 @@ class Pipeline(ParallelStrategy):
         """The stage modules, the process groups and the last stage's loss; the model itself
         is what the loop puts in train() / eval() mode."""
         self._model = model
-        self.stage_modules = [StageModule(model, self.layout.parts, s) for s in self.my_stages]
-        self._loss = _MicrobatchLoss(self.loss_fn or self._default_loss(model))
+        base = unwrap_model(model, through_adapters=True)  # a LoRA stage: its adapted layers
+        self.stage_modules = [StageModule(base, self.layout.parts, s) for s in self.my_stages]
+        self._loss = _MicrobatchLoss(self.loss_fn or self._default_loss(base))
         self._schedules = {}
         self._make_groups()
         for line in self.plan.describe():
@@ -467,7 +471,11 @@ class Pipeline(ParallelStrategy):
     # ------------------------------------------------------------------ checkpoints
     def model_component(self, model: nn.Module, tokenizer: Any, adapter_base: Any) -> Component:
         """This stage's own weights, loading exactly its names from a checkpoint of any split
-        (or of the plain and Accelerate trainers); sharded, each rank its rows of them."""
+        (or of the plain and Accelerate trainers); sharded, each rank its rows of them. Of a
+        LoRA stage the adapter: every stage's part gathered, written whole by rank 0."""
+        if is_peft_model(model):
+            weights = StageAdapterWeights(model, tokenizer, adapter_base, _gather_union)
+            return Component("model", weights, Scope.SHARED, weights=True)
         if self.sharded:
             return model_component(
                 model,
@@ -505,7 +513,19 @@ class Pipeline(ParallelStrategy):
         return {k: v for k, v in state.items() if writer.get(k) == stage}
 
     def load_weights(self, model: nn.Module, checkpoint: Path) -> None:
+        if is_peft_model(model):
+            load_stage_adapter(model, checkpoint)
+            return
         load_model_weights(model, checkpoint, strict=True, subset=True)
+
+
+def _gather_union(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Every rank's ``state`` in one (a collective; replicas give the same tensors)."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
+        return state
+    parts: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(parts, state)
+    return {k: v for part in parts for k, v in part.items()}
 
 
 def _local(tensor: torch.Tensor) -> torch.Tensor:
