@@ -358,8 +358,8 @@ def split_problems(model: nn.Module, config: Any, held: list[set[str]]) -> list[
     idle = [k for k in range(len(held)) if adapted and not any(k in holders(n) for n in adapted)]
     if idle:
         problems.append(
-            f"{PEFT_KEY}.target_modules: pipeline stage(s) {short_list(idle)} hold none of the "
-            f"modules LoRA adapts ({short_list(adapted[:4])}), and a stage trains only its own "
+            f"{PEFT_KEY}.target_modules: pipeline stage(s) {short_list(map(str, idle))} hold none of the "
+            f"modules LoRA adapts ({short_list(map(repr, adapted[:4]))}), and a stage trains only its own "
             "layers' adapter; adapt a layer every stage holds (the attention and MLP "
             "projections, target_modules left empty), or split the model otherwise"
         )

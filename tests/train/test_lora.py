@@ -285,19 +285,6 @@ def test_a_model_of_no_known_family_must_name_its_targets():
         default_target_modules(model)
 
 
-def test_the_pipeline_trainer_refuses_lora_at_construction(tmp_path):
-    from forge.train import PipelineTrainer, PipelineTrainingArguments
-
-    args = PipelineTrainingArguments(output_dir=str(tmp_path), report_to="none")
-    with pytest.raises(TrainingArgumentsError, match="peft_config: LoRA is not supported"):
-        PipelineTrainer(
-            functools.partial(LlamaForCausalLM, tiny_llama_config()),
-            args,
-            TokenDataset(8),
-            peft_config=lora(),
-        )
-
-
 def test_lora_under_fsdp_is_refused_at_construction_naming_ddp(tmp_path):
     from forge.train import Trainer
 
