@@ -159,17 +159,30 @@ def _plan_job(
     model_node, args_node = trainer.kwargs.get("model"), trainer.kwargs.get("args")
     if not callable(plan_job) or model_node is None or not isinstance(args_node, CallNode):
         return [], []
+    materialize = Materializer(resolver.resolve, variables, cfg.describe_loc).value
     try:
-        args = Materializer(resolver.resolve, variables, cfg.describe_loc).value(args_node)
+        args = materialize(args_node)
         with on_meta_device():
             model = Materializer(resolver.resolve, variables, cfg.describe_loc).value(model_node)
     except Exception as err:  # the workers build them and report what fails
         logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
         return [], []
+    peft_node = trainer.kwargs.get("peft_config")
+    try:  # LoRA: what the split allows of it (only a trainer that can split takes it)
+        lora = {"peft_config": materialize(peft_node)} if isinstance(peft_node, CallNode) else {}
+    except Exception as err:  # the trainer builds it and reports what fails
+        logger.debug("LoRA config not built before launch (%s: %s)", type(err).__name__, err)
+        lora = {}
     try:
-        return plan_job(model, args, world) or [], []
+        return plan_job(model, args, world, **lora) or [], []
     except TrainingArgumentsError as err:
-        return [], _located(cfg, args_node, type(args).config_key, err.problems, trainer)
+        adapter = [m for m in err.problems if m.startswith("trainer.peft_config.")]
+        rest = [m for m in err.problems if m not in adapter]
+        problems = _located(cfg, args_node, type(args).config_key, rest, trainer)
+        for message in adapter:  # at the line that names the LoRA targets
+            field, _, text = message.removeprefix("trainer.peft_config.").partition(": ")
+            problems.append(cfg.problem(peft_node.arg_locs.get(field) or peft_node.loc, text, None))
+        return [], problems
     except Exception as err:  # not the plan's to report: the workers build the model and say
         logger.debug("pipeline plan not made before launch (%s: %s)", type(err).__name__, err)
         return [], []

@@ -192,12 +192,14 @@ class PipelineTrainer(BaseTrainer):
             raise TrainingArgumentsError(problems)
 
     @classmethod
-    def plan_job(cls, model: Any, args: TrainingArguments, world_size: int) -> list[str] | None:
+    def plan_job(
+        cls, model: Any, args: TrainingArguments, world_size: int, peft_config: Any = None
+    ) -> list[str] | None:
         """The plan of a job of ``world_size`` processes training ``model`` (a module built on
-        the meta device, or a builder) with ``args``, as lines to print; None when the model
-        cannot be built on the meta device (the workers plan it then). Raises
-        TrainingArgumentsError as the trainer would: ``forge train`` calls this before it
-        launches the job."""
+        the meta device, or a builder) with ``args`` (and the LoRA ``peft_config``), as lines
+        to print; None when the model cannot be built on the meta device (the workers plan it
+        then). Raises TrainingArgumentsError as the trainer would: ``forge train`` calls this
+        before it launches the job."""
         if not isinstance(args, PipelineTrainingArguments):
             args = PipelineTrainingArguments(**args.to_dict())
         if not isinstance(model, nn.Module):
@@ -206,6 +208,8 @@ class PipelineTrainer(BaseTrainer):
             return None
         plan = plan_pipeline(model, args, world_size)
         problems = activation_checkpointing_problems(model, args)
+        if peft_config is not None:
+            problems += lora.split_problems(model, peft_config, plan.held_modules(model))
         if problems:
             raise TrainingArgumentsError(problems)
         return plan.describe()
