@@ -102,8 +102,9 @@ def component_file_names(
 ) -> list[str]:
     """The files a component of ``scope`` has in a checkpoint of ``topology``.
 
-    Weights of a single stage are whatever ``save_pretrained`` writes, so they are recorded as
-    written and not derived here (returns []).
+    Weights of a single stage, or written whole by rank 0 (scope shared: a pipeline's LoRA
+    adapter, gathered from its stages), are whatever ``save_pretrained`` writes, so they are
+    recorded as written and not derived here (returns []).
     """
     world = int(topology.get("world_size", 1))
     stages = int(topology.get("num_stages", 1))
@@ -112,7 +113,7 @@ def component_file_names(
             return [shard_weights_name(r, world) for r in range(world)]
         return [component_file(name, scope, rank=r, world_size=world) for r in range(world)]
     if weights:
-        if stages == 1:
+        if stages == 1 or scope == "shared":
             return []
         return [stage_weights_name(k, stages) for k in range(stages)] + [WEIGHTS_INDEX_NAME]
     if scope == "rank":
