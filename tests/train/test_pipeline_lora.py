@@ -17,7 +17,7 @@ from transformers import LlamaForCausalLM
 
 from forge.read.reader import export_model
 from forge.train import PipelineTrainer, PipelineTrainingArguments, TrainingArgumentsError
-from forge.train.lora import split_problems
+from forge.train.lora import LoraUsageError, split_problems
 from forge.train.pipeline.plan import plan_pipeline
 from tests.train.common import TokenDataset, run_torchrun, tiny_llama_config
 from tests.train.pipeline_lora_script import STEPS, trainer
@@ -70,6 +70,19 @@ def test_lora_on_pipeline_x_fsdp_is_refused_at_construction(tmp_path):
             TokenDataset(8),
             peft_config=LoraConfig(r=4),
         )
+
+
+def test_a_base_built_in_memory_is_refused_naming_base_model(tmp_path):
+    args = PipelineTrainingArguments(output_dir=str(tmp_path), report_to="none", max_steps=1)
+    trainer = PipelineTrainer(
+        functools.partial(LlamaForCausalLM, tiny_llama_config()),
+        args,
+        TokenDataset(8),
+        peft_config=LoraConfig(r=4),
+    )
+    with pytest.raises(LoraUsageError, match=r"base_model=PATH.*each stage holds only its own"):
+        trainer.train()
+    assert not (tmp_path / "base_model").exists()  # nothing written for the run
 
 
 # ------------------------------------------------------------------- 2 stages on 2 processes
