@@ -4,6 +4,8 @@ of them into its script."""
 
 from __future__ import annotations
 
+import pytest
+
 from tests.helpers import run_forge
 
 SGD = """\
@@ -19,6 +21,7 @@ lr_scheduler: &lr_scheduler !partial:torch.optim.lr_scheduler:CosineAnnealingLR
 """
 
 
+@pytest.mark.slow
 def test_arguments_a_partial_makes_moot_are_named_and_left_out_of_the_script(tmp_path):
     assert run_forge("new", "demo", "--from", "classifier", "-p", str(tmp_path)).returncode == 0
     project = tmp_path / "demo"

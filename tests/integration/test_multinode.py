@@ -266,6 +266,7 @@ def errors(job: Job) -> list[str]:
     return [line for line in job.lines if line.startswith("error: ")]
 
 
+@pytest.mark.slow
 def test_a_node_alone_says_whom_it_waits_for_and_another_config_is_refused_on_both(project):
     """Node 1 asked for `pipeline`, node 0 for `train`: node 1 says at once that it waits for
     node 0 (where, as which node, how long); when node 0 comes, both stop (exit 2) with one

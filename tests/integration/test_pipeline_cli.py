@@ -106,6 +106,7 @@ def test_each_stage_writes_its_own_shard_and_the_index_joins_them(two_stages):
     )
 
 
+@pytest.mark.slow
 def test_export_holds_exactly_the_checkpoints_tensors_and_gives_the_same_logits(
     two_stages, tmp_path
 ):

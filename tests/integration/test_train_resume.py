@@ -105,6 +105,7 @@ def test_stop_and_resume_is_bit_identical(project, trained_once, sig):
     assert_same_tensors(optim_a, optim_b, "optimizer")
 
 
+@pytest.mark.slow
 def test_stop_and_resume_is_bit_identical_with_two_processes(project):
     straight = train_straight(project, "--nproc", "2")
     resumed = stop_and_resume(project, signal.SIGTERM, "--nproc", "2")

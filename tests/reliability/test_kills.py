@@ -47,6 +47,7 @@ def test_twenty_kills_per_trainer_lose_nothing(tmp_path, case):
     assert len(result.kills) == KILLS
 
 
+@pytest.mark.slow
 def test_two_kills_inside_async_commits_lose_nothing(tmp_path):
     """``async_save: true``: the first kill lands inside a background commit."""
     result = run_trainer(ASYNC_TRAINERS[0], tmp_path, kills=2, max_steps=60, save_steps=3)
