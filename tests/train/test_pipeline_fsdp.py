@@ -155,7 +155,7 @@ def test_the_read_side_reads_it(straight, tmp_path):
     from transformers import AutoModelForCausalLM
 
     import forge
-    from forge.read.export import export_model
+    from forge.read.reader import export_model
 
     checkpoint = checkpoint_dir(straight / "ppfsdp", STEPS)
     weights = read_weights(checkpoint)
