@@ -23,6 +23,7 @@ from forge.data.loader import (
     die_with_parent,
 )
 from forge.data.streams import StreamLoader, build_stream_loader, is_stream, read_stream
+from forge.lifetime import kill_helpers_at_exit
 
 __all__ = ["StridedSampler", "build_eval_loader", "build_train_loader", "worker_settings"]
 
@@ -87,6 +88,7 @@ def build_train_loader(
             )
         settings = dict(workers or {})
         if settings.get("num_workers"):
+            kill_helpers_at_exit()  # the workers ignore SIGTERM: Python's exit would wait for them
             settings["worker_init_fn"] = die_with_parent
         return build_stream_loader(
             dataset,
@@ -144,6 +146,7 @@ def build_eval_loader(
     workers = dict(workers or {})
     if workers.get("num_workers"):
         dataset = WorkerSeededBatches(dataset, seed, rank)
+        kill_helpers_at_exit()  # the workers ignore SIGTERM: Python's exit would wait for them
         workers["worker_init_fn"] = die_with_parent
     return DataLoader(
         dataset,
