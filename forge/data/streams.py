@@ -287,7 +287,8 @@ def _plain(value: Any) -> Any:
 
 
 def _bytes(data: torch.Tensor) -> bytes:
-    return data.view(torch.uint8).numpy().tobytes() if data.numel() else b""
+    # flattened first: a 0-d tensor (a scalar label) has no last dimension to view as bytes
+    return data.reshape(-1).view(torch.uint8).numpy().tobytes() if data.numel() else b""
 
 
 def _unpacked(items: list[Any]) -> list[Any]:

@@ -410,3 +410,18 @@ def test_a_collator_drawing_in_loader_workers_resumes_exactly(tmp_path):
     resumed = loader()
     resumed.load_state_dict(saved(first))
     assert head + take(resumed, 4) == straight
+
+
+@pytest.mark.parametrize(
+    "tensor",
+    [torch.tensor(3), torch.tensor(2.5), torch.tensor(True), torch.arange(6).reshape(2, 3)],
+    ids=["int-scalar", "float-scalar", "bool-scalar", "matrix"],
+)
+def test_a_buffered_item_is_kept_in_the_state_as_it_was(tensor):
+    """A shuffle buffer's items travel in the state as plain values: a scalar label (a 0-d
+    tensor) too, which once failed the save of every 2-rank stream run with such labels."""
+    from forge.data.streams import _plain, _restored
+
+    back = _restored(_plain({"label": tensor, "x": [tensor]}))
+    assert back["label"].dtype == tensor.dtype and back["label"].shape == tensor.shape
+    assert torch.equal(back["label"], tensor) and torch.equal(back["x"][0], tensor)
