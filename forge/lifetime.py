@@ -11,9 +11,13 @@ from __future__ import annotations
 
 import atexit
 import ctypes
+import multiprocessing
+import multiprocessing.context as contexts
 import os
 import signal
 import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 _PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -74,6 +78,76 @@ def ignore_stop_signals() -> None:
     still dies with its rank (forge.lifetime's parent-death signal)."""
     for signum in stop_signals():
         signal.signal(signum, signal.SIG_IGN)
+    if hasattr(signal, "pthread_sigmask"):  # started with them held (helper_context)
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, stop_signals())
+
+
+@contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """Hold (block) the stop signals in this thread while the block runs: one that arrives
+    meanwhile is delivered when it ends (to this process's handlers, as it would have been),
+    and a process forked or spawned inside the block starts with them held too."""
+    if not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, stop_signals())
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
+
+
+class _StartsHeld:
+    """A helper process started with the stop signals held, until it ignores them
+    (``ignore_stop_signals``, its first act): between its fork and that first act a signal to
+    the job's processes (a scheduler's, torchrun's ``killpg`` of a rank) would kill it with
+    its default action, and its rank would fail before saving."""
+
+    def start(self) -> None:
+        if self._start_method != "fork":  # type: ignore[attr-defined]
+            # the first spawn starts multiprocessing's resource tracker, which unblocks
+            # SIGINT and SIGTERM in this thread when it has: started first, outside the hold
+            from multiprocessing import resource_tracker
+
+            resource_tracker.ensure_running()
+        with stop_signals_held():
+            super().start()  # type: ignore[misc]
+
+
+if sys.platform != "win32":
+
+    class _ForkProcess(_StartsHeld, contexts.ForkProcess):
+        pass
+
+    class _SpawnProcess(_StartsHeld, contexts.SpawnProcess):
+        pass
+
+    class _ForkServerProcess(_StartsHeld, contexts.ForkServerProcess):
+        pass
+
+    class _ForkContext(contexts.ForkContext):
+        Process = _ForkProcess
+
+    class _SpawnContext(contexts.SpawnContext):
+        Process = _SpawnProcess
+
+    class _ForkServerContext(contexts.ForkServerContext):
+        Process = _ForkServerProcess
+
+    _HELD = {"fork": _ForkContext, "spawn": _SpawnContext, "forkserver": _ForkServerContext}
+else:
+    _HELD = {}
+
+
+def helper_context(method: str | None = None) -> multiprocessing.context.BaseContext:
+    """The ``multiprocessing`` context (start ``method``, or this process's default) whose
+    processes start with the stop signals held: torch ``DataLoader``'s ``multiprocessing_context``
+    for workers whose ``worker_init_fn`` ignores those signals (forge.data.loader's
+    ``die_with_parent``). With ``forkserver`` the workers are forked by the server process,
+    which holds them only if it was started here."""
+    context = multiprocessing.get_context(method)
+    held = _HELD.get(context.get_start_method())
+    return held() if held is not None else context
 
 
 def kill_helpers_at_exit() -> None:

@@ -52,7 +52,12 @@ from torch.utils.data import Dataset, get_worker_info
 from torchdata.stateful_dataloader import StatefulDataLoader
 
 from forge.data.sampler import ResumableDistributedSampler
-from forge.lifetime import ignore_stop_signals, kill_helpers_at_exit, signal_on_parent_death
+from forge.lifetime import (
+    helper_context,
+    ignore_stop_signals,
+    kill_helpers_at_exit,
+    signal_on_parent_death,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -116,6 +121,19 @@ def die_with_parent(worker_id: int) -> None:
     worker that died of one would fail its rank before the rank has saved its checkpoint."""
     signal_on_parent_death(signal.SIGKILL)
     ignore_stop_signals()
+
+
+def job_workers(multiprocessing_context: str | None = None) -> dict[str, Any]:
+    """The ``DataLoader`` keywords that make its worker processes helpers of a training job:
+    each starts with the stop signals held (``helper_context``, start method
+    ``multiprocessing_context``) until its first act, :func:`die_with_parent`, ignores them;
+    this process kills them at its exit (``kill_helpers_at_exit``: Python's exit would send
+    them SIGTERM and wait)."""
+    kill_helpers_at_exit()
+    return {
+        "multiprocessing_context": helper_context(multiprocessing_context),
+        "worker_init_fn": die_with_parent,
+    }
 
 
 class ResumableDataLoader(StatefulDataLoader):
@@ -228,12 +246,10 @@ def build_dataloader(
         )
     workers: dict[str, Any] = {}
     if num_workers:
-        kill_helpers_at_exit()  # the workers ignore SIGTERM: Python's exit would wait for them
         workers = {
             "persistent_workers": persistent_workers,
             "prefetch_factor": prefetch_factor,
-            "multiprocessing_context": multiprocessing_context,
-            "worker_init_fn": die_with_parent,
+            **job_workers(multiprocessing_context),
         }
     if not hasattr(dataset, "__len__") or len(dataset) == 0:  # type: ignore[arg-type]
         raise ValueError(

@@ -20,10 +20,9 @@ from forge.data.loader import (
     ResumableDataLoader,
     WorkerSeededBatches,
     build_dataloader,
-    die_with_parent,
+    job_workers,
 )
 from forge.data.streams import StreamLoader, build_stream_loader, is_stream, read_stream
-from forge.lifetime import kill_helpers_at_exit
 
 __all__ = ["StridedSampler", "build_eval_loader", "build_train_loader", "worker_settings"]
 
@@ -88,8 +87,7 @@ def build_train_loader(
             )
         settings = dict(workers or {})
         if settings.get("num_workers"):
-            kill_helpers_at_exit()  # the workers ignore SIGTERM: Python's exit would wait for them
-            settings["worker_init_fn"] = die_with_parent
+            settings.update(job_workers(settings.get("multiprocessing_context")))
         return build_stream_loader(
             dataset,
             batch_size=batch_size,
@@ -146,8 +144,7 @@ def build_eval_loader(
     workers = dict(workers or {})
     if workers.get("num_workers"):
         dataset = WorkerSeededBatches(dataset, seed, rank)
-        kill_helpers_at_exit()  # the workers ignore SIGTERM: Python's exit would wait for them
-        workers["worker_init_fn"] = die_with_parent
+        workers.update(job_workers(workers.get("multiprocessing_context")))
     return DataLoader(
         dataset,
         batch_size=batch_size,

@@ -1,6 +1,11 @@
 from __future__ import annotations
 
 import io
+import multiprocessing
+import os
+import signal
+import threading
+import time
 from collections.abc import Callable
 
 import pytest
@@ -259,3 +264,47 @@ def test_incompatible_states_are_refused() -> None:
 def test_bad_arguments_are_named(kwargs: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         _factory(**kwargs)()
+
+
+class SlowToArrive(Indices):
+    """A worker started with ``spawn`` unpickles its dataset before its ``worker_init_fn``
+    runs: this one takes a second to unpickle, holding open the window between a worker's
+    start and its first act (which ignores the stop signals)."""
+
+    def __setstate__(self, state: dict) -> None:
+        time.sleep(1.0)
+        self.__dict__.update(state)
+
+
+def _signal_each_new_child(signum: int, known: set[int], sent: list[int]) -> None:
+    """Send ``signum`` to the first process this process starts (beyond ``known``) as soon as
+    it exists, and note its pid in ``sent``."""
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        new = [p.pid for p in multiprocessing.active_children() if p.pid not in known]
+        if new:
+            os.kill(new[0], signum)
+            sent.append(new[0])
+            return
+        time.sleep(0.01)
+
+
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_stop_signal_to_a_worker_still_starting_does_not_kill_it(signum) -> None:
+    """A scheduler's stop reaches every process of a job, loader workers included (torchrun
+    signals each rank's process group): a worker the signal finds still starting (an evaluation
+    or a new epoch starts its workers) holds it until its first act ignores it, instead of dying
+    of it and failing its rank before the rank has saved (found as 'DataLoader worker ...
+    exited unexpectedly' when SIGTERM reached a two-process job as its evaluation began)."""
+    loader = build_dataloader(
+        SlowToArrive(8), batch_size=BATCH, seed=3, num_workers=1, multiprocessing_context="spawn"
+    )
+    known, sent = {p.pid for p in multiprocessing.active_children()}, []
+    sender = threading.Thread(target=_signal_each_new_child, args=(signum, known, sent))
+    sender.start()
+    try:
+        batches = list(loader)  # starts the worker, which is signalled while it unpickles
+    finally:
+        sender.join()
+    assert sent, "no worker was started"
+    assert sorted(int(i) for batch in batches for i in batch) == list(range(8))
