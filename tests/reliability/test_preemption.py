@@ -44,6 +44,7 @@ from tests.train.common import assert_same_tensors
 pytestmark = pytest.mark.integration
 
 MAX_STEPS = 40  # SMALL's: the straight runs end there
+FIRST_EVAL_STEP = 20  # SMALL's eval_steps
 # every step logs, so a signal can be aimed at a step (logging changes no weight)
 LOG_EVERY_STEP = ("--set", "trainer.args.logging_steps=1")
 TRAINERS = {
@@ -78,8 +79,11 @@ def send(job: Job, sig: int, target: str) -> None:
 
 
 def stop_at_random_step(job: Job, sig: int, target: str, seed: int) -> tuple[int, list[int]]:
-    """Signal the job once rank 0 has logged a random step; the step and the job's processes."""
-    aim = random.Random(seed).randint(2, MAX_STEPS - 12)
+    """Signal the job once rank 0 has logged a random step; the step and the job's processes.
+    Half the stops aim at the first evaluation's step, as its loader workers start (a worker
+    the stop found still starting once died of it, failing its rank before the save)."""
+    draw = random.Random(seed)
+    aim = draw.choice([draw.randint(2, MAX_STEPS - 12), FIRST_EVAL_STEP])
     assert job.wait_for_line(rf"^step {aim}/{MAX_STEPS} "), job.text()
     processes = descendants(job.proc.pid)
     send(job, sig, target)
