@@ -29,11 +29,16 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	@bash scripts/demo.sh $(PROJECT)
 
+# The default suite runs one test process per core (pytest-xdist), each file's tests in one
+# process, sharing its fixtures. PYTEST_ARGS adds to either: `make test PYTEST_ARGS="-n 0"`
+# runs it in one process, `make test-all PYTEST_ARGS="-n auto --dist loadfile"` in several.
+PYTEST_ARGS ?=
+
 test: $(STAMP)
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile $(PYTEST_ARGS)
 
 test-all: $(STAMP)
-	$(PY) -m pytest -q -m ""
+	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
 
 # The whole reliability suite (kills, restarts, corruption, hostile input, full disk,
 # concurrency) with its slow tests; rewrites docs/RELIABILITY.md from what it saw.
