@@ -80,7 +80,9 @@ def load_model_weights(
     files, aliases = weight_files(directory)
     expected = model.state_dict()
     tied = tied_names(model)
-    loaded = _read_files(files, set(expected) if subset else None)
+    # a skeleton on the meta device (a pipeline's plan) takes no values: names and shapes only
+    skeleton = bool(expected) and all(t.is_meta for t in expected.values())
+    loaded = _read_files(files, set(expected) if subset else None, shapes_only=skeleton)
 
     missing = set()
     for name in expected:
@@ -191,13 +193,19 @@ def read_state_dict(directory: str | os.PathLike) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _read_files(files: list[Path], names: set[str] | None) -> dict[str, torch.Tensor]:
+def _read_files(
+    files: list[Path], names: set[str] | None, shapes_only: bool = False
+) -> dict[str, torch.Tensor]:
+    """The tensors of ``files`` (those in ``names``; all for None); ``shapes_only``: meta
+    tensors of their shapes, read from the headers."""
+    import torch
+
     from forge.checkpoint.sharded import RowReader, is_sharded
 
     if files and is_sharded(files[0]):  # every rank's rows of each tensor, put back whole
         reader = RowReader(files[0].parent)
-        return {n: reader.read(n) for n in sorted(reader.names()) if names is None or n in names}
-    import torch
+        rows = {n: reader.read(n) for n in sorted(reader.names()) if names is None or n in names}
+        return {n: t.to("meta") for n, t in rows.items()} if shapes_only else rows
     from safetensors import SafetensorError, safe_open
 
     loaded: dict[str, torch.Tensor] = {}
@@ -207,6 +215,10 @@ def _read_files(files: list[Path], names: set[str] | None) -> dict[str, torch.Te
             with safe_open(file, framework="pt", device="cpu") as handle:
                 for key in handle.keys():  # noqa: SIM118 (a safe_open handle is not a dict)
                     if names is not None and key not in names:
+                        continue
+                    if shapes_only:
+                        shape = handle.get_slice(key).get_shape()
+                        loaded[key], where[key] = torch.empty(shape, device="meta"), file
                         continue
                     tensor = handle.get_tensor(key)
                     if key in loaded and not torch.equal(loaded[key], tensor):

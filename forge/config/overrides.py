@@ -25,6 +25,7 @@ from .yaml_io import compose
 
 _MERGE = "tag:yaml.org,2002:merge"
 _STR = "tag:yaml.org,2002:str"
+_MAP = "tag:yaml.org,2002:map"
 
 # The keywords a spec's callable takes (None: no signature to check); raises SpecError.
 KeywordLookup = Callable[[str], "Keywords | None"]
@@ -48,14 +49,17 @@ def apply_overrides(
 ) -> dict[int, str]:
     """Apply every override in place; returns `id(node) -> "--set ..."` for the new nodes.
 
-    `keywords` lets an override add a keyword argument to a call; without it paths must
-    exist. Raises ConfigError listing every override that does not apply.
+    `keywords` lets an override add a keyword argument to a call, also as a mapping that the
+    rest of the path fills (``trainer.args.fsdp_config.replicate_size=2``: a mapping the
+    overrides create takes any key); without it paths must exist. Raises ConfigError listing
+    every override that does not apply.
     """
     origins: dict[int, str] = {}
     problems: list[Problem] = []
+    made: set[int] = set()  # the mappings these overrides created
     for text in overrides:
         try:
-            new = _apply(root, text, keywords)
+            new = _apply(root, text, keywords, made)
         except _OverrideError as err:
             message = f"{err.message} (in --set {text})" if err.path else err.message
             problems.append(Problem(message, key_path=err.path, hint=err.hint))
@@ -73,7 +77,9 @@ class _OverrideError(Exception):
         self.message, self.path, self.hint = message, path, hint
 
 
-def _apply(root: yaml.Node | None, text: str, keywords: KeywordLookup | None) -> yaml.Node:
+def _apply(
+    root: yaml.Node | None, text: str, keywords: KeywordLookup | None, made: set[int]
+) -> yaml.Node:
     path, sep, raw = text.partition("=")
     segments = split_key_path(path.strip())
     if not sep or not segments:
@@ -91,11 +97,24 @@ def _apply(root: yaml.Node | None, text: str, keywords: KeywordLookup | None) ->
     walked: list[str] = []
     for i, segment in enumerate(segments):
         last = i == len(segments) - 1
-        if last and keywords and isinstance(node, yaml.MappingNode):
-            if _find_key(node, segment) is None and _add_keyword(
-                node, segment, new, walked, keywords
-            ):
-                return new
+        value = new if last else yaml.MappingNode(_MAP, [])
+        if isinstance(node, yaml.MappingNode) and _find_key(node, segment) is None:
+            if id(node) in made:
+                node.value.append((yaml.ScalarNode(_STR, segment), value))
+                if last:
+                    return new
+                node = value
+                made.add(id(node))
+                walked.append(segment)
+                continue
+            if keywords and _add_keyword(node, segment, value, walked, keywords):
+                if last:
+                    return new
+                # a keyword the call takes, given as a mapping (fsdp_config.min_num_params)
+                node = value
+                made.add(id(node))
+                walked.append(segment)
+                continue
         container, index = _child(node, segment, walked)
         if last:
             if isinstance(container, yaml.MappingNode):

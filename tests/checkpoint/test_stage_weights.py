@@ -55,3 +55,52 @@ def test_stage_files_load_into_another_split_and_a_missing_name_is_named(tmp_pat
     too_big = stage_of(Net(5), [3, 4])
     with pytest.raises(CheckpointError, match="missing keys: layers.4.bias, layers.4.weight"):
         load_model_weights(too_big, writer.final_path, subset=True)
+
+
+def test_a_skeleton_on_the_meta_device_is_checked_against_the_headers_only(tmp_path, monkeypatch):
+    """A pipeline's plan builds the model on the meta device, through a builder that loads its
+    weights (LoRA's base model): names and shapes are checked, no value is read (a base of many
+    GB is not read for a plan), and torch's warning per weight ("copying from a non-meta
+    parameter ... is a no-op") is not raised."""
+    import warnings
+
+    from safetensors import safe_open
+
+    with CheckpointWriter(tmp_path, 1) as writer:
+        writer.save_model(Net())
+    read = []
+    real = safe_open
+
+    class Handle:  # safe_open's handle, noting each tensor read
+        def __init__(self, handle):
+            self.handle = handle
+
+        def __getattr__(self, name):
+            return getattr(self.handle, name)
+
+        def get_tensor(self, key):
+            read.append(key)
+            return self.handle.get_tensor(key)
+
+    class Counting:
+        def __init__(self, *args, **kwargs):
+            self.opened = real(*args, **kwargs)
+
+        def __enter__(self):
+            return Handle(self.opened.__enter__())
+
+        def __exit__(self, *exc):
+            return self.opened.__exit__(*exc)
+
+    monkeypatch.setattr("safetensors.safe_open", Counting)
+    with torch.device("meta"):
+        skeleton, wrong = Net(), nn.Linear(5, 4)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # torch's no-op warning would fail here
+        load_model_weights(skeleton, writer.final_path)
+    assert read == [] and all(t.is_meta for t in skeleton.state_dict().values())
+    whole_wrong = Net()
+    with torch.device("meta"):
+        whole_wrong.layers[1] = wrong
+    with pytest.raises(CheckpointError, match="size mismatch for layers.1.weight"):
+        load_model_weights(whole_wrong.to("meta"), writer.final_path)

@@ -139,6 +139,20 @@ def test_set_does_not_add_keys_to_plain_mappings_or_deeper_paths(config_project)
     assert messages[1].startswith("unknown key 'new' in trainer.args")
 
 
+def test_set_gives_a_keyword_the_callable_takes_as_a_mapping_the_path_fills(config_project):
+    """HF's dict arguments set key by key (``--set trainer.args.fsdp_config.replicate_size=2``
+    where the config has no ``fsdp_config``): several flags fill one new mapping."""
+    project = config_project(CONFIG)
+    overrides = ["trainer.args.scale.factor=2", "trainer.args.scale.inner.depth=3"]
+    config = load_config(project, "train", overrides=overrides)
+    assert config.build("trainer")["args"].scale == {"factor": 2, "inner": {"depth": 3}}
+    with pytest.raises(ConfigError) as info:
+        load_config(project, "train", overrides=["trainer.args.scal.factor=2"])
+    (problem,) = info.value.problems
+    assert "takes no keyword 'scal'; did you mean 'scale'?" in problem.message
+    assert problem.key_path == "trainer.args.scal"
+
+
 def test_an_added_keyword_is_checked_and_located_at_the_flag(config_project):
     project = config_project("x: !call:./helpers.py:Thing {size: 1}\n")
     config = load_config(project, "train", overrides=["x.scale=!call:math:nope"])

@@ -20,9 +20,10 @@ import torch
 from peft import LoraConfig
 
 from forge.data import CausalLMCollator
-from forge.train import PipelineTrainer, PipelineTrainingArguments, Trainer, TrainingArguments
+from forge.train import PipelineTrainer, Trainer
 from forge.train.lora import load_base_model
 from tests.train.common import TokenDataset
+from tests.train.pipeline_script import training_arguments
 
 TRAIN_SIZE = 64
 STEPS = 6
@@ -34,22 +35,8 @@ def lora_config(**overrides: Any) -> LoraConfig:
 
 
 def trainer(output_dir: str | Path, kind: str, base: str | Path, **overrides: Any) -> Trainer:
-    values: dict[str, Any] = {
-        "output_dir": str(output_dir),
-        "max_steps": STEPS,
-        "per_device_train_batch_size": 4,
-        "gradient_accumulation_steps": 2,
-        "learning_rate": 1e-2,
-        "max_grad_norm": 0.1,  # below every step's norm: clipping by the global norm matters
-        "logging_steps": 1,
-        "save_strategy": "steps",
-        "save_steps": 2,
-        "eval_strategy": "no",
-        "report_to": "none",
-    }
-    values.update(overrides)
+    args = training_arguments(kind, output_dir, save_strategy="steps", save_steps=2, **overrides)
     pipeline = kind == "pipeline"
-    args = (PipelineTrainingArguments if pipeline else TrainingArguments)(**values)
     return (PipelineTrainer if pipeline else Trainer)(
         functools.partial(load_base_model, str(base)),
         args,

@@ -63,13 +63,9 @@ class GatherStage(TrainerCallback):
         self.weights = self.trainer.stage_state_dict()
 
 
-def train(
-    output_dir: str | Path,
-    kind: str,
-    model: str = "llama",
-    callbacks: list | None = None,
-    **overrides: Any,
-) -> Trainer:
+def training_arguments(kind: str, output_dir: str | Path, **overrides: Any) -> TrainingArguments:
+    """The arguments the pipeline scripts train with (``kind`` "pipeline": the pipeline
+    trainer's), ``overrides`` applied."""
     values: dict[str, Any] = {
         "output_dir": str(output_dir),
         "max_steps": STEPS,
@@ -78,14 +74,23 @@ def train(
         "learning_rate": 1e-2,
         "max_grad_norm": 0.1,  # below every step's norm: clipping by the global norm matters
         "logging_steps": 1,
-        "save_strategy": "no",
         "eval_strategy": "no",
         "report_to": "none",  # metrics.jsonl is always written
-        "save_final_checkpoint": False,
+        **overrides,
     }
-    values.update(overrides)
+    return (PipelineTrainingArguments if kind == "pipeline" else TrainingArguments)(**values)
+
+
+def train(
+    output_dir: str | Path,
+    kind: str,
+    model: str = "llama",
+    callbacks: list | None = None,
+    **overrides: Any,
+) -> Trainer:
+    values = {"save_strategy": "no", "save_final_checkpoint": False, **overrides}
+    args = training_arguments(kind, output_dir, **values)
     pipeline = kind == "pipeline"
-    args = (PipelineTrainingArguments if pipeline else TrainingArguments)(**values)
     gather = GatherStage()
     trainer = (PipelineTrainer if pipeline else Trainer)(
         MODELS[model](),
