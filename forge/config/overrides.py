@@ -99,18 +99,15 @@ def _apply(
         last = i == len(segments) - 1
         value = new if last else yaml.MappingNode(_MAP, [])
         if isinstance(node, yaml.MappingNode) and _find_key(node, segment) is None:
+            # a mapping these overrides created takes any key; a call, a keyword it takes
+            # (given as a mapping that the rest of the path fills: fsdp_config.replicate_size)
             if id(node) in made:
                 node.value.append((yaml.ScalarNode(_STR, segment), value))
+            elif not (keywords and _add_keyword(node, segment, value, walked, keywords)):
+                value = None
+            if value is not None:
                 if last:
                     return new
-                node = value
-                made.add(id(node))
-                walked.append(segment)
-                continue
-            if keywords and _add_keyword(node, segment, value, walked, keywords):
-                if last:
-                    return new
-                # a keyword the call takes, given as a mapping (fsdp_config.min_num_params)
                 node = value
                 made.add(id(node))
                 walked.append(segment)
