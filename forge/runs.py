@@ -636,6 +636,15 @@ def _flock(handle: Any, *, exclusive: bool, wait: float) -> bool:
             time.sleep(0.05)
 
 
+def lock_signer(run_dir: Path, name: str) -> int | None:
+    """The pid the holder of lock ``name`` of ``run_dir`` wrote into it (``sign``); None where
+    the file names none."""
+    try:
+        return int(json.loads((Path(run_dir) / name).read_text() or "{}")["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _holder_text(path: Path) -> str:
     try:
         holder = json.loads(path.read_text() or "{}")

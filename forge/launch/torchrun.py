@@ -371,24 +371,54 @@ def settle_failure(run_dir: Path, what: str, failure: dict[str, Any]) -> bool:
     return False
 
 
+#: How long the agent waits for the launch lock of a launcher that died. The kernel sends the
+#: parent-death signal as the launcher's thread that started the agent exits, and lets the lock
+#: go only when its last thread has: under load that can be a while later.
+DEAD_LAUNCHER_WAIT_S = 60.0
+
+
 def record_launcher_death(run_dir: Path, project_root: Path, launcher: str) -> None:
     """What the agent does when forge died, once its workers are gone: the record says so.
 
-    It takes the launch lock that forge held: a ``forge resume`` that has claimed the run in
-    the meantime owns the record, and this one leaves it alone."""
-    from forge.runs import LAUNCH_LOCK, RunBusyError, RunError, RunLock, RunRecord
+    It takes the launch lock that forge held, once forge's threads have all exited: a
+    ``forge resume`` that has claimed the run in the meantime owns the record, and this one
+    leaves it alone."""
+    from forge.runs import RunRecord
 
     what = f"the forge process that launched the job (pid {launcher}) died"
     try:
-        with RunLock.acquire(run_dir, LAUNCH_LOCK, wait=0.0, sign=False):
+        lock = _dead_launchers_lock(run_dir, launcher)
+        if lock is None:
+            return  # another command claimed the run
+        with lock:
             record = RunRecord.load(run_dir)
             if record.data.get("status") in ("created", "running"):
                 record.set_status("killed", error=f"{what}; its training processes were stopped")
-    except RunBusyError:
-        return
     except RunError as err:
         _tell(f"error: {err}")
     _tell(f"stopped {Path(run_dir).name}: {what}; {go_on_note(run_dir, project_root)}")
+
+
+def _dead_launchers_lock(run_dir: Path, launcher: str) -> Any:
+    """The launch lock of ``run_dir``, waiting while the dead ``launcher`` (its signer) still
+    holds it; None when another process signed it (a ``forge resume``). RunError when the
+    launcher's lock outlives :data:`DEAD_LAUNCHER_WAIT_S`."""
+    from forge.runs import LAUNCH_LOCK, RunBusyError, RunLock, lock_signer
+
+    deadline = time.monotonic() + DEAD_LAUNCHER_WAIT_S
+    while True:
+        try:
+            return RunLock.acquire(run_dir, LAUNCH_LOCK, wait=0.0, sign=False)
+        except RunBusyError:
+            if str(lock_signer(run_dir, LAUNCH_LOCK)) != launcher:
+                return None
+            if time.monotonic() >= deadline:
+                raise RunError(
+                    f"{Path(run_dir) / LAUNCH_LOCK}: still held {DEAD_LAUNCHER_WAIT_S:.0f} s after "
+                    f"the launcher died (pid {launcher}; a process it forked may hold it), so "
+                    "run.json was left as it was"
+                ) from None
+            time.sleep(0.05)
 
 
 def _tell(message: str) -> None:

@@ -11,11 +11,14 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
+from pathlib import Path
 
 import pytest
 
-from forge.launch.torchrun import PARENT_ENV
+from forge.launch.torchrun import PARENT_ENV, record_launcher_death
+from forge.runs import LAUNCH_LOCK, RunLock
 from tests.helpers import REPO
 from tests.reliability.procs import alive
 
@@ -160,3 +163,38 @@ def test_a_rank_that_dies_marks_the_run_failed_naming_it(tmp_path, saved):
         assert "forge resume" not in stderr
     assert "Traceback" not in stderr and "ChildFailedError" not in stderr
     assert not (tmp_path / "survived").exists()
+
+
+def running_run(tmp_path: Path) -> Path:
+    run_dir = tmp_path / "run_001"
+    run_dir.mkdir()
+    (run_dir / "run.json").write_text(json.dumps({"run": 1, "status": "running"}))
+    return run_dir
+
+
+def test_the_agent_waits_for_the_lock_of_a_launcher_whose_threads_are_still_exiting(
+    tmp_path, capsys
+):
+    """SIGKILL to a launcher with several threads: the kernel sends the agent its parent-death
+    signal as the launcher's first thread exits, but lets the launch lock go with its last.
+    The agent waits for the lock its dead launcher signed, then marks the run killed."""
+    run_dir = running_run(tmp_path)
+    dying = RunLock.acquire(run_dir, LAUNCH_LOCK)  # signed with this pid: the launcher's
+    letting_go = threading.Timer(0.5, dying.release)
+    letting_go.start()
+    record_launcher_death(run_dir, tmp_path, str(os.getpid()))
+    letting_go.join()
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "killed", record
+    assert record["error"].startswith(
+        f"the forge process that launched the job (pid {os.getpid()})"
+    )
+    assert capsys.readouterr().err.startswith("stopped run_001: the forge process that launched")
+
+
+def test_the_agent_leaves_a_run_a_resume_has_claimed_to_it(tmp_path, capsys):
+    run_dir = running_run(tmp_path)
+    with RunLock.acquire(run_dir, LAUNCH_LOCK):  # signed with this pid: the resume's
+        record_launcher_death(run_dir, tmp_path, "4194305")  # the dead launcher: another pid
+    assert json.loads((run_dir / "run.json").read_text())["status"] == "running"
+    assert capsys.readouterr().err == ""
