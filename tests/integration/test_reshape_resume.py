@@ -1,6 +1,6 @@
-"""A map-style run resumed on another data-parallel size, with real processes: the epoch goes
-on, every item of it used once across the change (tests/train/test_data_reshape.py has the
-dealing itself, in one process). The project records the ids each rank trains on, step by step
+"""A map-style run, and a stream, resumed on another data-parallel size, with real processes:
+the epoch goes on, every item of it used once across the change (tests/train/test_data_reshape.py
+and tests/data/test_streams.py have the dealing itself, in one process). The project records the ids each rank trains on, step by step
 (tests/integration/data/item_ids.py); the runs stop at their checkpoint (max_steps), so what
 each run recorded is exactly what the checkpoint holds as used."""
 
@@ -28,7 +28,8 @@ def scaffold(tmp_path_factory) -> Path:
     assert made.returncode == 0, made.stderr
     project = where / "ids_project"
     shutil.copy(DATA / "item_ids.py", project)
-    shutil.copy(DATA / "ids.yaml", project / "templates" / "configs")
+    for config in ("ids.yaml", "ids_stream.yaml"):
+        shutil.copy(DATA / config, project / "templates" / "configs")
     return project
 
 
@@ -117,3 +118,29 @@ def test_a_plain_checkpoint_continues_its_epoch_under_another_trainer_on_two_pro
     steps = ids_by_step(continued)
     assert sorted(steps) == [6, 7, 8, 9]
     assert_each_item_once(ids_by_step(plain), steps)
+
+
+def ids_of_rank(run_dir: Path, rank: int, steps: range) -> list[int]:
+    """The ids ``rank`` trained on in ``steps``, in the order it read them."""
+    rows = (json.loads(line) for line in (run_dir / f"ids-rank-{rank}.jsonl").open())
+    return [i for row in rows if row["step"] in steps for i in row["ids"]]
+
+
+def test_a_stream_resumed_on_two_processes_deals_the_rest_of_its_epoch_once(project):
+    """The ids as a shuffled stream of 8 shards: 5 steps on 1 process (40 items), then 7 steps
+    on 2 (56 items a rank). Each rank reads what it was dealt of epoch 0, then its share of
+    epoch 1: a head of each rank's ids must be the 56 unused items of epoch 0, once each."""
+    p = str(project)
+    run_dir, _ = forge("train", "ids_stream", "-p", p, "-D", "max_steps=5")
+    _, stderr = forge("resume", "-p", p, "--nproc", "2", "--set", "trainer.args.max_steps=12")
+    assert "the stream continues in its epoch 0" in stderr and "dealt to 2 reader(s)" in stderr
+    used = ids_of_rank(run_dir, 0, range(1, 6))
+    assert len(set(used)) == 40
+    ranks = [ids_of_rank(run_dir, rank, range(6, 13)) for rank in (0, 1)]
+    assert [len(ids) for ids in ranks] == [56, 56]
+    heads = [
+        (n, 56 - n)
+        for n in range(57)
+        if sorted(used + ranks[0][:n] + ranks[1][: 56 - n]) == list(range(ITEMS))
+    ]
+    assert heads, f"no head of the two ranks' ids completes epoch 0 once: {used=} {ranks=}"

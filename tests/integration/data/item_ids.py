@@ -1,6 +1,7 @@
 """A project file for tests/integration/test_reshape_resume.py: items that carry their id, a
 model that notes the ids it trains on, and a callback that writes them, step by step, to
-``ids-rank-R.jsonl`` in the run directory (the ids of the sanity pass are left out)."""
+``ids-rank-R.jsonl`` in the run directory (the ids of the sanity pass are left out); the same
+items as a stream of shards (``id_stream``)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import Dataset
 
+from forge.data import ShardReader
 from forge.train.callbacks import TrainerCallback
 
 SEEN: list[int] = []  # ids the model trained on since the last step's end
@@ -63,3 +65,15 @@ class RecordIds(TrainerCallback):
         with self.file.open("a") as out:
             out.write(json.dumps({"step": state.global_step, "ids": SEEN}) + "\n")
         SEEN.clear()
+
+
+def id_shard(shard: int, per_shard: int = 12):
+    """``read`` of :func:`id_stream`: shard ``s`` holds IdItems ``s * per_shard`` onwards."""
+    items = IdItems(96)
+    for index in range(shard * per_shard, (shard + 1) * per_shard):
+        yield items[index]
+
+
+def id_stream(shards: int = 8) -> ShardReader:
+    """IdItems' 96 items as a stream of ``shards`` shards, read by forge's ShardReader."""
+    return ShardReader(list(range(shards)), id_shard)
