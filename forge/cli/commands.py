@@ -233,6 +233,18 @@ def _memory_option(args: argparse.Namespace) -> int | None:
 
 
 def cmd_train(args: argparse.Namespace) -> int:
+    topology = Topology.from_env()
+    if not topology.distributed:
+        return _train(args, topology)
+    from forge.launch.torchrun import launched_job_group
+
+    # every rank of a job another launcher started (accelerate launch, a user's torchrun): one
+    # process group for the whole command, the checks before training included
+    with launched_job_group(topology):
+        return _train(args, topology)
+
+
+def _train(args: argparse.Namespace, topology: Topology) -> int:
     from forge.launch.cluster import ONE_NODE, check_host
     from forge.launch.endpoint import Here
     from forge.launch.length_note import length_note, moot_arguments
@@ -265,7 +277,6 @@ def cmd_train(args: argparse.Namespace) -> int:
     nproc = resolve_nproc(args.nproc)
     max_restarts = resolve_max_restarts(args.max_restarts)
     require_trainer(cfg, name)
-    topology = Topology.from_env()
     node_flags = [n for n in _NODE_FLAGS if getattr(args, n) is not None]
     if topology.distributed and (args.nproc not in (None, "1") or max_restarts or node_flags):
         flag = "--max-restarts (give it to that launcher)" if max_restarts else "--nproc"
@@ -371,29 +382,25 @@ def cmd_train(args: argparse.Namespace) -> int:
 
 def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
     """``accelerate launch -m forge.cli train ...``: rank 0 creates the run, each rank trains."""
-    from forge.launch.torchrun import join_launched_job, leave_launched_job
+    from forge.launch.torchrun import share_new_run
     from forge.launch.worker import run_worker
     from forge.runs import claim_run, discard_unstarted_run
 
-    run_dir = join_launched_job(make_run if topology.is_main else None, topology)
+    run_dir = share_new_run(make_run if topology.is_main else None)
     lock = None
     if topology.is_main:
         print(run_dir, flush=True)
         logger.info("run directory: %s (rank 0 of %d)", run_dir, topology.world_size)
         lock = claim_run(run_dir)  # no other launcher holds a run created a moment ago
-    ok = False
     try:
-        code = run_worker(run_dir, project, allow=args.allow or [])
-        ok = True
+        return run_worker(run_dir, project, allow=args.allow or [])
     except Exception as err:
         if topology.is_main and exit_code_for(err) == EXIT_USAGE:
             discard_unstarted_run(run_dir)
         raise
     finally:
-        leave_launched_job(ok=ok)
         if lock is not None:
             lock.release()
-    return code
 
 
 def cmd_resume(args: argparse.Namespace) -> int:

@@ -31,7 +31,7 @@ import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -258,13 +258,18 @@ def join_job(
     return code, run_dir
 
 
-def join_launched_job(make_run: Callable[[], Path] | None, topology: Topology) -> Path:
-    """In a job another launcher started (``accelerate launch``, a user's torchrun): start the
-    process group, let rank 0 create the run (``make_run``) and tell every rank its directory.
+@contextlib.contextmanager
+def launched_job_group(topology: Topology) -> Iterator[None]:
+    """In a job another launcher started (``accelerate launch``, a user's torchrun): the process
+    group of the whole command, started once, before the checks that run the trainer's paths.
 
-    The group stays up for the trainer (which then neither creates nor ends one); the caller
-    ends it with ``leave_launched_job``. Gloo carries CPU tensors and NCCL CUDA ones, so the
-    group suits whichever device the config trains on.
+    Once per process, because a default group started again on the launcher's store reads the
+    keys the first one left there: a rank that looks up its peer before the peer has written
+    its new address connects to the old, closed one (gloo's ``connectFullMesh``: "Connection
+    refused"). The trainer, finding the group up, neither creates nor ends one. Gloo carries
+    CPU tensors and NCCL CUDA ones, so the group suits whichever device the config trains on.
+    On success the ranks meet once more, so that none ends the group under a collective still
+    in flight.
     """
     import torch
     import torch.distributed as dist
@@ -276,29 +281,33 @@ def join_launched_job(make_run: Callable[[], Path] | None, topology: Topology) -
         torch.cuda.set_device(topology.local_rank)
         backend = "cpu:gloo,cuda:nccl"
     dist.init_process_group(backend, rank=topology.rank, world_size=topology.world_size)
+    ok = False
+    try:
+        yield
+        ok = True
+    finally:
+        if dist.is_initialized():
+            if ok:
+                dist.barrier()
+            dist.destroy_process_group()
+
+
+def share_new_run(make_run: Callable[[], Path] | None) -> Path:
+    """Rank 0 creates the run (``make_run``) and tells every rank its directory; the others
+    pass None. Inside :func:`launched_job_group`. A failure on rank 0 stops every rank."""
+    import torch.distributed as dist
+
     box: list[Any] = [None]
-    if topology.is_main:
+    if make_run is not None:
         try:
             box = [str(make_run())]
         except Exception as err:  # the others learn that there is no run, and stop
             dist.broadcast_object_list([f"error: {err}"], src=0)
-            leave_launched_job(ok=False)
             raise
     dist.broadcast_object_list(box, src=0)
     if box[0].startswith("error: "):
-        leave_launched_job(ok=False)
         raise LaunchUsageError(f"rank 0 could not create the run ({box[0][7:]})")
     return Path(box[0])
-
-
-def leave_launched_job(*, ok: bool) -> None:
-    """End the group ``join_launched_job`` started (after a last barrier when all went well)."""
-    import torch.distributed as dist
-
-    if dist.is_initialized():
-        if ok:
-            dist.barrier()
-        dist.destroy_process_group()
 
 
 # --------------------------------------------------------------------------- lifetime
