@@ -385,6 +385,7 @@ def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace
     from forge.launch.torchrun import share_new_run
     from forge.launch.worker import run_worker
     from forge.runs import claim_run, discard_unstarted_run
+    from forge.train.dist import barrier
 
     run_dir = share_new_run(make_run if topology.is_main else None)
     lock = None
@@ -393,7 +394,9 @@ def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace
         logger.info("run directory: %s (rank 0 of %d)", run_dir, topology.world_size)
         lock = claim_run(run_dir)  # no other launcher holds a run created a moment ago
     try:
-        return run_worker(run_dir, project, allow=args.allow or [])
+        code = run_worker(run_dir, project, allow=args.allow or [])
+        barrier()  # every rank is done before rank 0 frees the run for another launcher
+        return code
     except Exception as err:
         if topology.is_main and exit_code_for(err) == EXIT_USAGE:
             discard_unstarted_run(run_dir)
