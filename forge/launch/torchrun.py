@@ -669,7 +669,9 @@ def main(argv: list[str] | None = None) -> int:
             return first.exitcode
         if run_dir is None:  # a node that joined: node 0 keeps the record
             _tell(f"error: {what}{_NODE_NOTE}")
-        elif settle_failure(run_dir, what, details):
+        elif settle_failure(run_dir, what, details) or first.exitcode < 0:
+            # a rank killed by a signal never says why itself: name it, also when another
+            # rank recorded first what that death did to it ("lost contact ...")
             _tell(f"error: {what}; {failed_note(run_dir, project_root)}")
         codes = [f.exitcode for f in failure.failures.values() if f.exitcode and f.exitcode > 0]
         return codes[0] if codes else EXIT_FAILURE
