@@ -198,3 +198,45 @@ def test_the_agent_leaves_a_run_a_resume_has_claimed_to_it(tmp_path, capsys):
         record_launcher_death(run_dir, tmp_path, "4194305")  # the dead launcher: another pid
     assert json.loads((run_dir / "run.json").read_text())["status"] == "running"
     assert capsys.readouterr().err == ""
+
+
+# Rank 0 records the consequence first ("lost contact", as a rank whose peer vanished mid-step
+# does); only then is rank 1 killed, as the kernel's OOM killer would.
+WORKER_RANK_0_RECORDS_FIRST = """
+import json, os, signal, sys, time
+from pathlib import Path
+record = Path(sys.argv[1]) / "run.json"
+if os.environ["RANK"] == "0":
+    data = {"run": 1, "status": "failed", "error": "lost contact with another process"}
+    record.write_text(json.dumps(data))
+    time.sleep(60)
+while json.loads(record.read_text())["status"] != "failed":
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def test_a_rank_killed_by_a_signal_is_named_when_another_recorded_first(tmp_path):
+    """A killed rank cannot say why itself: the agent names it, though the record already holds
+    what its death did to rank 0 (which stays the record's error)."""
+    run_dir = running_run(tmp_path)
+    worker = tmp_path / "worker.py"
+    worker.write_text(WORKER_RANK_0_RECORDS_FIRST)
+    agent = python(
+        "from forge.launch.torchrun import main; raise SystemExit(main())",
+        f"--run-dir={run_dir}",
+        f"--project={tmp_path}",
+        "--nproc_per_node=2",
+        "--standalone",
+        str(worker),
+        str(run_dir),
+        stderr=subprocess.PIPE,
+    )
+    _, stderr = agent.communicate()
+    assert agent.returncode == 1, stderr
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["error"] == "lost contact with another process"
+    assert record["failure"]["rank"] == 1 and record["failure"]["exitcode"] == -signal.SIGKILL
+    said = [line for line in stderr.splitlines() if line.startswith("error: ")]
+    assert len(said) == 1, stderr
+    assert said[0].startswith("error: rank 1 (pid ") and "was killed by SIGKILL" in said[0], said
