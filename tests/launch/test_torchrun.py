@@ -106,6 +106,22 @@ Path(sys.argv[1]).write_text("rank 0 was not stopped")
 """
 
 
+def start_agent(run_dir: Path, tmp_path: Path, worker_text: str, argument: Path):
+    """forge's torchrun agent for ``run_dir``, running ``worker_text`` as 2 ranks (stderr piped)."""
+    worker = tmp_path / "worker.py"
+    worker.write_text(worker_text)
+    return python(
+        "from forge.launch.torchrun import main; raise SystemExit(main())",
+        f"--run-dir={run_dir}",
+        f"--project={tmp_path}",
+        "--nproc_per_node=2",
+        "--standalone",
+        str(worker),
+        str(argument),
+        stderr=subprocess.PIPE,
+    )
+
+
 def save_a_checkpoint(run_dir) -> None:
     """A small valid checkpoint in ``run_dir/checkpoints``, as a job that trained leaves."""
     from torch import nn
@@ -134,18 +150,7 @@ def test_a_rank_that_dies_marks_the_run_failed_naming_it(tmp_path, saved):
     if saved:
         save_a_checkpoint(run_dir)
     (run_dir / "run.json").write_text(json.dumps({"run": 1, "status": "running"}))
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER)
-    agent = python(
-        "from forge.launch.torchrun import main; raise SystemExit(main())",
-        f"--run-dir={run_dir}",
-        f"--project={tmp_path}",
-        "--nproc_per_node=2",
-        "--standalone",
-        str(worker),
-        str(tmp_path / "survived"),
-        stderr=subprocess.PIPE,
-    )
+    agent = start_agent(run_dir, tmp_path, WORKER, tmp_path / "survived")
     _, stderr = agent.communicate()
     assert agent.returncode == 1, stderr
     record = json.loads((run_dir / "run.json").read_text())
@@ -220,18 +225,7 @@ def test_a_rank_killed_by_a_signal_is_named_when_another_recorded_first(tmp_path
     """A killed rank cannot say why itself: the agent names it, though the record already holds
     what its death did to rank 0 (which stays the record's error)."""
     run_dir = running_run(tmp_path)
-    worker = tmp_path / "worker.py"
-    worker.write_text(WORKER_RANK_0_RECORDS_FIRST)
-    agent = python(
-        "from forge.launch.torchrun import main; raise SystemExit(main())",
-        f"--run-dir={run_dir}",
-        f"--project={tmp_path}",
-        "--nproc_per_node=2",
-        "--standalone",
-        str(worker),
-        str(run_dir),
-        stderr=subprocess.PIPE,
-    )
+    agent = start_agent(run_dir, tmp_path, WORKER_RANK_0_RECORDS_FIRST, run_dir)
     _, stderr = agent.communicate()
     assert agent.returncode == 1, stderr
     record = json.loads((run_dir / "run.json").read_text())
