@@ -186,7 +186,7 @@ def resume(
         if plan.done:
             logger.info("%s", plan.done)
             return TrainedRun(run_dir, None, plan.done)
-        check_resume_fits(plan, project, allow, world_size=1)
+        check_resume_fits(run_dir, plan.cfg, project, allow, world_size=1)
         logger.info("resuming %s from %s", run_dir, plan.checkpoint)
         with recorded_resume(plan, world_size=1):
             output = train_run(run_dir, project, resume_from=plan.checkpoint, allow=list(allow))

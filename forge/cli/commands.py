@@ -232,6 +232,26 @@ def _memory_option(args: argparse.Namespace) -> int | None:
         raise UsageError(str(err)) from err
 
 
+def _refuse_launcher_options(args, topology: Topology, max_restarts: int) -> None:
+    """In a job another launcher started, the options that start, restart or requeue the job's
+    processes are that launcher's (or the job script's): refused, naming the first."""
+    node_flags = [n for n in _NODE_FLAGS if getattr(args, n) is not None]
+    flag = None
+    if node_flags:
+        flag = "--" + node_flags[0].replace("_", "-") + " (give it to that launcher)"
+    elif max_restarts:
+        flag = "--max-restarts (give it to that launcher)"
+    elif args.nproc not in (None, "1"):
+        flag = "--nproc"
+    elif args.requeue:
+        flag = "--requeue (forge requeues only a job it launched: forge train --nproc N in sbatch)"
+    if flag:
+        raise UsageError(
+            f"this process is already rank {topology.rank} of {topology.world_size} started by "
+            f"another launcher (accelerate launch, torchrun); drop {flag}"
+        )
+
+
 def cmd_train(args: argparse.Namespace) -> int:
     topology = Topology.from_env()
     if not topology.distributed:
@@ -277,15 +297,8 @@ def _train(args: argparse.Namespace, topology: Topology) -> int:
     nproc = resolve_nproc(args.nproc)
     max_restarts = resolve_max_restarts(args.max_restarts)
     require_trainer(cfg, name)
-    node_flags = [n for n in _NODE_FLAGS if getattr(args, n) is not None]
-    if topology.distributed and (args.nproc not in (None, "1") or max_restarts or node_flags):
-        flag = "--max-restarts (give it to that launcher)" if max_restarts else "--nproc"
-        if node_flags:
-            flag = "--" + node_flags[0].replace("_", "-") + " (give it to that launcher)"
-        raise UsageError(
-            f"this process is already rank {topology.rank} of {topology.world_size} started by "
-            f"another launcher (accelerate launch, torchrun); drop {flag}"
-        )
+    if topology.distributed:
+        _refuse_launcher_options(args, topology, max_restarts)
     nodes, torchrun_args = (ONE_NODE, args.torchrun_args) if topology.distributed else _nodes(args)
     # Before any run directory exists: do the batches fit the model's forward, and does the
     # trainer's plan (a pipeline split) fit a job of this many processes?
@@ -382,12 +395,12 @@ def _train(args: argparse.Namespace, topology: Topology) -> int:
 
 def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace) -> int:
     """``accelerate launch -m forge.cli train ...``: rank 0 creates the run, each rank trains."""
-    from forge.launch.torchrun import share_new_run
+    from forge.launch.torchrun import share_from_rank_0
     from forge.launch.worker import run_worker
     from forge.runs import claim_run, discard_unstarted_run
     from forge.train.dist import barrier
 
-    run_dir = share_new_run(make_run if topology.is_main else None)
+    run_dir = share_from_rank_0(make_run if topology.is_main else None)
     lock = None
     if topology.is_main:
         print(run_dir, flush=True)
@@ -407,6 +420,17 @@ def _train_in_launched_job(project, make_run, topology, args: argparse.Namespace
 
 
 def cmd_resume(args: argparse.Namespace) -> int:
+    topology = Topology.from_env()
+    if not topology.distributed:
+        return _resume(args)
+    from forge.launch.torchrun import launched_job_group
+
+    # as cmd_train: one process group for every rank of a job another launcher started
+    with launched_job_group(topology):
+        return _resume_launched_job(args, topology)
+
+
+def _resume(args: argparse.Namespace) -> int:
     from forge.launch.scheduler import check_requeue, use_stop_signal
     from forge.launch.torchrun import resolve_max_restarts
     from forge.runs import find_run
@@ -453,6 +477,71 @@ def _resume_run(args, project: Project, run_dir: Path, max_restarts: int, nodes,
     return requeue_after_stop(run_dir, code, args.requeue)
 
 
+def _resume_launched_job(args: argparse.Namespace, topology: Topology) -> int:
+    """``accelerate launch -m forge.cli resume ...`` (or a user's torchrun of it): rank 0 finds,
+    claims and plans the resume as ``forge resume`` does and every rank learns the run and the
+    checkpoint; every rank checks the config against a job of this many processes (the checks
+    run the trainer's paths, collectives included), then trains from the checkpoint."""
+    from forge.launch.scheduler import use_stop_signal
+    from forge.launch.start import check_resume_fits, plan_resume, recorded_resume
+    from forge.launch.torchrun import resolve_max_restarts, share_from_rank_0
+    from forge.launch.worker import run_worker
+    from forge.runs import claim_run, find_run, parse_run_config, stale_running_note
+    from forge.train.dist import barrier
+    from forge.train.signals import stop_while_starting
+
+    use_stop_signal(args.stop_signal)
+    stop_while_starting()  # a stop before the loop ends the job cleanly (no step to save)
+    project = _project(args)
+    _refuse_launcher_options(args, topology, resolve_max_restarts(args.max_restarts))
+    allow, overrides = args.allow or [], args.set or []
+    planned = []  # rank 0's plan, with the checkpoint it validated and hashed
+
+    def plan() -> tuple[Path, str | None]:
+        config = project.resolve_config_name(args.config) if args.config else None
+        run_dir = find_run(
+            project.output_dir,
+            number=args.run,
+            run_dir=Path(args.run_dir) if args.run_dir else None,
+            config_name=config,
+        )
+        stale = stale_running_note(run_dir)
+        held.enter_context(claim_run(run_dir))  # refused while the run trains
+        if stale:
+            logger.warning("%s", stale)
+        from_checkpoint = Path(args.from_checkpoint).resolve() if args.from_checkpoint else None
+        resume = plan_resume(
+            project, run_dir, from_checkpoint=from_checkpoint, overrides=overrides, allow=allow
+        )
+        planned.append(resume)
+        if resume.done:
+            logger.info("%s", resume.done)
+            return run_dir, None
+        return run_dir, str(resume.checkpoint.path)
+
+    with contextlib.ExitStack() as held:  # rank 0's: the run's lock, then the resume's record
+        run_dir, checkpoint = share_from_rank_0(plan if topology.is_main else None)
+        if checkpoint is None:  # complete: nothing to do
+            return EXIT_OK
+        # the config as rank 0 planned it (the run's, with --set), before rank 0 records it
+        cfg = planned[0].cfg if planned else parse_run_config(run_dir, project, overrides, allow)
+        check_resume_fits(run_dir, cfg, project, allow, world_size=topology.world_size)
+        if planned:
+            held.enter_context(recorded_resume(planned[0], world_size=topology.world_size))
+            print(run_dir, flush=True)
+            logger.info(
+                "resuming %s from %s (rank 0 of %d)",
+                run_dir,
+                planned[0].checkpoint,
+                topology.world_size,
+            )
+        barrier()  # every rank reads the config rank 0 has recorded
+        resume_from = planned[0].checkpoint if planned else checkpoint
+        code = run_worker(run_dir, project, resume_from=resume_from, allow=allow)
+        barrier()  # every rank is done before rank 0 frees the run for another launcher
+        return code
+
+
 def _recorded_nproc(project: Project, args: argparse.Namespace, nnodes: int) -> int:
     """Processes per node as the run (named, or the newest) was started; 1 if unknown."""
     from forge.runs import RunError, RunRecord, find_run
@@ -493,7 +582,7 @@ def _resume_claimed(
         return EXIT_OK
     recorded = recorded_world_size(run_dir)
     nproc = resolve_nproc(args.nproc, default=max(recorded // nodes.nnodes, 1))
-    check_resume_fits(plan, project, args.allow or [], world_size=nproc * nodes.nnodes)
+    check_resume_fits(run_dir, plan.cfg, project, args.allow or [], world_size=nproc * nodes.nnodes)
     with recorded_resume(plan, world_size=nproc * nodes.nnodes):
         print(run_dir, flush=True)
         logger.info("resuming %s from %s", run_dir, plan.checkpoint)

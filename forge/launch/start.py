@@ -131,7 +131,9 @@ def plan_resume(
     done = nothing_to_resume(
         run_dir, checkpoint.path, cfg, changed=bool(overrides or from_checkpoint)
     )
-    if not done:
+    # a checkpoint --from names is the user's choice; one discovery chose is the newest valid
+    named = from_checkpoint is not None and from_checkpoint.resolve() == checkpoint.path.resolve()
+    if not done and not named:
         damaged = damaged_final_weights(run_dir, checkpoint.path, project.root, resuming=True)
         if damaged is not None:
             logger.warning("%s", damaged)
@@ -144,16 +146,15 @@ def recorded_world_size(run_dir: Path) -> int:
 
 
 def check_resume_fits(
-    plan: ResumePlan, project: Project, allow: Sequence[str], world_size: int
+    run_dir: Path, cfg: Config, project: Project, allow: Sequence[str], world_size: int
 ) -> None:
-    """As ``forge train`` checks a new run: the config (changed by ``--set``, or by hand) must
-    still feed its model and fit a job of ``world_size`` processes."""
+    """As ``forge train`` checks a new run: the run's config ``cfg`` (changed by ``--set``, or
+    by hand) must still feed its model and fit a job of ``world_size`` processes."""
     from forge.launch.preflight import check_training_contract
 
-    run_dir = plan.run_dir
     variables = build_variables(run_dir, project, RunRecord.load(run_dir).data.get("config", ""))
     check_training_contract(
-        plan.cfg,
+        cfg,
         variables,
         list(allow),
         config=str(run_dir / "config.yaml"),

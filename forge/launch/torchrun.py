@@ -32,6 +32,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -292,22 +293,31 @@ def launched_job_group(topology: Topology) -> Iterator[None]:
             dist.destroy_process_group()
 
 
-def share_new_run(make_run: Callable[[], Path] | None) -> Path:
-    """Rank 0 creates the run (``make_run``) and tells every rank its directory; the others
-    pass None. Inside :func:`launched_job_group`. A failure on rank 0 stops every rank."""
+def share_from_rank_0(decide: Callable[[], Any] | None) -> Any:
+    """Rank 0 decides (``decide``: create the run, or plan a resume) and every rank gets the
+    result, which must pickle; the others pass None. Inside :func:`launched_job_group`. A
+    failure on rank 0 stops every rank: rank 0 raises its error, the others a usage error that
+    points at it."""
     import torch.distributed as dist
 
     box: list[Any] = [None]
-    if make_run is not None:
+    if decide is not None:
         try:
-            box = [str(make_run())]
-        except Exception as err:  # the others learn that there is no run, and stop
-            dist.broadcast_object_list([f"error: {err}"], src=0)
+            box = [decide()]
+        except Exception as err:  # the others learn that rank 0 failed, and stop
+            dist.broadcast_object_list([_Failed(str(err))], src=0)
             raise
     dist.broadcast_object_list(box, src=0)
-    if box[0].startswith("error: "):
-        raise LaunchUsageError(f"rank 0 could not create the run ({box[0][7:]})")
-    return Path(box[0])
+    if isinstance(box[0], _Failed):
+        raise LaunchUsageError(f"rank 0 failed before training ({box[0].message})")
+    return box[0]
+
+
+@dataclass(frozen=True)
+class _Failed:
+    """What rank 0 tells the other ranks when its decision failed."""
+
+    message: str
 
 
 # --------------------------------------------------------------------------- lifetime

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
 from pathlib import Path
 
 import pytest
+from safetensors.torch import load_file
 
 from tests.helpers import REPO
 from tests.integration.conftest import SMALL
+from tests.train.common import assert_same_tensors
 
 pytestmark = pytest.mark.integration
 
@@ -45,13 +48,9 @@ if os.environ.get("RANK") is not None:
 """
 
 
-def test_a_launched_job_starts_one_process_group_per_rank(project, tmp_path):
-    """The checks before training run the trainer's paths, which need the group: they share the
-    job's one group with training instead of starting and ending one of their own."""
-    site = tmp_path / "site"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
-    starts = tmp_path / "group_starts.txt"
+def torchrun_forge(*args: str, site: Path, starts: Path) -> subprocess.CompletedProcess:
+    """``torchrun --nproc_per_node=2 -m forge.cli ARGS``, as a user starts it, with the
+    sitecustomize above noting each group's start in ``starts``."""
     env = dict(
         os.environ,
         PYTHONPATH=os.pathsep.join([str(site), str(REPO)]),
@@ -60,12 +59,38 @@ def test_a_launched_job_starts_one_process_group_per_rank(project, tmp_path):
         TOKENIZERS_PARALLELISM="false",
     )
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--nproc_per_node=2", "-m", "forge.cli", "train"]
-    command += ["-p", str(project), *SMALL, "-D", "max_steps=4", "-D", "save_steps=2"]
-    result = subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+    command = [str(torchrun), "--nproc_per_node=2", "-m", "forge.cli", *args]
+    return subprocess.run(command, cwd=REPO, env=env, capture_output=True, text=True, timeout=600)
+
+
+def group_starts(starts: Path) -> list[str]:
+    """The ranks that started a process group, one entry per start, sorted."""
+    return sorted(line.split()[0] for line in starts.read_text().splitlines())
+
+
+@pytest.fixture(scope="module")
+def launched(warm_project, tmp_path_factory):
+    """tiny_lm trained 4 steps (checkpoints at 2 and 4) by a user's torchrun of forge train."""
+    root = tmp_path_factory.mktemp("launched")
+    project = root / "tiny_lm"
+    shutil.copytree(warm_project, project)
+    site = root / "site"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(textwrap.dedent(SITECUSTOMIZE))
+    starts = root / "group_starts.txt"
+    result = torchrun_forge(
+        "train", "-p", str(project), *SMALL, "-D", "max_steps=4", "-D", "save_steps=2",
+        site=site, starts=starts,
+    )  # fmt: skip
+    return project, site, starts, result
+
+
+def test_a_launched_job_starts_one_process_group_per_rank(launched):
+    """The checks before training run the trainer's paths, which need the group: they share the
+    job's one group with training instead of starting and ending one of their own."""
+    project, _, starts, result = launched
     assert result.returncode == 0, result.stderr[-3000:]
-    rows = [line.split() for line in starts.read_text().splitlines()]
-    assert sorted(rank for rank, _ in rows) == ["0", "1"], rows  # one start on each rank
+    assert group_starts(starts) == ["0", "1"]  # one start on each rank
     runs = sorted((project / "output" / "train").iterdir())
     assert [r.name for r in runs] == ["run_001"]
     record = json.loads((runs[0] / "run.json").read_text())
@@ -74,3 +99,49 @@ def test_a_launched_job_starts_one_process_group_per_rank(project, tmp_path):
         (runs[0] / "checkpoints" / "checkpoint-000004" / "manifest.json").read_text()
     )
     assert manifest["topology"]["world_size"] == 2
+
+
+def test_a_launched_resume_continues_the_run_exactly(launched, tmp_path):
+    """`torchrun ... -m forge.cli resume` (the way back for a job its user launched): rank 0
+    claims and plans the resume, both ranks train from the checkpoint, in one group per rank,
+    and step 4 comes out bit for bit as the straight run wrote it."""
+    source, site, _, trained = launched
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    project = tmp_path / "tiny_lm"
+    shutil.copytree(source, project)
+    run_dir = project / "output" / "train" / "run_001"
+    checkpoints = run_dir / "checkpoints"
+    straight = load_file(checkpoints / "checkpoint-000004" / "model.safetensors")
+    starts = tmp_path / "group_starts.txt"
+    result = torchrun_forge(
+        "resume", "-p", str(project), "--run-dir", str(run_dir),
+        "--from", str(checkpoints / "checkpoint-000002"), site=site, starts=starts,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert group_starts(starts) == ["0", "1"]
+    assert result.stderr.count("resumed from") == 1, result.stderr[-3000:]  # rank 0 says it
+    assert "damaged" not in result.stderr  # a checkpoint --from names: the final one is sound
+    assert result.stdout.strip() == str(run_dir)
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "completed" and record["step"] == 4
+    assert [(r["from"], r["world_size"]) for r in record["resumes"]] == [
+        (str(checkpoints / "checkpoint-000002"), 2)
+    ]
+    resumed = load_file(checkpoints / "checkpoint-000004" / "model.safetensors")
+    assert_same_tensors(straight, resumed, "model")
+
+
+def test_a_launched_resume_refuses_what_belongs_to_the_launcher(launched, tmp_path):
+    """`--requeue` under a user's launcher would be accepted and do nothing (forge requeues
+    only a job it launched): refused before any training, the run left as it was."""
+    project, site, _, trained = launched
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_dir = project / "output" / "train" / "run_001"
+    before = (run_dir / "run.json").read_text()
+    result = torchrun_forge(
+        "resume", "-p", str(project), "--requeue", site=site, starts=tmp_path / "starts.txt"
+    )
+    assert result.returncode != 0
+    assert "another launcher (accelerate launch, torchrun); drop --requeue" in result.stderr
+    assert "resumed from" not in result.stderr
+    assert (run_dir / "run.json").read_text() == before

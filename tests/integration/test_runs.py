@@ -288,6 +288,25 @@ def test_export_of_a_completed_run_with_damaged_final_weights_says_how_to_rebuil
     assert run_forge("export", str(given), str(run_dir.parent / "out")).returncode == 0
 
 
+def test_a_resume_from_a_named_earlier_checkpoint_finds_no_damage(trained, caplog):
+    """`forge resume --from` an earlier checkpoint of a completed run: the final weights are
+    sound, and the resume says nothing of damage (it once said they were damaged); a resume
+    whose newest valid checkpoint discovery chose, with the final save damaged, still says so."""
+    from forge.config import load_project
+    from forge.launch.start import plan_resume
+
+    project, run_dir, _ = trained
+    earlier = run_dir / "checkpoints" / "checkpoint-000030"
+    with caplog.at_level("WARNING", logger="forge"):
+        plan = plan_resume(load_project(project), run_dir, from_checkpoint=earlier)
+        assert plan.done is None and plan.checkpoint.path == earlier
+        assert "damaged" not in caplog.text
+        _damage_final_weights(run_dir)
+        plan = plan_resume(load_project(project), run_dir)
+    assert plan.checkpoint.path == earlier
+    assert "its final weights (checkpoint-000040) are damaged" in caplog.text
+
+
 @pytest.mark.slow  # trains the last 10 steps again
 def test_resume_of_a_completed_run_with_damaged_final_weights_rebuilds_them(trained):
     from safetensors.torch import load_file

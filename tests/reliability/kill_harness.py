@@ -133,12 +133,19 @@ class TrainerResult:
 class Job:
     """A `forge train` / `forge resume` process whose stderr is read as it comes."""
 
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        args: list[str],
+        env: dict[str, str] | None = None,
+        launcher: list[str] | None = None,
+    ) -> None:
+        """``launcher``: the command that runs ``-m forge.cli ARGS`` (default: this Python; a
+        user's ``torchrun --nproc_per_node=2``, ``accelerate launch ...``)."""
         full_env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
         full_env.setdefault("OMP_NUM_THREADS", "1")
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "forge.cli", *args],
+            [*(launcher or [sys.executable]), "-m", "forge.cli", *args],
             cwd=REPO,
             env=full_env,
             stdout=subprocess.PIPE,
