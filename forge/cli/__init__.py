@@ -76,8 +76,35 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("arguments after -- are only for `forge train` and `forge resume`")
     verbose = getattr(args, "verbose", False)
     setup_logging(verbose)
+    refused = _refused_under_a_launcher(args.command)
+    if refused is not None:
+        if refused:
+            print(f"error: {refused}", file=sys.stderr)
+        return EXIT_USAGE
     _install_run_lookup()
     return _run(COMMANDS[args.command], args, verbose)
+
+
+#: the commands that run on every rank of a job another launcher started (accelerate launch, a
+#: user's torchrun); ``_worker`` is a rank forge's own torchrun started
+ON_EVERY_RANK = ("train", "resume", "evaluate", "_worker")
+
+
+def _refused_under_a_launcher(command: str) -> str | None:
+    """Why ``command`` cannot run on every rank of a launched job (each rank would write the
+    same files or print the same rows), said by rank 0 only; None where it can, or outside one."""
+    from forge.train.topology import Topology
+
+    topology = Topology.from_env()
+    if command in ON_EVERY_RANK or not topology.distributed:
+        return None
+    if not topology.is_main:
+        return ""  # the same refusal, said once
+    return (
+        f"`forge {command}` is a one-process command, and this process is rank {topology.rank}"
+        f" of {topology.world_size} started by a launcher (accelerate launch, torchrun): run it "
+        "without the launcher (only train, resume and evaluate run on every rank of a job)"
+    )
 
 
 def _install_run_lookup() -> None:

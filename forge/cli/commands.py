@@ -767,6 +767,8 @@ def cmd_evaluate(args: argparse.Namespace) -> int:
     checkpoint = reader.path
     logger.info("evaluating %s on the %s split", checkpoint, args.split)
     metrics = reader.evaluate(args.split, ema=args.ema)
+    if not Topology.from_env().is_main:  # under a launcher every rank evaluates its share
+        return EXIT_OK
     if args.json:
         print(json.dumps({"checkpoint": str(checkpoint), **metrics}))
         return EXIT_OK

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import shutil
 
+import pytest
 import yaml
 
 from tests.helpers import TINY_LM, run_forge
@@ -220,3 +221,38 @@ def test_dash_p_naming_a_missing_directory_says_so(tmp_path):
     result = run_forge("ls", "-p", "no/such/project", cwd=tmp_path)
     assert result.returncode == 2
     assert result.stderr.startswith("error: no such directory: no/such/project")
+
+
+@pytest.mark.parametrize("command", ["runs", "predict", "export", "sweep", "new"])
+def test_a_one_process_command_under_a_launcher_is_refused_by_rank_0_only(
+    command, monkeypatch, capsys, tmp_path
+):
+    """Every rank of `accelerate launch -m forge.cli CMD` would write the same files or print
+    the same rows: the commands that do not run on every rank are refused before anything is
+    read or written, rank 0 saying why and the others exiting quietly."""
+    from forge.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    args = {
+        "runs": ["runs"],
+        "predict": ["predict", "run", "--input", "in.jsonl", "--output", "out.jsonl"],
+        "export": ["export", "run", "out"],
+        "sweep": ["sweep", "-p", "."],
+        "new": ["new", "demo"],
+    }[command]
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        assert main(args) == 2
+        said = capsys.readouterr()
+        assert said.out == ""
+        if rank == "0":
+            assert f"`forge {command}` is a one-process command" in said.err
+            assert "rank 0 of 2 started by a launcher" in said.err
+        else:
+            assert said.err == ""
+    assert list(tmp_path.iterdir()) == []  # nothing written (`new` would create demo/)
+    monkeypatch.delenv("RANK")  # one process: not a launched job
+    monkeypatch.delenv("WORLD_SIZE")
+    assert main(["new", "demo"]) == 0
+    assert (tmp_path / "demo").is_dir()

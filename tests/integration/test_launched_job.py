@@ -145,3 +145,23 @@ def test_a_launched_resume_refuses_what_belongs_to_the_launcher(launched, tmp_pa
     assert "another launcher (accelerate launch, torchrun); drop --requeue" in result.stderr
     assert "resumed from" not in result.stderr
     assert (run_dir / "run.json").read_text() == before
+
+
+def test_a_launched_evaluate_prints_its_metrics_once(launched, tmp_path):
+    """`torchrun ... -m forge.cli evaluate RUN --json`: the ranks evaluate their shares of the
+    split, and rank 0 alone prints the one JSON object, with the loss the run's own final
+    evaluation on those 2 processes logged (max_eval_batches limits each process's share,
+    so one process would read other items)."""
+    project, site, _, trained = launched
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    run_dir = project / "output" / "train" / "run_001"
+    result = torchrun_forge("evaluate", str(run_dir), "--json", site=site, starts=tmp_path / "s")
+    assert result.returncode == 0, result.stderr[-3000:]
+    lines = result.stdout.splitlines()
+    assert len(lines) == 1, result.stdout
+    logged = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    final = [
+        entry["eval_loss"] for entry in logged if entry.get("step") == 4 and "eval_loss" in entry
+    ]
+    assert len(final) == 1, logged
+    assert json.loads(lines[0])["eval_loss"] == pytest.approx(final[0], rel=1e-6)
