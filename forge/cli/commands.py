@@ -433,7 +433,6 @@ def cmd_resume(args: argparse.Namespace) -> int:
 def _resume(args: argparse.Namespace) -> int:
     from forge.launch.scheduler import check_requeue, use_stop_signal
     from forge.launch.torchrun import resolve_max_restarts
-    from forge.runs import find_run
     from forge.train.signals import stop_while_starting
 
     use_stop_signal(args.stop_signal)
@@ -453,14 +452,21 @@ def _resume(args: argparse.Namespace) -> int:
 
         nproc = resolve_nproc(args.nproc, default=_recorded_nproc(project, args, nodes.nnodes))
         return _join(args, project, nproc, nodes, torchrun_args, max_restarts, Here("resume"))
+    return _resume_run(args, project, _run_to_resume(args, project), max_restarts, nodes)
+
+
+def _run_to_resume(args: argparse.Namespace, project: Project) -> Path:
+    """The run ``forge resume`` names: ``--run N`` (of ``--config``), ``--run-dir``, or the
+    project's newest."""
+    from forge.runs import find_run
+
     config = project.resolve_config_name(args.config) if args.config else None
-    run_dir = find_run(
+    return find_run(
         project.output_dir,
         number=args.run,
         run_dir=Path(args.run_dir) if args.run_dir else None,
         config_name=config,
     )
-    return _resume_run(args, project, run_dir, max_restarts, nodes)
 
 
 def _resume_run(args, project: Project, run_dir: Path, max_restarts: int, nodes, here=None) -> int:
@@ -486,7 +492,7 @@ def _resume_launched_job(args: argparse.Namespace, topology: Topology) -> int:
     from forge.launch.start import check_resume_fits, plan_resume, recorded_resume
     from forge.launch.torchrun import resolve_max_restarts, share_from_rank_0
     from forge.launch.worker import run_worker
-    from forge.runs import claim_run, find_run, parse_run_config, stale_running_note
+    from forge.runs import claim_run, parse_run_config, stale_running_note
     from forge.train.dist import barrier
     from forge.train.signals import stop_while_starting
 
@@ -498,13 +504,7 @@ def _resume_launched_job(args: argparse.Namespace, topology: Topology) -> int:
     planned = []  # rank 0's plan, with the checkpoint it validated and hashed
 
     def plan() -> tuple[Path, str | None]:
-        config = project.resolve_config_name(args.config) if args.config else None
-        run_dir = find_run(
-            project.output_dir,
-            number=args.run,
-            run_dir=Path(args.run_dir) if args.run_dir else None,
-            config_name=config,
-        )
+        run_dir = _run_to_resume(args, project)
         stale = stale_running_note(run_dir)
         held.enter_context(claim_run(run_dir))  # refused while the run trains
         if stale:
