@@ -310,6 +310,8 @@ def _train(args: argparse.Namespace, topology: Topology) -> int:
     )
     length = length_note(cfg)
     moot = [sentence for _, sentence in moot_arguments(cfg)]
+    if args.dry_run and not topology.is_main:  # under a launcher: rank 0 prints the plan
+        return EXIT_OK
     if args.dry_run:
         from forge.launch.job_plan import make_plan
 

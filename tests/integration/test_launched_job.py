@@ -165,3 +165,17 @@ def test_a_launched_evaluate_prints_its_metrics_once(launched, tmp_path):
     ]
     assert len(final) == 1, logged
     assert json.loads(lines[0])["eval_loss"] == pytest.approx(final[0], rel=1e-6)
+
+
+def test_a_launched_dry_run_prints_its_plan_once(launched, tmp_path):
+    """`torchrun ... -m forge.cli train --dry-run`: every rank checks, rank 0 alone prints the
+    plan (stdout is data: a script reading it gets one plan), and no run is created."""
+    project, site, _, trained = launched
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    result = torchrun_forge(
+        "train", "-p", str(project), *SMALL, "--dry-run", site=site, starts=tmp_path / "s"
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.stdout.count("renders and checks; would train with 2 process(es)") == 1
+    assert result.stdout.count("\nplan:") == 1, result.stdout
+    assert [r.name for r in (project / "output" / "train").iterdir()] == ["run_001"]
