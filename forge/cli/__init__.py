@@ -75,6 +75,10 @@ def main(argv: list[str] | None = None) -> int:
     elif torchrun_args:
         parser.error("arguments after -- are only for `forge train` and `forge resume`")
     verbose = getattr(args, "verbose", False)
+    wrong = _launcher_environment_error()
+    if wrong:
+        print(f"error: {wrong}", file=sys.stderr)
+        return EXIT_USAGE
     setup_logging(verbose)
     refused = _refused_under_a_launcher(args.command)
     if refused is not None:
@@ -88,6 +92,22 @@ def main(argv: list[str] | None = None) -> int:
 #: the commands that run on every rank of a job another launcher started (accelerate launch, a
 #: user's torchrun); ``_worker`` is a rank forge's own torchrun started
 ON_EVERY_RANK = ("train", "resume", "evaluate", "_worker")
+
+
+def _launcher_environment_error() -> str | None:
+    """What is wrong with the rank variables a launcher sets (RANK beyond WORLD_SIZE: a
+    variable left over in the shell, or a launcher's slip), before anything reads them."""
+    from forge.train.topology import Topology
+
+    try:
+        Topology.from_env()
+    except ValueError as err:
+        return (
+            f"the environment's process variables do not agree ({err}): forge reads RANK, "
+            "WORLD_SIZE and LOCAL_RANK (or MPI's) as a launcher sets them; unset them, or start "
+            "forge with the launcher"
+        )
+    return None
 
 
 def _refused_under_a_launcher(command: str) -> str | None:

@@ -256,3 +256,14 @@ def test_a_one_process_command_under_a_launcher_is_refused_by_rank_0_only(
     monkeypatch.delenv("WORLD_SIZE")
     assert main(["new", "demo"]) == 0
     assert (tmp_path / "demo").is_dir()
+
+
+@pytest.mark.parametrize("rank,world", [("1", "1"), ("x", "2")], ids=["beyond", "not-a-number"])
+def test_rank_variables_that_do_not_agree_are_named_without_a_traceback(rank, world):
+    """A RANK left over in the shell (or beyond WORLD_SIZE): one message naming the variables,
+    exit 2, for any command (it was a ValueError traceback from the logging set-up)."""
+    result = run_forge("runs", "-p", str(TINY_LM), env={"RANK": rank, "WORLD_SIZE": world})
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert "process variables do not agree" in result.stderr
+    assert "RANK, WORLD_SIZE and LOCAL_RANK" in result.stderr
