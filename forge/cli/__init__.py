@@ -63,7 +63,19 @@ class _Formatter(logging.Formatter):
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+    """Run ``forge ARGV`` (``sys.argv`` when None: the process's own command) to an exit code."""
+    if argv is None:
+        try:
+            return _main(sys.argv[1:])
+        finally:
+            if "torch" in sys.modules:  # a light command's shutdown is quick as it is
+                from forge.lifetime import prepare_a_quick_exit
+
+                prepare_a_quick_exit()  # the process's own command: it ends here
+    return _main(list(argv))
+
+
+def _main(argv: list[str]) -> int:
     argv, torchrun_args = split_torchrun_args(argv)
     parser = build_parser()
     args = parser.parse_args(argv)

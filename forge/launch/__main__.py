@@ -3,5 +3,10 @@
 import sys
 
 from forge.launch.torchrun import main
+from forge.lifetime import prepare_a_quick_exit
 
-sys.exit(main())
+try:
+    code = main()
+finally:
+    prepare_a_quick_exit()
+sys.exit(code)
