@@ -47,6 +47,8 @@ from forge.checkpoint.writer import RECORDS_PREFIX
 KILL_VAR = "FORGE_TEST_KILL_AT"
 FAIL_VAR = "FORGE_TEST_FAIL_AT"
 RECORD_VAR = "FORGE_TEST_RECORD_WRITES"
+PAUSE_VAR = "FORGE_TEST_PAUSE_BEFORE_LOOP"
+PAUSE_S = 120  # how long the paused process waits for the test's signal before going on
 SITE_DIR = Path(__file__).resolve().with_name("site")
 
 
@@ -194,11 +196,45 @@ def fault_env(
     return env
 
 
+def pause_env(marker: str | os.PathLike) -> dict[str, str]:
+    """The environment (to add to a child's) under which a process that trains stops just
+    before its training loop takes over the stop signals: it creates ``marker`` and waits there
+    (up to PAUSE_S, then goes on), so that a test's signal lands while the job is still
+    starting, however busy the machine, instead of after some steps no test can predict."""
+    env = fault_env()
+    env[PAUSE_VAR] = str(marker)
+    return env
+
+
+def pause_before_the_loop(marker: str) -> None:
+    """Wrap ``StopSignals.__enter__`` (the loop taking over the stop signals) to announce itself
+    through ``marker`` and wait there; the first time only."""
+    import time
+
+    from forge.train import signals
+
+    enter = signals.StopSignals.__enter__
+    paused = []
+
+    def announce_and_wait(self):
+        if not paused:
+            paused.append(True)
+            Path(marker).write_text(str(os.getpid()))
+            deadline = time.monotonic() + PAUSE_S
+            while time.monotonic() < deadline:  # a stop signal raises out of here
+                time.sleep(0.05)
+        return enter(self)
+
+    signals.StopSignals.__enter__ = announce_and_wait
+
+
 def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     """Install a ``FaultyStorage`` from ``FORGE_TEST_KILL_AT`` / ``FORGE_TEST_FAIL_AT`` as this
     process's default (site/sitecustomize.py calls this at interpreter start)."""
     from forge.checkpoint.storage import use_storage
 
+    if environ.get(PAUSE_VAR):
+        pause_before_the_loop(environ[PAUSE_VAR])
     kill, fail, record = environ.get(KILL_VAR), environ.get(FAIL_VAR), environ.get(RECORD_VAR)
     if kill or fail or record:
         rank = int(environ.get("RANK", "0"))

@@ -35,6 +35,7 @@ import torch
 from safetensors.torch import load_file
 
 from forge.checkpoint import find_latest_checkpoint, parse_checkpoint_step
+from tests.faults import pause_env
 from tests.helpers import run_forge
 from tests.integration.conftest import SMALL
 from tests.reliability.kill_harness import HANG_S, Job
@@ -372,6 +373,15 @@ def catches_stops(pid: int) -> bool:
     return bool(caught >> (signal.SIGTERM - 1) & 1)
 
 
+def wait_for_file(path: Path, job: Job) -> None:
+    """Until ``path`` exists; a job that ends first, or a hang, fails the test naming it."""
+    deadline = time.monotonic() + HANG_S
+    while not path.exists():
+        assert job.proc.poll() is None, f"the job ended before {path.name}:\n{job.text()}"
+        assert time.monotonic() < deadline, f"no {path.name} in {HANG_S} s:\n{job.text()}"
+        time.sleep(0.05)
+
+
 def wait_for_ranks(job: Job, nproc: int) -> dict[int, int]:
     """The job's training processes by rank, once all ``nproc`` run forge's code."""
     deadline = time.monotonic() + HANG_S
@@ -394,14 +404,20 @@ def wait_for_ranks(job: Job, nproc: int) -> dict[int, int]:
     ],
     ids=["1proc-sigusr1-cli", "1proc-sigterm-group", "2proc-sigusr1-every", "2proc-sigterm-ranks"],
 )
-def test_a_stop_before_the_loop_starts_ends_the_job_cleanly(project, nproc, sig, target):
+def test_a_stop_before_the_loop_starts_ends_the_job_cleanly(project, tmp_path, nproc, sig, target):
     """A stop while the job starts (the model and the data being built): nothing to save, so
     the job ends at once, exit 128 + N, without a traceback, and leaves no run behind (it never
-    trained). ``ranks``: the signal reaches only the training processes (not the agent)."""
-    job = Job(["train", "-p", str(project), *SMALL, "--nproc", str(nproc)])
+    trained). ``ranks``: the signal reaches only the training processes (not the agent). One
+    process: the stop comes at the last moment before the loop, where the process waits for it
+    (tests.faults.pause_env); a signal sent once the run directory is printed may otherwise
+    find, on a busy machine, a loop that has trained a step already."""
+    marker = tmp_path / "before-the-loop"
+    env = pause_env(marker) if nproc == 1 else None
+    job = Job(["train", "-p", str(project), *SMALL, "--nproc", str(nproc)], env)
     run_dir = Path(job.proc.stdout.readline().strip())
     assert run_dir.is_dir(), job.text()
     if nproc == 1:
+        wait_for_file(marker, job)
         send(job, sig, target)
     else:
         ranks = wait_for_ranks(job, nproc)  # each rank is importing or building its model

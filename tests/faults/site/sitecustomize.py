@@ -1,6 +1,7 @@
 """Run at the start of every Python process whose PYTHONPATH holds this directory
 (``tests.faults.fault_env``): installs the fault-injecting checkpoint storage that
-``FORGE_TEST_KILL_AT`` / ``FORGE_TEST_FAIL_AT`` ask for. Nothing happens without them."""
+``FORGE_TEST_KILL_AT`` / ``FORGE_TEST_FAIL_AT`` ask for, and the pause before the training loop
+that ``FORGE_TEST_PAUSE_BEFORE_LOOP`` asks for. Nothing happens without them."""
 
 import os
 import sys
@@ -8,7 +9,12 @@ from pathlib import Path
 
 if any(
     os.environ.get(name)
-    for name in ("FORGE_TEST_KILL_AT", "FORGE_TEST_FAIL_AT", "FORGE_TEST_RECORD_WRITES")
+    for name in (
+        "FORGE_TEST_KILL_AT",
+        "FORGE_TEST_FAIL_AT",
+        "FORGE_TEST_RECORD_WRITES",
+        "FORGE_TEST_PAUSE_BEFORE_LOOP",
+    )
 ):
     repo = str(Path(__file__).resolve().parents[3])
     if repo not in sys.path:
