@@ -6,6 +6,7 @@ one shard at a saved position and says where it is. ``HFStreamSource`` reads a
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Any
 
@@ -31,11 +32,7 @@ def is_stream(dataset: Any) -> bool:
         return True
     if callable(getattr(dataset, "stream_source", None)):
         return True
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover - datasets is a dependency
-        return False
-    return isinstance(dataset, datasets.IterableDataset)
+    return _is_hf_stream(dataset)
 
 
 class StreamSource:
@@ -210,8 +207,8 @@ def stream_source(dataset: Any) -> StreamSource:
 
 
 def _is_hf_stream(dataset: Any) -> bool:
-    try:
-        import datasets
-    except ImportError:  # pragma: no cover
-        return False
-    return isinstance(dataset, datasets.IterableDataset)
+    """A ``datasets.IterableDataset``. Only a process that imported ``datasets`` can hold one:
+    asking does not import it (half a second at every start of a run that does not use it)."""
+    datasets = sys.modules.get("datasets")
+    iterable = getattr(datasets, "IterableDataset", None)
+    return iterable is not None and isinstance(dataset, iterable)

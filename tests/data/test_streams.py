@@ -425,3 +425,28 @@ def test_a_buffered_item_is_kept_in_the_state_as_it_was(tensor):
     back = _restored(_plain({"label": tensor, "x": [tensor]}))
     assert back["label"].dtype == tensor.dtype and back["label"].shape == tensor.shape
     assert torch.equal(back["label"], tensor) and torch.equal(back["x"][0], tensor)
+
+
+def test_telling_a_stream_from_a_dataset_does_not_import_datasets(tmp_path):
+    """A run on a map-style dataset is asked whether its data is a stream; answering must not
+    cost the import of Hugging Face ``datasets`` (half a second at every start) where nothing
+    uses it, and a ``datasets`` stream is still one once ``datasets`` is loaded."""
+    import subprocess
+    import sys
+
+    from tests.helpers import REPO
+
+    script = """
+import sys
+from forge.data.stream_sources import is_stream
+assert not is_stream([1, 2, 3])
+assert "datasets" not in sys.modules, "is_stream imported datasets"
+import datasets
+stream = datasets.Dataset.from_dict({"x": [1, 2]}).to_iterable_dataset()
+assert is_stream(stream)
+assert not is_stream(datasets.Dataset.from_dict({"x": [1, 2]}))
+"""
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr
