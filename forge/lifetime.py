@@ -177,12 +177,24 @@ def _kill_helpers() -> None:
         child.kill()
 
 
+_LEAVES_WITHOUT_SHUTDOWN = False
+
+
+def leave_without_shutdown() -> None:
+    """This process will end by ``os._exit`` (a child forked by multiprocessing, as a sweep's
+    trial is): there is no shutdown for :func:`prepare_a_quick_exit` to shorten."""
+    global _LEAVES_WITHOUT_SHUTDOWN
+    _LEAVES_WITHOUT_SHUTDOWN = True
+
+
 def prepare_a_quick_exit() -> None:
     """Spare the interpreter's shutdown its garbage collections over everything torch and
     transformers created, a few seconds of one core at every exit of a forge process (the
-    command, the agent, each rank, each sweep trial). What is garbage now is collected, so it
-    is finalized as it would have been; what is left is frozen, and the shutdown's collections
-    pass over it. Every object is still released by its reference count and every atexit
-    handler runs. For a process's own entry point only: a frozen object is never collected."""
+    command, the agent, each rank). What is garbage now is collected, so it is finalized as it
+    would have been; what is left is frozen, and the shutdown's collections pass over it. Every
+    object is still released by its reference count and every atexit handler runs. For a
+    process's own entry point only: a frozen object is never collected."""
+    if _LEAVES_WITHOUT_SHUTDOWN:
+        return
     gc.collect()
     gc.freeze()

@@ -32,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from forge.lifetime import leave_without_shutdown
+
 PARENT_ENV = "FORGE_PARENT_PID"  # forge.launch.torchrun's: the worker dies with this process
 #: what the server imports once: what a trial's training process needs
 PRELOAD = [
@@ -183,6 +185,7 @@ def _run_trial(argv: list[str], env: dict[str, str], log: str | None, sweep: int
         import torch
 
         torch.set_num_threads(int(threads))
+    leave_without_shutdown()  # the command's own entry need not prepare one
     code = _run_forge_command(argv)
     atexit._run_exitfuncs()  # a forked child leaves by os._exit: what a process runs at exit
     sys.stdout.flush()

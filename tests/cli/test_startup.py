@@ -143,3 +143,18 @@ def test_main_called_from_python_leaves_the_collector_alone(capsys):
     before = gc.get_freeze_count()
     assert main(["ls", "-p", str(TINY_LM), "--no-check"]) == 0
     assert gc.get_freeze_count() == before
+
+
+def test_a_process_that_leaves_by_os_exit_prepares_no_shutdown():
+    """A sweep's forked trial ends by ``os._exit``: no collection for a shutdown it skips."""
+    script = (
+        "import gc\n"
+        "from forge.lifetime import leave_without_shutdown, prepare_a_quick_exit\n"
+        "prepare_a_quick_exit(); frozen = gc.get_freeze_count(); gc.unfreeze()\n"
+        "leave_without_shutdown(); prepare_a_quick_exit()\n"
+        "print(frozen > 0, gc.get_freeze_count())\n"
+    )
+    result = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
+    assert result.stdout.split() == ["True", "0"], result.stderr
