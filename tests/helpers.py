@@ -11,6 +11,18 @@ REPO = Path(__file__).resolve().parents[1]
 TINY_LM = REPO / "projects" / "tiny_lm"
 
 
+def run_python(code: str, *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """Run ``python -c CODE ARGS`` in a fresh interpreter at the repository (text mode): for
+    what only a process of its own shows (its imports, its exit)."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 def run_forge(*args: str, cwd: Path | None = None, env: dict | None = None, timeout: int = 600):
     """Run `python -m forge.cli ARGS` and return the CompletedProcess (text mode)."""
     full_env = dict(os.environ)

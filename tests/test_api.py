@@ -8,15 +8,13 @@ the slow tests)."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
 
 import forge
 from forge.config import ConfigError
-from tests.helpers import REPO, run_forge
+from tests.helpers import run_forge, run_python
 from tests.plain_project import PIPELINE_CONFIG, write_project
 
 # a LlamaForCausalLM in place of lm.yaml's TinyLM: the pipeline config's model block
@@ -128,9 +126,7 @@ def test_import_forge_loads_no_torch_and_forge_train_is_both_package_and_functio
         "assert 'torch' not in sys.modules, 'forge.render loaded torch'\n"
         "print(cfg.text.splitlines()[0])\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    result = run_python(code)
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("meta: ")
 

@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from forge.runs import create_run
-from tests.helpers import REPO, TINY_LM, run_forge
+from tests.helpers import REPO, TINY_LM, run_forge, run_python
 
 
 def imported_modules(stderr: str) -> set[str]:
@@ -122,13 +122,7 @@ sys.exit(main())
 
 def test_the_process_entry_freezes_what_it_made_and_finalizes_its_garbage_first(tmp_path):
     out = tmp_path / "finalized.txt"
-    result = subprocess.run(
-        [sys.executable, "-c", EXIT_PROBE, str(out), "ls", "-p", str(TINY_LM)],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    result = run_python(EXIT_PROBE, str(out), "ls", "-p", str(TINY_LM))
     assert result.returncode == 0, result.stderr
     frozen = int(result.stderr.split("frozen ")[1].split()[0])
     assert frozen > 1000, result.stderr  # forge's and the libraries' objects
@@ -154,7 +148,5 @@ def test_a_process_that_leaves_by_os_exit_prepares_no_shutdown():
         "leave_without_shutdown(); prepare_a_quick_exit()\n"
         "print(frozen > 0, gc.get_freeze_count())\n"
     )
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
-    )
+    result = run_python(script)
     assert result.stdout.split() == ["True", "0"], result.stderr

@@ -431,10 +431,7 @@ def test_telling_a_stream_from_a_dataset_does_not_import_datasets(tmp_path):
     """A run on a map-style dataset is asked whether its data is a stream; answering must not
     cost the import of Hugging Face ``datasets`` (half a second at every start) where nothing
     uses it, and a ``datasets`` stream is still one once ``datasets`` is loaded."""
-    import subprocess
-    import sys
-
-    from tests.helpers import REPO
+    from tests.helpers import run_python
 
     script = """
 import sys
@@ -446,7 +443,5 @@ stream = datasets.Dataset.from_dict({"x": [1, 2]}).to_iterable_dataset()
 assert is_stream(stream)
 assert not is_stream(datasets.Dataset.from_dict({"x": [1, 2]}))
 """
-    result = subprocess.run(
-        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=300
-    )
+    result = run_python(script)
     assert result.returncode == 0, result.stderr
