@@ -34,10 +34,14 @@ demo: $(STAMP)
 # runs it in one process, `make test-all PYTEST_ARGS="-n auto --dist loadfile"` in several.
 PYTEST_ARGS ?=
 
+# forge's own modules are compiled once here (where PYTHONDONTWRITEBYTECODE is set, every
+# process the tests start would compile them again).
 test: $(STAMP)
+	@$(PY) -m compileall -q forge tests
 	$(PY) -m pytest -q -n auto --dist loadfile $(PYTEST_ARGS)
 
 test-all: $(STAMP)
+	@$(PY) -m compileall -q forge tests
 	$(PY) -m pytest -q -m "" $(PYTEST_ARGS)
 
 # The whole reliability suite (kills, restarts, corruption, hostile input, full disk,
