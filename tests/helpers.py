@@ -99,7 +99,7 @@ def _run_forked(args: list[str], cwd: Path, env: dict, timeout: int):
         )
         process.start()
         process.join(timeout)
-        if process.exitcode is None:  # its session: the command and every process it started
+        if process.exitcode is None:  # its process group: the command and its loader workers
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(process.pid, signal.SIGKILL)
             process.join()
@@ -128,9 +128,11 @@ def _forked_command(args: list[str], cwd: str, env: dict, out: str, err: str) ->
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
-    import torch
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit():  # the server's torch started before this environment was set
+        import torch
 
-    torch.set_num_threads(int(env["OMP_NUM_THREADS"]))
+        torch.set_num_threads(int(threads))
     leave_without_shutdown()  # it leaves by os._exit: no shutdown to prepare
     code = _run_forge_command(args)
     threading._shutdown()  # what the interpreter's exit does: wait for non-daemon threads,

@@ -198,6 +198,10 @@ def _run_forge_command(argv: list[str]) -> int:
     ``python -m forge.cli ARGV``: the command module is run by name, so the sweep, which the
     command line drives, does not import the command line itself."""
     sys.argv = ["forge", *argv]
+    # A child of the fork server is left with the start method it was made by; a fresh process
+    # has the platform's. Kept, it would start the command's own processes (its loader workers)
+    # through the fork server, which cannot unpickle a dataset from the project's files.
+    multiprocessing.set_start_method(None, force=True)
     try:
         runpy.run_module("forge.cli", run_name="__main__", alter_sys=True)
     except SystemExit as stop:

@@ -157,6 +157,23 @@ def test_a_grid_gives_ordinary_runs_equal_to_forge_train(project, tmp_path):
         assert Path(plotted.stdout.strip()).stat().st_size > 1000
 
 
+def test_a_trial_with_loader_workers_trains_as_forge_train_does(project, tmp_path):
+    """A trial is forked from the fork server; its loader workers are forked from the trial,
+    as a fresh process's are. Started through the fork server, they could not unpickle the
+    project's dataset (every trial failed: "DataLoader worker ... exited unexpectedly")."""
+    target = fresh(project, tmp_path)
+    workers = ["--set", "trainer.args.dataloader_num_workers=2"]
+    swept = run_forge(
+        "sweep", "train", "-p", str(target), "-D", "learning_rate=3e-3,1e-3", *SHORT, *workers
+    )
+    assert swept.returncode == 0, swept.stderr[-3000:]
+    assert [record["status"] for record in trials(target)] == ["completed", "completed"]
+    trained = run_forge("train", "-p", str(target), "-D", "learning_rate=3e-3", *SHORT, *workers)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    runs = target / "output" / "train"
+    assert losses(runs / "run_001") == losses(runs / "run_003")
+
+
 @pytest.mark.slow
 def test_a_failed_trial_is_recorded_and_the_sweep_goes_on(project, tmp_path):
     target = fresh(project, tmp_path)
