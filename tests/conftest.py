@@ -62,21 +62,23 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 # tests first. A long file handed out last runs alone while the other process idles: the kill
 # matrix (tests/reliability/test_kills.py, about 75 minutes of one process in `make test-all`)
 # once started at three quarters of the run. Measured totals, longest first (seconds of one
-# process under `-n 2`: make test-all, then the default suite); the other files keep their order.
+# process under `-n 2`: make test-all, then the default suite beside a make test-all, commands
+# forked by run_forge); the other files keep their order.
 LONGEST_FIRST = (
-    "reliability/test_kills.py",  # 4466 / 68
-    "reliability/test_preemption.py",  # 2214 / 48
-    "integration/test_pipeline_cli.py",  # 1407 / 75
-    "train/test_fsdp.py",  # 1027 / 57
-    "train/test_length_grouped_resume.py",  # 977 / 24
-    "integration/test_stream_resume.py",  # 747 / 15
-    "reliability/test_job_lifetime.py",  # 571 / 45
-    "integration/test_multinode.py",  # 483 / 52
-    "integration/test_runs.py",  # - / 145
-    "cli/test_cli.py",  # - / 106
-    "launch/test_sanity.py",  # - / 89
-    "cli/test_preflight.py",  # - / 84
-    "cli/test_evaluate_predict.py",  # - / 89
+    "reliability/test_kills.py",  # 4466 / 158
+    "reliability/test_preemption.py",  # 2214 / 93
+    "integration/test_pipeline_cli.py",  # 1407 / 70
+    "train/test_fsdp.py",  # 1027 / 127
+    "train/test_length_grouped_resume.py",  # 977 / 29
+    "integration/test_stream_resume.py",  # 747 / 0
+    "reliability/test_job_lifetime.py",  # 571 / 107
+    "integration/test_multinode.py",  # 483 / 87
+    "integration/test_launched_job.py",  # - / 200
+    "reliability/test_concurrency.py",  # - / 140
+    "reliability/test_hostile.py",  # - / 124
+    "train/test_packing.py",  # - / 115
+    "reliability/test_corruption.py",  # - / 110
+    "data/test_loader.py",  # - / 109
 )
 
 
