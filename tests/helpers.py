@@ -112,31 +112,14 @@ def _read(path: Path) -> str:
 
 
 def _forked_command(args: list[str], cwd: str, env: dict, out: str, err: str) -> None:
-    """In the forked child: become what `python -m forge.cli ARGS` started in ``cwd`` with
-    ``env`` would be, with its output in ``out`` and ``err``, run, and exit as it would."""
-    import atexit
-    import threading
-
-    from forge.lifetime import leave_without_shutdown
-    from forge.sweep.trial_process import _run_forge_command
+    """In the forked child: `python -m forge.cli ARGS` started in ``cwd`` with ``env``, its
+    output in ``out`` and ``err``."""
+    from forge.sweep.trial_process import run_as_a_command
 
     os.setsid()  # as subprocess.run's child of a test: nothing signals its group but a timeout
     os.chdir(cwd)
-    os.environ.clear()
-    os.environ.update(env)
     for fd, path in ((1, out), (2, err)):
         handle = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(handle, fd)
         os.close(handle)
-    threads = env.get("OMP_NUM_THREADS", "")
-    if threads.isdigit():  # the server's torch started before this environment was set
-        import torch
-
-        torch.set_num_threads(int(threads))
-    leave_without_shutdown()  # it leaves by os._exit: no shutdown to prepare
-    code = _run_forge_command(args)
-    threading._shutdown()  # what the interpreter's exit does: wait for non-daemon threads,
-    atexit._run_exitfuncs()  # then run the exit handlers
-    sys.stdout.flush()
-    sys.stderr.flush()
-    sys.exit(code)
+    run_as_a_command(args, env)

@@ -30,7 +30,7 @@ import sys
 import threading
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from forge.lifetime import leave_without_shutdown
 
@@ -172,21 +172,29 @@ def _run_trial(argv: list[str], env: dict[str, str], log: str | None, sweep: int
     _die_with(sweep)
     _let_the_server_die_with_the_sweep()
     os.setsid()  # a session of its own: a terminal's Ctrl-C reaches it once, forwarded
-    os.environ.clear()
-    os.environ.update(env)
-    os.environ[PARENT_ENV] = str(os.getppid())  # it dies with the server, which dies with us
     if log is not None:
         fd = os.open(log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
         os.dup2(fd, 2)
         os.close(fd)
     os.dup2(2, 1)  # stdout is the sweep's data: a trial's output goes with its log
-    threads = env.get("OMP_NUM_THREADS")
-    if threads and threads.isdigit():
+    # it dies with the server, which dies with us
+    run_as_a_command(argv, {**env, PARENT_ENV: str(os.getppid())})
+
+
+def run_as_a_command(argv: list[str], env: dict[str, str]) -> NoReturn:
+    """In a child forked from the fork server, its session and output set: become the process
+    a fresh ``python -m forge.cli ARGV`` in ``env`` would be, run it, and leave as that process
+    would (its non-daemon threads joined, then its exit handlers run)."""
+    os.environ.clear()
+    os.environ.update(env)
+    threads = env.get("OMP_NUM_THREADS", "")
+    if threads.isdigit():  # the server's torch started before this environment was set
         import torch
 
         torch.set_num_threads(int(threads))
     leave_without_shutdown()  # the command's own entry need not prepare one
     code = _run_forge_command(argv)
+    threading._shutdown()  # type: ignore[attr-defined]  # what an interpreter's exit does first
     atexit._run_exitfuncs()  # a forked child leaves by os._exit: what a process runs at exit
     sys.stdout.flush()
     sys.stderr.flush()
