@@ -23,6 +23,12 @@ checkpoint is recorded as a JSON line ``{"rank", "step", "file", "bytes"}`` in
 A ``kill`` spec makes the process send itself SIGKILL there (a crash: nothing is cleaned up);
 a ``fail`` spec raises an ``OSError`` (EIO) there, as a failing disk would.
 
+``hold_env(after=STEP, marker=...)`` makes rank 0 announce itself through a marker file at the
+start of the first save of a step beyond ``STEP`` and wait there: the checkpoint of ``STEP`` is
+committed and nothing later is, so that a test's own signal (SIGKILL to the launcher, say) lands
+there however busy the machine, where a run of a small model may otherwise end between two looks
+at its checkpoints.
+
 In this process: ``inject(monkeypatch, fail=...)``, or ``CheckpointWriter(storage=
 FaultyStorage(...))``. In processes a test starts (``forge train``, its torchrun workers):
 ``fault_env(kill=...)`` gives the environment under which ``site/sitecustomize.py`` installs
@@ -48,6 +54,8 @@ KILL_VAR = "FORGE_TEST_KILL_AT"
 FAIL_VAR = "FORGE_TEST_FAIL_AT"
 RECORD_VAR = "FORGE_TEST_RECORD_WRITES"
 PAUSE_VAR = "FORGE_TEST_PAUSE_BEFORE_LOOP"
+HOLD_VAR = "FORGE_TEST_HOLD_AFTER"
+HOLD_MARKER_VAR = "FORGE_TEST_HOLD_MARKER"
 PAUSE_S = 120  # how long the paused process waits for the test's signal before going on
 SITE_DIR = Path(__file__).resolve().with_name("site")
 
@@ -91,10 +99,15 @@ class FaultyStorage(CheckpointStorage):
         rank: int = 0,
         inner: CheckpointStorage | None = None,
         record: str | None = None,
+        hold_after: int | None = None,
+        hold_marker: str | None = None,
     ) -> None:
         self.record = Path(record) if record else None
         self.kill = parse_spec(kill) if kill else None
         self.fail = parse_spec(fail) if fail else None
+        self.hold_after = hold_after
+        self.hold_marker = hold_marker
+        self._held = False
         self.rank = rank
         self.inner = inner if inner is not None else default_storage()
 
@@ -129,6 +142,11 @@ class FaultyStorage(CheckpointStorage):
             f.write(json.dumps(line) + "\n")
 
     def start(self, checkpoints_dir: Path, path: Path) -> None:
+        step = _step_of(path)
+        if self.hold_after is not None and not self._held and step is not None:
+            if step > self.hold_after:
+                self._held = True
+                _announce_and_wait(self.hold_marker, wake=True)
         self.point("start", path)
         self.inner.start(checkpoints_dir, path)
 
@@ -179,6 +197,48 @@ def inject(monkeypatch: Any, *, kill: str | None = None, fail: str | None = None
     monkeypatch.setattr(storage, "_default", FaultyStorage(kill=kill, fail=fail))
 
 
+def hold_env(*, after: int, marker: str | os.PathLike) -> dict[str, str]:
+    """The environment (to add to a child's) under which rank 0, at the start of the first save
+    of a step beyond ``after``, creates ``marker`` and waits there for the test's signal (up to
+    PAUSE_S, then goes on)."""
+    env = fault_env()
+    env[HOLD_VAR] = str(after)
+    env[HOLD_MARKER_VAR] = str(marker)
+    return env
+
+
+def _announce_and_wait(marker: str | None, *, wake: bool = False) -> None:
+    """Create ``marker`` and wait up to PAUSE_S, until a signal ends the process or raises out
+    of here; with ``wake``, also once a stop signal the process handles (forge's handlers note
+    it and return) has been handled."""
+    import threading
+    import time
+
+    woken = []
+    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
+    before = {}
+    if wake and threading.current_thread() is threading.main_thread():
+        for number in handled:
+            previous = signal.getsignal(number)
+            if callable(previous):
+
+                def wake(signum, frame, previous=previous):
+                    woken.append(signum)
+                    previous(signum, frame)
+
+                before[number] = previous
+                signal.signal(number, wake)
+    try:
+        if marker:
+            Path(marker).write_text(str(os.getpid()))
+        deadline = time.monotonic() + PAUSE_S
+        while time.monotonic() < deadline and not woken:
+            time.sleep(0.05)
+    finally:
+        for number, previous in before.items():
+            signal.signal(number, previous)
+
+
 def fault_env(
     *, kill: str | None = None, fail: str | None = None, record: str | os.PathLike | None = None
 ) -> dict[str, str]:
@@ -209,8 +269,6 @@ def pause_env(marker: str | os.PathLike) -> dict[str, str]:
 def pause_before_the_loop(marker: str) -> None:
     """Wrap ``StopSignals.__enter__`` (the loop taking over the stop signals) to announce itself
     through ``marker`` and wait there; the first time only."""
-    import time
-
     from forge.train import signals
 
     enter = signals.StopSignals.__enter__
@@ -219,10 +277,7 @@ def pause_before_the_loop(marker: str) -> None:
     def announce_and_wait(self):
         if not paused:
             paused.append(True)
-            Path(marker).write_text(str(os.getpid()))
-            deadline = time.monotonic() + PAUSE_S
-            while time.monotonic() < deadline:  # a stop signal raises out of here
-                time.sleep(0.05)
+            _announce_and_wait(marker)  # a stop signal raises out of here
         return enter(self)
 
     signals.StopSignals.__enter__ = announce_and_wait
@@ -236,6 +291,16 @@ def install_from_env(environ: Mapping[str, str] = os.environ) -> None:
     if environ.get(PAUSE_VAR):
         pause_before_the_loop(environ[PAUSE_VAR])
     kill, fail, record = environ.get(KILL_VAR), environ.get(FAIL_VAR), environ.get(RECORD_VAR)
-    if kill or fail or record:
+    hold = environ.get(HOLD_VAR)
+    if kill or fail or record or hold:
         rank = int(environ.get("RANK", "0"))
-        use_storage(FaultyStorage(kill=kill, fail=fail, rank=rank, record=record))
+        use_storage(
+            FaultyStorage(
+                kill=kill,
+                fail=fail,
+                rank=rank,
+                record=record,
+                hold_after=int(hold) if hold else None,
+                hold_marker=environ.get(HOLD_MARKER_VAR),
+            )
+        )

@@ -10,7 +10,7 @@ from pathlib import Path
 from forge.checkpoint.registry import read_component_states
 from forge.checkpoint.weights import read_weights
 from tests.helpers import run_forge
-from tests.integration.test_train_resume import start_forge, wait_for
+from tests.integration.test_train_resume import start_held
 from tests.train.common import assert_same_tensors, checkpoint_dir
 
 
@@ -51,13 +51,9 @@ def sigkill_and_resume(
     stderr."""
     straight = run_forge("train", *arguments, cwd=cwd, timeout=timeout)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    proc = start_forge("train", *arguments, cwd=cwd)
-    try:
-        run_dir = Path(proc.stdout.readline().strip())
-        wait_for(checkpoint_dir(run_dir, saved), proc, timeout=timeout)
-    finally:
-        proc.send_signal(signal.SIGKILL)
-        proc.wait(timeout=300)
+    proc, run_dir = start_held("train", *arguments, cwd=cwd, saved=saved, timeout=timeout)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=300)
     assert not checkpoint_dir(run_dir, last).exists()
     project = arguments[arguments.index("-p") + 1]
     resumed = run_forge(

@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import run_forge
 from tests.integration.conftest import SMALL
-from tests.integration.test_train_resume import final_state, start_forge, wait_for
+from tests.integration.test_train_resume import final_state, start_forge, start_held, wait_for
 from tests.reliability.procs import alive, kill_tree
 from tests.train.common import assert_same_tensors
 
@@ -46,9 +46,9 @@ def kill_job(proc: subprocess.Popen, run_dir: Path) -> None:
 
 
 def kill_after_step_20_and_resume(project: Path, *extra: str) -> Path:
-    proc = start_forge("train", "accel.yaml", "-p", str(project), *SMALL, *extra, cwd=project)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc, run_dir = start_held(
+        "train", "accel.yaml", "-p", str(project), *SMALL, *extra, cwd=project, saved=20
+    )
     kill_job(proc, run_dir)
     assert not (run_dir / "checkpoints" / "checkpoint-000040").exists()
     resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir), *extra)

@@ -15,7 +15,7 @@ import torch
 
 from tests.helpers import REPO, run_forge
 from tests.integration.conftest import SMALL
-from tests.integration.test_train_resume import start_forge, wait_for
+from tests.integration.test_train_resume import start_held
 from tests.train.common import assert_same_tensors, component_state
 
 pytestmark = pytest.mark.integration
@@ -33,9 +33,7 @@ def test_the_average_survives_sigkill_and_resume_and_exports(project, tmp_path):
     assert straight.returncode == 0, straight.stderr
     straight_dir = Path(straight.stdout.splitlines()[0])
 
-    proc = start_forge("train", "-p", str(project), *SMALL, *EMA, cwd=REPO)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc, run_dir = start_held("train", "-p", str(project), *SMALL, *EMA, cwd=REPO, saved=20)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=300)
     assert proc.returncode == -signal.SIGKILL
@@ -101,9 +99,7 @@ def test_the_average_of_two_pipeline_stages_survives_sigkill_and_resume(project)
     assert straight.returncode == 0, straight.stderr
     straight_dir = Path(straight.stdout.splitlines()[0])
 
-    proc = start_forge("train", *two, cwd=REPO)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc, run_dir = start_held("train", *two, cwd=REPO, saved=20)
     proc.send_signal(signal.SIGKILL)  # as a user would; the job stops with its launcher
     proc.wait(timeout=300)
     assert not final_checkpoint(run_dir).exists()
@@ -144,9 +140,7 @@ def test_the_average_under_fsdp_survives_sigkill_resume_exports_and_reshards(pro
     ddp = run_forge(*common, "--nproc", "2")
     assert ddp.returncode == 0, ddp.stderr
 
-    proc = start_forge(*common, *fsdp, cwd=REPO)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc, run_dir = start_held(*common, *fsdp, cwd=REPO, saved=20)
     proc.send_signal(signal.SIGKILL)  # the job dies with its launcher
     proc.wait(timeout=300)
     assert not final_checkpoint(run_dir).exists()

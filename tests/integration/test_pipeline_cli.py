@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tests.faults import fault_env
 from tests.helpers import REPO, run_forge
 from tests.integration.conftest import SMALL
-from tests.integration.test_train_resume import start_forge, wait_for
+from tests.integration.test_train_resume import start_forge, start_held, wait_for
 from tests.reliability.procs import alive, kill_tree
 from tests.train.common import assert_same_tensors
 
@@ -479,9 +479,9 @@ def test_pipeline_x_fsdp_survives_sigkill_and_forge_resume_bit_identical(warm_pr
     shutil.copytree(warm_project, tmp_path / "tiny_lm")
     project = tmp_path / "tiny_lm"
     straight = train(project, "pipeline", *SHARDED)
-    proc = start_forge("train", "pipeline", "-p", str(project), *PIPE, *SHARDED, cwd=REPO)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(checkpoint(run_dir, 20), proc)
+    proc, run_dir = start_held(
+        "train", "pipeline", "-p", str(project), *PIPE, *SHARDED, cwd=REPO, saved=20
+    )
     kill_job(proc, run_dir)
     assert not checkpoint(run_dir, 40).exists()
     resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir))

@@ -14,7 +14,7 @@ import pytest
 from safetensors.torch import load_file
 
 from tests.helpers import run_forge
-from tests.integration.test_train_resume import start_forge, wait_for
+from tests.integration.test_train_resume import start_held
 from tests.train.common import assert_same_tensors, component_state
 
 pytestmark = [pytest.mark.integration, pytest.mark.slow]
@@ -106,6 +106,18 @@ def project(tmp_path_factory) -> Path:
     return project
 
 
+def start_and_kill_after_step_12(extra: list[str], project: Path) -> Path:
+    """``forge train EXTRA`` SIGKILLed (the launcher: its ranks and loader workers die with it)
+    once the checkpoint of step 12 is committed and before any later one is written. Its run
+    directory."""
+    proc, run_dir = start_held("train", *extra, cwd=project, saved=12)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=300)
+    checkpoints = sorted(path.name for path in (run_dir / "checkpoints").glob("checkpoint-*"))
+    assert checkpoints[-1] == "checkpoint-000012", checkpoints
+    return run_dir
+
+
 @pytest.mark.parametrize(
     ("source", "nproc", "workers"),
     [("jsonl", "1", "0"), ("jsonl", "2", "2"), ("plain", "1", "2"), ("plain", "2", "0")],
@@ -119,12 +131,7 @@ def test_a_stream_run_killed_with_sigkill_resumes_bit_identical(
     ]  # fmt: skip
     straight = run_forge("train", *extra, timeout=600)
     assert straight.returncode == 0, straight.stderr[-3000:]
-    proc = start_forge("train", *extra, cwd=project)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000012", proc)
-    proc.send_signal(signal.SIGKILL)  # the launcher dies; ranks and loader workers with it
-    proc.wait(timeout=300)
-    assert not (run_dir / "checkpoints" / "checkpoint-000024").exists()
+    run_dir = start_and_kill_after_step_12(extra, project)
     resumed = run_forge("resume", "-p", str(project), "--run-dir", str(run_dir), timeout=600)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert "resumed in epoch" in resumed.stderr
@@ -144,11 +151,7 @@ def test_a_stream_run_of_one_process_continues_on_two(project, tmp_path):
         "stream", "-p", str(project), "-D", "source=jsonl", "-D", "workers=0",
         "-D", f"shard_dir={tmp_path / 'shards'}", "--nproc", "1",
     ]  # fmt: skip
-    proc = start_forge("train", *extra, cwd=project)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000012", proc)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=300)
+    run_dir = start_and_kill_after_step_12(extra, project)
     resumed = run_forge(
         "resume", "-p", str(project), "--run-dir", str(run_dir), "--nproc", "2", timeout=600
     )

@@ -12,12 +12,14 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import pytest
 from safetensors.torch import load_file
 
+from tests.faults import hold_env
 from tests.helpers import REPO, run_forge
 from tests.integration.conftest import SMALL
 from tests.train.common import assert_same_tensors, component_state
@@ -25,8 +27,10 @@ from tests.train.common import assert_same_tensors, component_state
 pytestmark = pytest.mark.integration
 
 
-def start_forge(*args: str, cwd: Path) -> subprocess.Popen:
-    env = dict(os.environ, TOKENIZERS_PARALLELISM="false")
+def start_forge(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.Popen:
+    """A fresh ``forge ARGS`` in the background, its environment this process's and ``env``
+    (tests.faults' ``hold_env``, say)."""
+    env = dict(os.environ, TOKENIZERS_PARALLELISM="false", **(env or {}))
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.Popen(
         [sys.executable, "-m", "forge.cli", *args],
@@ -49,6 +53,21 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 300) -> None:
         time.sleep(0.05)
 
 
+def start_held(
+    *args: str, cwd: Path, saved: int, timeout: float = 300
+) -> tuple[subprocess.Popen, Path]:
+    """A fresh ``forge ARGS`` in the background, and its run directory, once the checkpoint of
+    step ``saved`` is committed and rank 0 waits at the start of the next save (tests.faults'
+    hold): a signal sent now lands there however busy the machine, where a small model's run
+    may otherwise end between two looks at its checkpoints."""
+    marker = Path(tempfile.mkdtemp(prefix="forge-held-")) / "held"
+    proc = start_forge(*args, cwd=cwd, env=hold_env(after=saved, marker=marker))
+    run_dir = Path(proc.stdout.readline().strip())
+    wait_for(marker, proc, timeout=timeout)
+    assert (run_dir / "checkpoints" / f"checkpoint-{saved:06d}").is_dir()
+    return proc, run_dir
+
+
 def final_state(run_dir: Path, step: int = 40) -> tuple[dict, dict]:
     ckpt = run_dir / "checkpoints" / f"checkpoint-{step:06d}"
     weights = load_file(ckpt / "model.safetensors")
@@ -62,9 +81,7 @@ def train_straight(project: Path, *extra: str) -> Path:
 
 
 def stop_and_resume(project: Path, sig: int, *extra: str) -> Path:
-    proc = start_forge("train", "-p", str(project), *SMALL, *extra, cwd=REPO)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000020", proc)
+    proc, run_dir = start_held("train", "-p", str(project), *SMALL, *extra, cwd=REPO, saved=20)
     proc.send_signal(sig)
     proc.wait(timeout=300)
     if sig in (signal.SIGTERM, signal.SIGINT):

@@ -186,7 +186,7 @@ callbacks: &callbacks !list
 def test_a_run_killed_after_its_rollback_resumes_to_the_same_weights(tmp_path):
     import signal
 
-    from tests.integration.test_train_resume import final_state, start_forge, wait_for
+    from tests.integration.test_train_resume import final_state, start_held
 
     root = write_project(tmp_path / "project")
     (root / "poisoned.py").write_text(POISONED_PY)
@@ -198,9 +198,7 @@ def test_a_run_killed_after_its_rollback_resumes_to_the_same_weights(tmp_path):
     (entry,) = record["rollbacks"]
     assert (entry["from_step"], entry["to_step"], entry["skipped"]["batches"]) == (10, 8, 3)
 
-    killed = start_forge("train", "spiking", "-p", str(root), cwd=root)
-    run_dir = Path(killed.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000012", killed)  # saved after the rollback
+    killed, run_dir = start_held("train", "spiking", "-p", str(root), cwd=root, saved=12)
     killed.send_signal(signal.SIGKILL)
     killed.wait(timeout=60)
     assert killed.returncode == -signal.SIGKILL

@@ -14,7 +14,7 @@ import pytest
 from forge.checkpoint import read_manifest
 from forge.train import Trainer, TrainingArgumentsError
 from tests.helpers import REPO, run_forge
-from tests.integration.test_train_resume import start_forge, wait_for
+from tests.integration.test_train_resume import start_held
 from tests.train.common import assert_same_tensors, component_state, make_args
 
 DATA_PY = '''
@@ -119,9 +119,7 @@ def final_state(run_dir: Path) -> tuple[dict, dict]:
 def kill_and_resume(project: Path, extra: list[str]) -> tuple[Path, Path]:
     straight = run_forge("train", "-p", str(project), *extra)
     assert straight.returncode == 0, straight.stderr
-    proc = start_forge("train", "-p", str(project), *extra, cwd=REPO)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000005", proc)  # mid-epoch 0
+    proc, run_dir = start_held("train", "-p", str(project), *extra, cwd=REPO, saved=5)
     proc.send_signal(signal.SIGKILL)  # forge's launcher dies; its workers die with it
     proc.wait(timeout=300)
     assert not (run_dir / "checkpoints" / "checkpoint-000030").exists()
