@@ -15,7 +15,7 @@ import pytest
 
 from tests.helpers import run_forge
 from tests.integration.conftest import SMALL
-from tests.integration.test_train_resume import final_state, start_forge, start_held, wait_for
+from tests.integration.test_train_resume import final_state, start_held
 from tests.reliability.procs import alive, kill_tree
 from tests.train.common import assert_same_tensors
 
@@ -129,9 +129,9 @@ def trained_accel(project):
 @pytest.mark.slow
 @pytest.mark.parametrize("sig", [signal.SIGTERM])
 def test_accel_sigterm_exits_143_with_a_checkpoint(project, sig):
-    proc = start_forge("train", "accel.yaml", "-p", str(project), *SMALL, cwd=project)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(run_dir / "checkpoints" / "checkpoint-000010", proc)
+    proc, run_dir = start_held(
+        "train", "accel.yaml", "-p", str(project), *SMALL, cwd=project, saved=10
+    )
     proc.send_signal(sig)
     assert proc.wait(timeout=300) == 128 + sig
     assert json.loads((run_dir / "run.json").read_text())["status"] == "interrupted"

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 from tests.faults import fault_env
 from tests.helpers import REPO, run_forge
 from tests.integration.conftest import SMALL
-from tests.integration.test_train_resume import start_forge, start_held, wait_for
+from tests.integration.test_train_resume import start_held
 from tests.reliability.procs import alive, kill_tree
 from tests.train.common import assert_same_tensors
 
@@ -286,9 +286,9 @@ def kill_job(proc, run_dir: Path) -> None:
 def test_stop_and_resume_is_bit_identical_for_two_stages(straight, project, sig):
     """SIGKILL: the whole job dies after the step-20 checkpoint; SIGTERM: every stage saves
     at the next step boundary and the job exits 143."""
-    proc = start_forge("train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2", cwd=REPO)
-    run_dir = Path(proc.stdout.readline().strip())
-    wait_for(checkpoint(run_dir, 20), proc)
+    proc, run_dir = start_held(
+        "train", "pipeline", "-p", str(project), *PIPE, "--nproc", "2", cwd=REPO, saved=20
+    )
     if sig == signal.SIGKILL:
         kill_job(proc, run_dir)
     else:
