@@ -143,10 +143,9 @@ class FaultyStorage(CheckpointStorage):
 
     def start(self, checkpoints_dir: Path, path: Path) -> None:
         step = _step_of(path)
-        if self.hold_after is not None and not self._held and step is not None:
-            if step > self.hold_after:
-                self._held = True
-                _announce_and_wait(self.hold_marker, wake=True)
+        if self.hold_after is not None and not self._held and (step or 0) > self.hold_after:
+            self._held = True
+            _announce_and_wait(self.hold_marker, wake=True)
         self.point("start", path)
         self.inner.start(checkpoints_dir, path)
 
@@ -215,19 +214,18 @@ def _announce_and_wait(marker: str | None, *, wake: bool = False) -> None:
     import time
 
     woken = []
-    handled = (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1)
     before = {}
     if wake and threading.current_thread() is threading.main_thread():
-        for number in handled:
+        for number in (signal.SIGTERM, signal.SIGINT, signal.SIGUSR1):
             previous = signal.getsignal(number)
             if callable(previous):
 
-                def wake(signum, frame, previous=previous):
+                def note_and_handle(signum, frame, previous=previous):
                     woken.append(signum)
                     previous(signum, frame)
 
                 before[number] = previous
-                signal.signal(number, wake)
+                signal.signal(number, note_and_handle)
     try:
         if marker:
             Path(marker).write_text(str(os.getpid()))
